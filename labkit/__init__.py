@@ -1,0 +1,24 @@
+"""labkit: the instruments of the Fit the Model workbook.
+
+Meters, budgets, an estimator, models, data, plots, widgets and results; the techniques
+themselves are written out in the notebooks. Importing labkit has no side effects.
+"""
+
+from labkit.device import DEVICE_CHOICES, hardware_report, resolve_device, synchronize
+from labkit.estimate import MemoryEstimate, estimate_training_memory, example_batch
+from labkit.example import RunningExample, running_example
+from labkit.meter import CATEGORIES, PHASES, FitResult, MemoryMeter, OutOfMemory, format_bytes, try_fit
+from labkit.models import GPT, MLP, GPTConfig, MLPConfig, build_model, count_params
+from labkit.progress import progress
+from labkit.results import is_batch, record, recorded
+from labkit.throughput import Throughput, measure_throughput
+from labkit.train import make_optimizer, measure_step, train_step
+from labkit.validate import ParameterError
+
+__all__ = [
+    "CATEGORIES", "DEVICE_CHOICES", "FitResult", "GPT", "GPTConfig", "MLP", "MLPConfig", "MemoryEstimate",
+    "MemoryMeter", "OutOfMemory", "PHASES", "ParameterError", "RunningExample", "Throughput",
+    "build_model", "count_params", "estimate_training_memory", "example_batch", "format_bytes",
+    "hardware_report", "is_batch", "make_optimizer", "measure_step", "measure_throughput", "progress",
+    "record", "recorded", "resolve_device", "running_example", "synchronize", "train_step", "try_fit",
+]

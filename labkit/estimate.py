@@ -1,0 +1,56 @@
+"""Estimate a training step's memory without allocating it: the same step on fake tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from labkit.models import GPTConfig, MLPConfig, build_model
+from labkit.train import make_optimizer, measure_step
+
+
+@dataclass
+class MemoryEstimate:
+    """The estimated peak of one training step and its split by category."""
+
+    peak_bytes: int  # most bytes live at once during a steady-state step
+    split: dict  # bytes at the peak: parameters, gradients, optimizer_state, activations
+    n_params: int  # parameters of the model
+    batch_size: int  # samples per step
+    seq_len: int | None  # tokens per sample (GPT) or None (MLP)
+
+    @property
+    def bytes_per_param_static(self) -> float:
+        """Return (parameters + gradients + optimizer state) bytes per parameter."""
+        s = self.split
+        return (s["parameters"] + s["gradients"] + s["optimizer_state"]) / self.n_params
+
+
+def example_batch(cfg: GPTConfig | MLPConfig, batch_size: int, seq_len: int | None = None,
+                  device: torch.device | str = "cpu"):
+    """Return a batch of the right shapes for the config (values are arbitrary)."""
+    if isinstance(cfg, GPTConfig):
+        T = cfg.block_size if seq_len is None else seq_len
+        x = torch.randint(cfg.vocab_size, (batch_size, T), device=device)
+        return x, torch.randint(cfg.vocab_size, (batch_size, T), device=device)
+    return (torch.randn(batch_size, cfg.in_features, device=device),
+            torch.randint(cfg.classes, (batch_size,), device=device))
+
+
+def estimate_training_memory(cfg: GPTConfig | MLPConfig, batch_size: int, seq_len: int | None = None,
+                             optimizer: str = "adam") -> MemoryEstimate:
+    """Estimate the peak bytes of one steady-state training step on fake tensors (nothing allocated)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if isinstance(cfg, GPTConfig) and seq_len is not None and not 1 <= seq_len <= cfg.block_size:
+        raise ValueError(f"seq_len must be in [1, block_size={cfg.block_size}], got {seq_len}")
+    with FakeTensorMode():
+        model = build_model(cfg)
+        opt = make_optimizer(optimizer, model.parameters())
+        batch = example_batch(cfg, batch_size, seq_len)
+        step = measure_step(model, opt, batch, device="cpu")
+    n = sum(p.numel() for p in model.parameters())
+    T = (cfg.block_size if seq_len is None else seq_len) if isinstance(cfg, GPTConfig) else None
+    return MemoryEstimate(step.peak_bytes, step.split, n, batch_size, T)

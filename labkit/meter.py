@@ -1,0 +1,452 @@
+"""Count the bytes of live tensors exactly, by category, with an optional memory budget.
+
+`MemoryMeter` is a `TorchDispatchMode`: every tensor an operator returns (and every tensor it
+first sees as an input) is traced to its untyped storage. A storage is counted once, however
+many views share it, and leaves the count when Python finalises it (a weakref callback). The
+count is the same on CPU and on GPU because it is a count of storages, not of an allocator's
+blocks; on CUDA the allocator's own figures are reported beside it.
+
+Categories are resolved when asked for, so a tensor that only later turns out to be a gradient
+(or optimizer state) is counted as such at the peak too:
+
+    with MemoryMeter(budget_bytes=64 * 2**20) as meter:
+        meter.track(model, optimizer)
+        loss = model(x).loss; loss.backward(); optimizer.step()
+    meter.peak_bytes, meter.peak_split()   # {'parameters': ..., 'gradients': ..., ...}
+
+Each meter is independent (one per process, as many in a row as you like); nesting two active
+meters in one thread is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
+"""Categories of `peak_split`; "activations" holds activations and everything else (inputs, temporaries)."""
+
+PHASES = ("forward", "backward", "optimizer", "other")
+
+_ACTIVE = threading.local()
+
+
+class OutOfMemory(torch.OutOfMemoryError):
+    """Raised when an allocation would take the device beyond a `MemoryMeter` budget."""
+
+    def __init__(self, requested_bytes: int, in_use_bytes: int, budget_bytes: int):
+        self.requested_bytes = int(requested_bytes)
+        self.in_use_bytes = int(in_use_bytes)
+        self.budget_bytes = int(budget_bytes)
+        super().__init__(
+            f"labkit budget exceeded: tried to allocate {format_bytes(requested_bytes)} "
+            f"with {format_bytes(in_use_bytes)} in use and {format_bytes(budget_bytes)} allowed "
+            f"({requested_bytes} B requested, {in_use_bytes} B in use, {budget_bytes} B budget)"
+        )
+
+    def __reduce__(self):
+        return (OutOfMemory, (self.requested_bytes, self.in_use_bytes, self.budget_bytes))
+
+
+def format_bytes(n: float) -> str:
+    """Format a byte count with a binary unit (B, KiB, MiB, GiB, TiB)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class _Record:
+    """One storage's life in a meter: size, tier, category and when it was alive."""
+
+    __slots__ = ("nbytes", "host", "category", "alloc_seq", "free_seq")
+
+    def __init__(self, nbytes: int, host: bool, alloc_seq: int):
+        self.nbytes = nbytes
+        self.host = host
+        self.category: str | None = None  # None: activations and other, unless classified later
+        self.alloc_seq = alloc_seq
+        self.free_seq: int | None = None
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    """Device bytes in use after one allocation or free."""
+
+    seq: int  # event number within this meter
+    t_s: float  # seconds since the meter started
+    bytes: int  # device bytes in use after the event
+    phase: str  # one of PHASES
+
+
+class MemoryMeter(TorchDispatchMode):
+    """Count live tensor bytes on the compute device exactly; optionally enforce a budget."""
+
+    def __init__(self, device: str | torch.device | None = None, budget_bytes: int | None = None,
+                 timeline: bool = True):
+        super().__init__()
+        if budget_bytes is not None:
+            if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)):
+                raise TypeError(f"budget_bytes must be a number of bytes, got {budget_bytes!r}")
+            if budget_bytes <= 0:
+                raise ValueError(f"budget_bytes must be > 0 (a positive number of bytes), got {budget_bytes}")
+            budget_bytes = int(budget_bytes)
+        if device is None:
+            from labkit.device import resolve_device
+            device = resolve_device("auto")
+        self.device = torch.device(device)
+        self.budget_bytes = budget_bytes
+        self.keep_timeline = timeline
+        self.current_bytes = 0  # device bytes live now
+        self.peak_bytes = 0  # most device bytes live at once
+        self.host_current_bytes = 0  # host-tier bytes live now
+        self.host_peak_bytes = 0  # most host-tier bytes live at once
+        self.cuda_max_allocated_bytes: int | None = None  # allocator's figure (CUDA only)
+        self.cuda_reserved_bytes: int | None = None  # allocator's reserved bytes (CUDA only)
+        self._records = WeakIdKeyDictionary()  # storage -> _Record (live ones)
+        self._history: list[_Record] = []  # every record that may belong to the current peak
+        self._refs: list[weakref.ref] = []
+        self._seq = 0
+        self._peak_seq = 0
+        self._phase_override: str | None = None
+        self._auto_phase = "other"
+        self._host_depth = 0
+        self._open = False
+        self._used = False
+        self._t0 = time.perf_counter()
+        self._timeline: list[TimelinePoint] = []
+        self._hooks: list = []
+        self._tracked_modules: list[weakref.ref] = []
+        self._tracked_optimizers: list[weakref.ref] = []
+        self._cuda_fraction_set = False
+
+    # -- context -----------------------------------------------------------------------------
+    def __enter__(self):
+        if self._used:
+            raise RuntimeError("a MemoryMeter measures one `with` block; create a new one")
+        if getattr(_ACTIVE, "meter", None) is not None:
+            raise RuntimeError("another MemoryMeter is already active in this thread")
+        self._used = True
+        self._open = True
+        _ACTIVE.meter = self
+        self._t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            if self.budget_bytes is not None:
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                base = torch.cuda.memory_allocated(self.device)
+                torch.cuda.set_per_process_memory_fraction(min(1.0, (base + self.budget_bytes) / total), self.device)
+                self._cuda_fraction_set = True
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            return super().__exit__(exc_type, exc, tb)
+        finally:
+            self._open = False
+            _ACTIVE.meter = None
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            self._classify()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                self.cuda_max_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
+                self.cuda_reserved_bytes = torch.cuda.memory_reserved(self.device)
+                if self._cuda_fraction_set:
+                    torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
+    # -- tracking ----------------------------------------------------------------------------
+    def track(self, *objs) -> "MemoryMeter":
+        """Count and categorise the parameters, gradients and optimizer state of modules/optimizers."""
+        for obj in objs:
+            if isinstance(obj, torch.nn.Module):
+                self._tracked_modules.append(weakref.ref(obj))
+                for t in list(obj.parameters()) + list(obj.buffers()):
+                    self._see(t, check_budget=False)  # already allocated: counted, never refused
+                    if t.grad is not None:
+                        self._see(t.grad, check_budget=False)
+                self._hooks.append(obj.register_forward_pre_hook(self._enter_forward))
+                for p in obj.parameters():
+                    if p.requires_grad:
+                        self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+            elif isinstance(obj, torch.optim.Optimizer):
+                self._tracked_optimizers.append(weakref.ref(obj))
+                for t in _optimizer_state_tensors(obj):
+                    self._see(t, check_budget=False)
+                self._hooks.append(obj.register_step_pre_hook(self._enter_optimizer))
+                self._hooks.append(obj.register_step_post_hook(self._leave_optimizer))
+            elif isinstance(obj, torch.Tensor):
+                self._see(obj, check_budget=False)
+            else:
+                raise TypeError(f"track() takes modules, optimizers or tensors, got {type(obj).__name__}")
+        self._classify()
+        return self
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Label the allocations in this block with a phase (overrides the automatic label)."""
+        if name not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
+        old, self._phase_override = self._phase_override, name
+        try:
+            yield self
+        finally:
+            self._phase_override = old
+
+    @contextlib.contextmanager
+    def host_tier(self):
+        """Count storages allocated in this block as host memory, not device memory."""
+        self._host_depth += 1
+        try:
+            yield self
+        finally:
+            self._host_depth -= 1
+
+    def mark_host(self, t: torch.Tensor) -> torch.Tensor:
+        """Move a tensor's storage from the device count to the host count; return the tensor."""
+        st = t.untyped_storage()
+        rec = self._records.get(st)
+        if rec is None:
+            with self.host_tier():
+                self._see(t)
+        elif not rec.host:
+            self._release(rec)
+            rec.host = True
+            self._acquire(rec, check_budget=False)
+        return t
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now (and drop the timeline so far)."""
+        self._classify()
+        self.peak_bytes = self.current_bytes
+        self.host_peak_bytes = self.host_current_bytes
+        self._peak_seq = self._seq
+        self._history = [r for r in self._history if r.free_seq is None]
+        self._timeline.clear()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    # -- results -----------------------------------------------------------------------------
+    def peak_split(self) -> dict[str, int]:
+        """Return device bytes at the peak by category (sums to `peak_bytes`)."""
+        self._classify()
+        out = dict.fromkeys(CATEGORIES, 0)
+        for r in self._history:
+            if r.host or r.alloc_seq > self._peak_seq:
+                continue
+            if r.free_seq is not None and r.free_seq <= self._peak_seq:
+                continue
+            out[r.category or "activations"] += r.nbytes
+        assert sum(out.values()) == self.peak_bytes, (out, self.peak_bytes)
+        return out
+
+    def current_split(self) -> dict[str, int]:
+        """Return device bytes live now by category (sums to `current_bytes`)."""
+        self._classify()
+        out = dict.fromkeys(CATEGORIES, 0)
+        for r in self._history:
+            if r.free_seq is None and not r.host:
+                out[r.category or "activations"] += r.nbytes
+        return out
+
+    @property
+    def timeline(self) -> list[TimelinePoint]:
+        """Device bytes after every allocation and free, with phase labels."""
+        return list(self._timeline)
+
+    def summary(self) -> dict:
+        """Return the meter's figures as a JSON-able dict."""
+        out = {"device": str(self.device), "peak_bytes": self.peak_bytes, "current_bytes": self.current_bytes,
+               "peak_split": self.peak_split(), "budget_bytes": self.budget_bytes,
+               "host_peak_bytes": self.host_peak_bytes}
+        if self.cuda_max_allocated_bytes is not None:
+            out["cuda_max_allocated_bytes"] = self.cuda_max_allocated_bytes
+            out["cuda_reserved_bytes"] = self.cuda_reserved_bytes
+        return out
+
+    def __repr__(self):
+        budget = "" if self.budget_bytes is None else f", budget {format_bytes(self.budget_bytes)}"
+        return (f"MemoryMeter({self.device}: peak {format_bytes(self.peak_bytes)}, "
+                f"now {format_bytes(self.current_bytes)}{budget})")
+
+    # -- dispatch ----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat_in, _ = tree_flatten((args, kwargs))
+        for t in flat_in:
+            if isinstance(t, torch.Tensor):
+                self._see(t, check_budget=False)
+        out = func(*args, **kwargs)
+        flat_out, _ = tree_flatten(out)
+        for t in flat_out:
+            if isinstance(t, torch.Tensor):
+                self._see(t)
+        return out
+
+    # -- internals ---------------------------------------------------------------------------
+    def _phase(self) -> str:
+        if self._phase_override is not None:
+            return self._phase_override
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return self._auto_phase
+
+    def _enter_forward(self, module, args):
+        if torch._C._current_graph_task_id() == -1 and self._auto_phase != "optimizer":
+            self._auto_phase = "forward"
+
+    def _enter_optimizer(self, opt, args, kwargs):
+        self._auto_phase = "optimizer"
+
+    def _leave_optimizer(self, opt, args, kwargs):
+        for t in _optimizer_state_tensors(opt):
+            self._see(t)
+            self._set_category(t, "optimizer_state")
+        self._auto_phase = "other"
+
+    def _grad_ready(self, p):
+        if p.grad is not None:
+            self._see(p.grad)
+            self._set_category(p.grad, "gradients")
+
+    def _set_category(self, t, category):
+        rec = self._records.get(t.untyped_storage())
+        if rec is not None and rec.category != "parameters":
+            rec.category = category
+
+    def _classify(self) -> None:
+        """Give live storages of tracked parameters, gradients and optimizer state their category."""
+        for ref in self._tracked_modules:
+            m = ref()
+            if m is None:
+                continue
+            for t in list(m.parameters()) + list(m.buffers()):
+                rec = self._records.get(t.untyped_storage())
+                if rec is not None:
+                    rec.category = "parameters"
+                if t.grad is not None:
+                    self._set_category(t.grad, "gradients")
+        for ref in self._tracked_optimizers:
+            opt = ref()
+            if opt is not None:
+                for t in _optimizer_state_tensors(opt):
+                    self._set_category(t, "optimizer_state")
+
+    def _see(self, t: torch.Tensor, check_budget: bool = True) -> None:
+        if not self._open or t.device.type not in (self.device.type, "cpu", "meta"):
+            return
+        if type(t).__name__ != "FakeTensor" and t.device.type == "meta":
+            return
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. sparse, nested)
+            return
+        rec = self._records.get(st)
+        if rec is not None:
+            nbytes = st.nbytes()
+            if nbytes != rec.nbytes:  # storage resized in place
+                self._release(rec)
+                rec.nbytes = nbytes
+                self._acquire(rec, check_budget=check_budget)
+            return
+        host = self._host_depth > 0 or (t.device.type != self.device.type and self.device.type != "cpu")
+        if t.device.type == "meta" and self.device.type != "meta":
+            host = self._host_depth > 0
+        rec = _Record(st.nbytes(), host, self._seq)
+        self._acquire(rec, check_budget=check_budget)
+        self._records[st] = rec
+        self._history.append(rec)
+        self._refs.append(weakref.ref(st, self._freed_callback(rec)))
+        if len(self._refs) > 4096:
+            self._refs = [r for r in self._refs if r() is not None]
+
+    def _freed_callback(self, rec: _Record):
+        meter_ref = weakref.ref(self)
+
+        def freed(_):
+            meter = meter_ref()
+            if meter is not None and rec.free_seq is None:
+                meter._release(rec)
+                rec.free_seq = meter._seq
+        return freed
+
+    def _acquire(self, rec: _Record, check_budget: bool) -> None:
+        if rec.host:
+            self.host_current_bytes += rec.nbytes
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_current_bytes)
+            return
+        new = self.current_bytes + rec.nbytes
+        if check_budget and self.budget_bytes is not None and new > self.budget_bytes and rec.nbytes > 0:
+            raise OutOfMemory(rec.nbytes, self.current_bytes, self.budget_bytes)
+        self._seq += 1
+        rec.alloc_seq = self._seq
+        self.current_bytes = new
+        if new > self.peak_bytes:
+            self.peak_bytes = new
+            self._peak_seq = self._seq
+            if len(self._history) > 2048:  # records freed before this peak can never matter again
+                self._history = [r for r in self._history if r.free_seq is None or r.free_seq > self._peak_seq]
+        self._note()
+
+    def _release(self, rec: _Record) -> None:
+        if rec.host:
+            self.host_current_bytes -= rec.nbytes
+            return
+        self._seq += 1
+        self.current_bytes -= rec.nbytes
+        self._note()
+
+    def _note(self) -> None:
+        if self.keep_timeline and self._open:
+            self._timeline.append(TimelinePoint(self._seq, time.perf_counter() - self._t0,
+                                                self.current_bytes, self._phase()))
+
+
+def _optimizer_state_tensors(opt: torch.optim.Optimizer):
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                yield v
+
+
+def active_meter() -> MemoryMeter | None:
+    """Return the meter active in this thread, if any."""
+    return getattr(_ACTIVE, "meter", None)
+
+
+@dataclass
+class FitResult:
+    """Whether a piece of work fitted the budget, and its value or the OutOfMemory it raised."""
+
+    fits: bool  # True when no OutOfMemory was raised
+    value: object = None  # what the work returned (None when it did not fit)
+    error: OutOfMemory | None = None  # the OutOfMemory raised (traceback dropped, memory released)
+
+
+def try_fit(fn, *args, **kwargs) -> FitResult:
+    """Call `fn`; turn an OutOfMemory into a FitResult(fits=False) and release what it held."""
+    import gc
+    try:
+        return FitResult(True, fn(*args, **kwargs))
+    except torch.OutOfMemoryError as e:
+        err = e if isinstance(e, OutOfMemory) else OutOfMemory(0, 0, 0)
+        if not isinstance(e, OutOfMemory):
+            err.args = (str(e),)
+        err.__traceback__ = None  # the traceback's frames hold the step's tensors
+        del e
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return FitResult(False, None, err)

@@ -1,0 +1,264 @@
+"""Small models for the workbook: a GPT-style decoder (nanoGPT-like, llama options) and an MLP.
+
+The whole decoder is in this file. Shapes in comments: B batch, T sequence, C width, H heads,
+D = C // H head width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a GPT-style decoder. Defaults: a few hundred CPU steps learn a synthetic task."""
+
+    n_layer: int = 4  # transformer blocks
+    n_embd: int = 128  # width C
+    n_head: int = 4  # attention heads H; must divide n_embd
+    block_size: int = 64  # longest sequence T the position table covers
+    vocab_size: int = 256  # tokens V
+    dropout: float = 0.0  # dropout probability in attention and MLP
+    bias: bool = True  # biases in Linear and LayerNorm (llama: False)
+    mlp: str = "gelu"  # "gelu" (GPT-2) or "swiglu" (llama)
+    mlp_hidden: int | None = None  # MLP hidden width; None: 4*C for gelu, the llama rule for swiglu
+    norm: str = "layer"  # "layer" (LayerNorm) or "rms" (RMSNorm)
+    pos: str = "learned"  # "learned" position table or "rope" rotary embeddings
+    attn: str = "manual"  # "manual" (softmax(QK^T)V, T×T scores kept) or "sdpa" (fused kernel)
+    tie_weights: bool = True  # share token embedding and output head (GPT-2: True, llama: False)
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        for name, allowed in (("mlp", ("gelu", "swiglu")), ("norm", ("layer", "rms")),
+                              ("pos", ("learned", "rope")), ("attn", ("manual", "sdpa"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError("GPTConfig: rope needs an even head width n_embd // n_head")
+
+    @property
+    def hidden(self) -> int:
+        """Return the MLP hidden width."""
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        if self.mlp == "gelu":
+            return 4 * self.n_embd
+        h = int(2 * 4 * self.n_embd / 3)  # llama: 2/3 of 4C, rounded up to a multiple of 256
+        return 256 * ((h + 255) // 256)
+
+    def n_params(self) -> int:
+        """Return the parameter count, computed from the shapes (no model built)."""
+        C, V, L = self.n_embd, self.vocab_size, self.n_layer
+        norm = 2 * C if (self.norm == "layer" and self.bias) else C
+        attn = 4 * C * C + (4 * C if self.bias else 0)
+        if self.mlp == "gelu":
+            mlp = 2 * C * self.hidden + ((self.hidden + C) if self.bias else 0)
+        else:
+            mlp = 3 * C * self.hidden + ((2 * self.hidden + C) if self.bias else 0)
+        total = L * (attn + mlp + 2 * norm) + norm + V * C
+        if self.pos == "learned":
+            total += self.block_size * C
+        if not self.tie_weights:
+            total += V * C + (V if self.bias else 0)
+        return total
+
+
+GPT2_124M = GPTConfig(n_layer=12, n_embd=768, n_head=12, block_size=1024, vocab_size=50257)
+GPT2_1_5B = GPTConfig(n_layer=48, n_embd=1600, n_head=25, block_size=1024, vocab_size=50257)
+LLAMA_7B = GPTConfig(n_layer=32, n_embd=4096, n_head=32, block_size=4096, vocab_size=32000, bias=False,
+                     mlp="swiglu", mlp_hidden=11008, norm="rms", pos="rope", attn="sdpa", tie_weights=False)
+
+
+class RMSNorm(nn.Module):
+    """Scale by the reciprocal root-mean-square (llama's norm)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):  # (..., C)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _norm(cfg: GPTConfig) -> nn.Module:
+    return nn.LayerNorm(cfg.n_embd, bias=cfg.bias) if cfg.norm == "layer" else RMSNorm(cfg.n_embd)
+
+
+def _rope(x, T):  # x: (B, H, T, D)
+    D = x.size(-1)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))  # (D/2,)
+    ang = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv  # (T, D/2)
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]  # (B, H, T, D/2) each
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):  # (B, T, C)
+        B, T, C = x.shape
+        H = self.cfg.n_head
+        q, k, v = self.qkv(x).split(C, dim=2)  # 3 × (B, T, C)
+        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        if self.cfg.pos == "rope":
+            q, k = _rope(q, T), _rope(k, T)
+        if self.cfg.attn == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.cfg.dropout if self.training else 0.0)
+        else:
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (B, H, T, T)
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+            y = self.drop(att) @ v  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.drop(self.proj(y))
+
+
+class FeedForward(nn.Module):
+    """Position-wise MLP: GELU (GPT-2) or SwiGLU (llama)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        self.up = nn.Linear(cfg.n_embd, cfg.hidden, bias=cfg.bias)
+        self.gate = nn.Linear(cfg.n_embd, cfg.hidden, bias=cfg.bias) if self.swiglu else None
+        self.down = nn.Linear(cfg.hidden, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):  # (B, T, C)
+        h = F.silu(self.gate(x)) * self.up(x) if self.swiglu else F.gelu(self.up(x))  # (B, T, hidden)
+        return self.drop(self.down(h))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.norm1, self.attn = _norm(cfg), CausalSelfAttention(cfg)
+        self.norm2, self.mlp = _norm(cfg), FeedForward(cfg)
+
+    def forward(self, x):  # (B, T, C)
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """GPT-style decoder: embeddings, `blocks` (an nn.Sequential), final norm, output head."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.Sequential(*[Block(cfg) for _ in range(cfg.n_layer)])
+        self.norm = _norm(cfg)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.head.weight = self.tok_emb.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def embed(self, idx):  # (B, T) int64 -> (B, T, C)
+        T = idx.size(1)
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(T, device=idx.device))  # (B, T, C)
+        return self.drop(x)
+
+    def logits(self, x):  # (B, T, C) -> (B, T, V)
+        return self.head(self.norm(x))
+
+    def forward(self, idx, targets=None):  # idx, targets: (B, T)
+        """Return (logits, loss); loss is the mean cross-entropy over targets != -100, or None."""
+        logits = self.logits(self.blocks(self.embed(idx)))  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return logits, loss
+
+
+@dataclass
+class MLPConfig:
+    """Shape of a plain MLP classifier."""
+
+    in_features: int = 32  # input width
+    hidden: int = 256  # hidden width
+    depth: int = 4  # hidden layers
+    classes: int = 10  # output classes
+    batchnorm: bool = False  # BatchNorm1d after each hidden Linear
+    dropout: float = 0.0  # dropout after each hidden activation
+
+    def __post_init__(self):
+        for name in ("in_features", "hidden", "depth", "classes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MLPConfig.{name} must be an integer >= 1, got {value!r}")
+
+
+class MLP(nn.Module):
+    """MLP classifier: `layers` (an nn.Sequential of hidden blocks), then `head`."""
+
+    def __init__(self, cfg: MLPConfig):
+        super().__init__()
+        self.cfg = cfg
+        blocks, width = [], cfg.in_features
+        for _ in range(cfg.depth):
+            parts = [nn.Linear(width, cfg.hidden)]
+            if cfg.batchnorm:
+                parts.append(nn.BatchNorm1d(cfg.hidden))
+            parts += [nn.ReLU(), nn.Dropout(cfg.dropout)]
+            blocks.append(nn.Sequential(*parts))
+            width = cfg.hidden
+        self.layers = nn.Sequential(*blocks)
+        self.head = nn.Linear(width, cfg.classes)
+
+    def forward(self, x, targets=None):  # x: (B, in_features), targets: (B,)
+        """Return (logits, loss); loss is the mean cross-entropy, or None without targets."""
+        logits = self.head(self.layers(x))  # (B, classes)
+        loss = None if targets is None else F.cross_entropy(logits, targets)
+        return logits, loss
+
+
+def build_model(cfg: GPTConfig | MLPConfig) -> nn.Module:
+    """Build the model a config describes."""
+    if isinstance(cfg, GPTConfig):
+        return GPT(cfg)
+    if isinstance(cfg, MLPConfig):
+        return MLP(cfg)
+    raise TypeError(f"expected GPTConfig or MLPConfig, got {type(cfg).__name__}")
+
+
+def count_params(model: nn.Module) -> int:
+    """Return the number of unique parameter elements (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,132 @@
+"""Memory and throughput plots: static figures and live ones that redraw while a run goes on.
+
+Figures are built with `matplotlib.figure.Figure` (no pyplot state, any backend, headless-safe)
+and shown as PNG images, so they look the same in JupyterLab, under papermill and in the report.
+"""
+
+from __future__ import annotations
+
+import io
+
+from matplotlib.figure import Figure
+
+from labkit.meter import CATEGORIES, PHASES, MemoryMeter, TimelinePoint
+
+MiB = 2**20
+CATEGORY_COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
+                   "activations": "#c44e52"}
+PHASE_COLORS = {"forward": "#4c72b0", "backward": "#c44e52", "optimizer": "#55a868", "other": "#8c8c8c"}
+
+
+def new_figure(ncols: int = 1, nrows: int = 1, width_in: float = 6.0, height_in: float = 3.2):
+    """Return a headless Figure and its axes (one Axes, or an array for several)."""
+    fig = Figure(figsize=(width_in * ncols, height_in * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols)
+    return fig, axes
+
+
+def png_bytes(fig: Figure) -> bytes:
+    """Render a figure to PNG bytes."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    return buf.getvalue()
+
+
+def show(fig: Figure) -> None:
+    """Display a figure as a PNG image in the notebook (nothing outside a kernel)."""
+    from labkit.results import _in_kernel
+    if _in_kernel():
+        from IPython.display import Image, display
+        display(Image(png_bytes(fig)))
+
+
+def plot_timeline(source: MemoryMeter | list[TimelinePoint], ax=None, budget_bytes: int | None = None,
+                  title: str = "Device memory during the step", label: str | None = None):
+    """Plot device MiB against allocation events, coloured by phase; mark the peak and budget."""
+    points = source.timeline if isinstance(source, MemoryMeter) else list(source)
+    if budget_bytes is None and isinstance(source, MemoryMeter):
+        budget_bytes = source.budget_bytes
+    if ax is None:
+        fig, ax = new_figure()
+    if not points:
+        ax.text(0.5, 0.5, "no allocations recorded", ha="center", transform=ax.transAxes)
+        return ax
+    x = list(range(len(points)))
+    y = [p.bytes / MiB for p in points]
+    ax.plot(x, y, color="#333333", lw=0.8, label=label)
+    for phase in PHASES:
+        xs = [i for i, p in enumerate(points) if p.phase == phase]
+        if xs:
+            ax.scatter(xs, [y[i] for i in xs], s=4, color=PHASE_COLORS[phase], label=phase, zorder=3)
+    peak = max(range(len(y)), key=y.__getitem__)
+    ax.annotate(f"peak {y[peak]:.1f} MiB", (peak, y[peak]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    if budget_bytes:
+        ax.axhline(budget_bytes / MiB, color="black", ls="--", lw=1, label=f"budget {budget_bytes / MiB:.0f} MiB")
+    ax.set_xlabel("allocation/free event")
+    ax.set_ylabel("device memory (MiB)")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper left", markerscale=3)
+    return ax
+
+
+def plot_memory_bars(splits: dict[str, dict[str, int]], ax=None, budget_bytes: int | None = None,
+                     title: str = "Memory at the peak, by category"):
+    """Plot stacked bars (MiB) of peak bytes by category, one bar per label."""
+    if ax is None:
+        fig, ax = new_figure()
+    labels = list(splits)
+    bottom = [0.0] * len(labels)
+    for cat in CATEGORIES:
+        vals = [splits[k].get(cat, 0) / MiB for k in labels]
+        ax.bar(labels, vals, bottom=bottom, color=CATEGORY_COLORS[cat], label=cat.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    if budget_bytes:
+        ax.axhline(budget_bytes / MiB, color="black", ls="--", lw=1, label="budget")
+    ax.set_ylabel("MiB")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    return ax
+
+
+def plot_series(ax, x, series: dict[str, list], xlabel: str, ylabel: str, title: str = "", logx: bool = False,
+                marker: str = "o"):
+    """Plot named y-series against x on one axes."""
+    for name, ys in series.items():
+        n = min(len(x), len(ys))
+        ax.plot(list(x)[:n], list(ys)[:n], marker=marker, label=name)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    if series:
+        ax.legend(fontsize=8)
+    return ax
+
+
+class LiveFigure:
+    """A figure that redraws in place as results arrive (one display handle, updated)."""
+
+    def __init__(self, draw, ncols: int = 2, nrows: int = 1, width_in: float = 5.0, height_in: float = 3.2):
+        """`draw(fig, axes, data)` draws everything from `data`; call `update(data)` after each result."""
+        self._draw = draw
+        self._shape = (ncols, nrows, width_in, height_in)
+        self._handle = None
+        self.fig = None
+
+    def update(self, data) -> Figure:
+        """Redraw the figure from `data` and refresh its display."""
+        fig, axes = new_figure(*self._shape)
+        self._draw(fig, axes, data)
+        self.fig = fig
+        from labkit.results import _in_kernel
+        if _in_kernel():
+            from IPython.display import Image, display
+            img = Image(png_bytes(fig))
+            if self._handle is None:
+                self._handle = display(img, display_id=True)
+            else:
+                self._handle.update(img)
+        return fig

@@ -1,0 +1,106 @@
+"""Record a notebook's key measurements so that batch runs can collect them.
+
+`record(name, value)` keeps the value in this process (`recorded()`), and, inside a Jupyter
+kernel, displays it as one output with two representations: `text/plain` for readers and
+`application/vnd.labkit.record+json` for machines. `labkit.runner` reads the latter from the
+executed notebooks into `build/results.json`. In a torch.distributed job every rank may record;
+the rank is stored beside the value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+MIME_TYPE = "application/vnd.labkit.record+json"
+
+_RECORDS: dict[str, object] = {}
+
+
+def _jsonable(value):
+    """Convert tensors, numpy scalars, tuples and dict keys into plain JSON values."""
+    if hasattr(value, "tolist") and callable(value.tolist):  # torch.Tensor, numpy array/scalar
+        value = value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no inf/nan
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"record() takes JSON-able values (numbers, strings, lists, dicts), got {type(value).__name__}")
+
+
+def _rank() -> int | None:
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except ImportError:  # pragma: no cover - torch always has it
+        pass
+    return None
+
+
+def record(name: str, value) -> object:
+    """Record one named measurement of this notebook; return the JSON-able value."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"record name must be an identifier like 'peak_bytes', got {name!r}")
+    value = _jsonable(value)
+    json.dumps(value)  # sanity: must serialise
+    _RECORDS[name] = value
+    payload = {"name": name, "value": value}
+    rank = _rank()
+    if rank is not None:
+        payload["rank"] = rank
+    if _in_kernel():
+        from IPython.display import display
+        display({MIME_TYPE: payload, "text/plain": f"recorded {name} = {_short(value)}"}, raw=True)
+    return value
+
+
+def recorded() -> dict[str, object]:
+    """Return a copy of the measurements recorded in this process so far."""
+    return dict(_RECORDS)
+
+
+def clear() -> None:
+    """Forget the measurements recorded in this process."""
+    _RECORDS.clear()
+
+
+def records_from_notebook(nb) -> dict[str, object]:
+    """Collect the recorded measurements from an executed notebook (nbformat node or dict)."""
+    out: dict[str, object] = {}
+    for cell in nb["cells"]:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if MIME_TYPE in data:
+                payload = data[MIME_TYPE]
+                if isinstance(payload, str):
+                    payload = json.loads(payload)
+                name = payload["name"]
+                if payload.get("rank") not in (None, 0):
+                    name = f"{name}@rank{payload['rank']}"
+                out[name] = payload["value"]
+    return out
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    return ip is not None and getattr(ip, "kernel", None) is not None
+
+
+def is_batch() -> bool:
+    """Tell whether this run is a batch run (make run, tests): LABKIT_BATCH=1 in the environment."""
+    return os.environ.get("LABKIT_BATCH", "") not in ("", "0")

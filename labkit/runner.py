@@ -1,0 +1,292 @@
+"""Run the workbook's notebooks in batch and collect their measurements (the engine of `make run`).
+
+    python -m labkit.runner [--notebooks DIR] [--out DIR] [--only PATTERN ...] [-p NAME VALUE ...]
+
+Each numbered notebook is executed with papermill (kernel "python3", LABKIT_BATCH=1, working
+directory = the notebooks folder) into OUT/notebooks/. The values each notebook `record()`s are
+gathered into OUT/results.json, and OUT/report.html shows them with the notebook's plots.
+Exit status: 0 if every notebook ran, 1 if any failed, 2 for bad command-line input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import base64
+import contextlib
+import html
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
+ERROR_CHARS = 2000
+VALUE_CHARS = 300
+
+
+def find_notebooks(dir: str | Path, only: Iterable[str] = ()) -> list[Path]:
+    """Return the numbered notebooks in `dir`, sorted, keeping those whose name contains any `only` pattern."""
+    only = tuple(only)
+    found = []
+    for path in sorted(Path(dir).glob(NOTEBOOK_GLOB)):
+        if ".student" in path.name or "checkpoints" in path.parts:
+            continue
+        if only and not any(pattern in path.name for pattern in only):
+            continue
+        found.append(path)
+    return found
+
+
+@contextlib.contextmanager
+def _batch_env() -> Iterator[None]:
+    """Set LABKIT_BATCH=1 (inherited by kernels) for the duration, then restore the environment."""
+    old = os.environ.get("LABKIT_BATCH")
+    os.environ["LABKIT_BATCH"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("LABKIT_BATCH", None)
+        else:
+            os.environ["LABKIT_BATCH"] = old
+
+
+def _error_text(exc: BaseException) -> str:
+    ename = getattr(exc, "ename", None) or type(exc).__name__
+    evalue = getattr(exc, "evalue", None)
+    evalue = str(exc) if evalue is None else str(evalue)
+    return f"{ename}: {evalue}"[:ERROR_CHARS]
+
+
+def _read_notebook(path: Path):
+    import nbformat
+    return nbformat.read(path, as_version=4)
+
+
+def run_notebook(path: str | Path, out_dir: str | Path, parameters: dict, timeout_s: float) -> dict:
+    """Execute one notebook into OUT/notebooks/ and return its results.json entry."""
+    import papermill
+    from labkit.results import records_from_notebook
+
+    path = Path(path).resolve()
+    out_dir = Path(out_dir)
+    executed = out_dir / "notebooks" / path.name
+    executed.parent.mkdir(parents=True, exist_ok=True)
+    entry: dict = {"status": "ok"}
+    start = time.perf_counter()
+    with _batch_env():
+        try:
+            papermill.execute_notebook(
+                str(path), str(executed), parameters=dict(parameters), kernel_name="python3",
+                cwd=str(path.parent), progress_bar=False, log_output=False,
+                execution_timeout=timeout_s,
+            )
+        except Exception as exc:  # PapermillExecutionError, timeouts, dead kernels: keep going
+            entry["status"] = "failed"
+            entry["error"] = _error_text(exc)
+    entry["wall_s"] = round(time.perf_counter() - start, 3)
+    measurements: dict = {}
+    if executed.exists():
+        try:
+            measurements = records_from_notebook(_read_notebook(executed))
+        except Exception as exc:  # an unreadable partial notebook must not hide the run's error
+            entry.setdefault("error", f"could not read executed notebook: {_error_text(exc)}")
+    entry["measurements"] = measurements
+    entry["executed"] = executed.relative_to(out_dir).as_posix()
+    return {k: entry[k] for k in ("status", "wall_s", "measurements", "error", "executed") if k in entry}
+
+
+def write_results(entries: dict[str, dict], out_dir: str | Path, parameters: dict, *, merge: bool = False) -> Path:
+    """Write OUT/results.json from the per-notebook entries (merge: keep other notebooks' existing entries)."""
+    import torch
+    from labkit.device import hardware_report
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / "results.json"
+    notebooks: dict[str, dict] = {}
+    if merge and target.exists():
+        try:
+            notebooks = dict(json.loads(target.read_text(encoding="utf-8")).get("notebooks", {}))
+        except (json.JSONDecodeError, AttributeError):
+            notebooks = {}
+    notebooks.update(entries)
+    results = {
+        "generated_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "hardware": hardware_report(),
+        "torch": torch.__version__,
+        "parameters": dict(parameters),
+        "notebooks": {stem: notebooks[stem] for stem in sorted(notebooks)},
+    }
+    target.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    return target
+
+
+def format_value(name: str, value) -> str:
+    """Format one measurement for the report (thousands separators, MiB for *_bytes, 4 significant digits)."""
+    if isinstance(value, bool) or value is None:
+        text = json.dumps(value)
+    elif isinstance(value, int):
+        text = f"{value:,}"
+        if name.endswith("_bytes"):
+            text += f" ({value / 2**20:,.1f} MiB)"
+    elif isinstance(value, float):
+        text = f"{value:.4g}"
+        if name.endswith("_bytes"):
+            text += f" ({value / 2**20:,.1f} MiB)"
+    elif isinstance(value, str):
+        text = value
+    else:
+        text = json.dumps(value, separators=(",", ":"))
+    return text if len(text) <= VALUE_CHARS else text[: VALUE_CHARS - 3] + "..."
+
+
+def _images(executed: Path) -> list[tuple[str | None, str]]:
+    """Return (nearest preceding markdown heading, base64 PNG) for every image output, in order."""
+    if not executed.exists():
+        return []
+    try:
+        nb = _read_notebook(executed)
+    except Exception:
+        return []
+    heading, found = None, []
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.lstrip().startswith("#"):
+                    heading = line.lstrip().lstrip("#").strip() or heading
+        for output in cell.get("outputs", []):
+            png = output.get("data", {}).get("image/png")
+            if png:
+                found.append((heading, "".join(png).replace("\n", "") if isinstance(png, list) else png.replace("\n", "")))
+    return found
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222;line-height:1.45}
+h1{margin-bottom:.2em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
+table{border-collapse:collapse;margin:.8em 0}td,th{border:1px solid #ddd;padding:.3em .7em;text-align:left;vertical-align:top}
+th{background:#f4f4f4}td.num{text-align:right;font-variant-numeric:tabular-nums}
+.ok{color:#17702f;font-weight:600}.failed{color:#b00020;font-weight:600}
+pre{background:#fff4f4;border:1px solid #e8b4b4;padding:.8em;overflow-x:auto;white-space:pre-wrap}
+figure{margin:1.2em 0}figcaption{font-size:.85em;color:#555;margin-bottom:.3em}img{max-width:100%}
+.meta{color:#555}code{font-size:.95em}
+"""
+
+
+def write_report(results: dict, out_dir: str | Path) -> Path:
+    """Write OUT/report.html: a self-contained page with the measurements and plots of every notebook."""
+    out_dir = Path(out_dir)
+    esc = html.escape
+    notebooks = results.get("notebooks", {})
+    total = sum(float(e.get("wall_s", 0.0)) for e in notebooks.values())
+    params = results.get("parameters") or {}
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        "<title>Fit the Model: batch run report</title>", f"<style>{_CSS}</style></head><body>",
+        "<h1>Fit the Model: batch run report</h1>", '<p class="meta">',
+        f"Hardware: {esc(str(results.get('hardware', '?')))}<br>",
+        f"torch: {esc(str(results.get('torch', '?')))}<br>",
+        f"Generated (UTC): {esc(str(results.get('generated_utc', '?')))}<br>",
+        f"Total wall time: {total:,.1f} s<br>",
+        f"Parameters: {esc(json.dumps(params)) if params else 'none'}</p>",
+        "<table><tr><th>Notebook</th><th>Status</th><th>Wall s</th><th>Measurements</th></tr>",
+    ]
+    for stem, entry in notebooks.items():
+        status = str(entry.get("status", "?"))
+        parts.append(
+            f'<tr><td><a href="#{esc(stem)}">{esc(stem)}</a></td><td class="{esc(status)}">{esc(status)}</td>'
+            f'<td class="num">{float(entry.get("wall_s", 0.0)):,.1f}</td>'
+            f'<td class="num">{len(entry.get("measurements", {}))}</td></tr>'
+        )
+    parts.append("</table>")
+    for stem, entry in notebooks.items():
+        status = str(entry.get("status", "?"))
+        parts.append(f'<section id="{esc(stem)}"><h2>{esc(stem)}</h2>')
+        parts.append(
+            f'<p>Status: <span class="{esc(status)}">{esc(status)}</span> &middot; '
+            f'wall {float(entry.get("wall_s", 0.0)):,.1f} s &middot; '
+            f'executed notebook: <code>{esc(str(entry.get("executed", "")))}</code></p>'
+        )
+        if entry.get("error"):
+            parts.append(f"<pre>{esc(str(entry['error']))}</pre>")
+        measurements = entry.get("measurements", {})
+        if measurements:
+            parts.append("<table><tr><th>Measurement</th><th>Value</th></tr>")
+            for name, value in measurements.items():
+                parts.append(f'<tr><td><code>{esc(name)}</code></td><td class="num">{esc(format_value(name, value))}</td></tr>')
+            parts.append("</table>")
+        else:
+            parts.append("<p class=\"meta\">No measurements recorded.</p>")
+        if entry.get("executed"):
+            for heading, png in _images(out_dir / entry["executed"]):
+                caption = f"<figcaption>{esc(heading)}</figcaption>" if heading else ""
+                parts.append(f'<figure>{caption}<img alt="{esc(heading or stem)}" src="data:image/png;base64,{png}"></figure>')
+        parts.append("</section>")
+    parts.append("</body></html>")
+    target = out_dir / "report.html"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target.write_text("\n".join(parts) + "\n", encoding="utf-8")
+    return target
+
+
+def _parse_value(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m labkit.runner", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--notebooks", default="notebooks", help="folder of numbered notebooks (default: notebooks)")
+    parser.add_argument("--out", default="build", help="output folder (default: build)")
+    parser.add_argument("--only", action="append", default=[], metavar="PATTERN",
+                        help="run only notebooks whose file name contains PATTERN (repeatable); merges into results.json")
+    parser.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                        help="papermill parameter for every notebook (repeatable); VALUE is a Python literal or a string")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="per-cell timeout in seconds (default: 600)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected notebooks, write results.json and report.html, and return the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    notebooks_dir = Path(args.notebooks)
+    if not notebooks_dir.is_dir():
+        parser.error(f"--notebooks {args.notebooks!r}: no such folder")
+    if args.timeout_s <= 0:
+        parser.error(f"--timeout-s must be positive, got {args.timeout_s}")
+    for name, _ in args.parameter:
+        if not name.isidentifier():
+            parser.error(f"-p: parameter name must be a Python identifier, got {name!r}")
+    paths = find_notebooks(notebooks_dir, args.only)
+    if not paths:
+        if args.only:
+            parser.error(f"--only {args.only!r} matched none of the {NOTEBOOK_GLOB} notebooks in --notebooks {args.notebooks!r}")
+        parser.error(f"--notebooks {args.notebooks!r} holds no notebook matching {NOTEBOOK_GLOB}")
+    parameters = {name: _parse_value(value) for name, value in args.parameter}
+    out_dir = Path(args.out)
+
+    entries: dict[str, dict] = {}
+    for i, path in enumerate(paths, 1):
+        print(f"[{i}/{len(paths)}] {path.stem} ... ", end="", flush=True)
+        entry = run_notebook(path, out_dir, parameters, args.timeout_s)
+        entries[path.stem] = entry
+        print(f"{entry['status']} {entry['wall_s']:.1f} s", flush=True)
+        if entry["status"] != "ok":
+            print(f"    {entry.get('error', '').splitlines()[0] if entry.get('error') else ''}", flush=True)
+    results_path = write_results(entries, out_dir, parameters, merge=bool(args.only))
+    report_path = write_report(json.loads(results_path.read_text(encoding="utf-8")), out_dir)
+    failed = [stem for stem, e in entries.items() if e["status"] != "ok"]
+    print(f"wrote {results_path} and {report_path}; {len(entries) - len(failed)} ok, {len(failed)} failed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

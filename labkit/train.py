@@ -1,0 +1,53 @@
+"""The plain training step that every chapter starts from, and its measured memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from labkit.meter import MemoryMeter
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+
+
+def make_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """Return SGD ("sgd"), SGD with momentum 0.9 ("momentum") or Adam ("adam") over `params`."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, foreach=False)
+    raise ValueError(f"OPTIMIZER must be one of {OPTIMIZERS}, got {name!r}")
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch) -> torch.Tensor:
+    """Run forward, backward and the optimizer step on one batch; return the detached loss."""
+    _, loss = model(*batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+@dataclass
+class StepMemory:
+    """Memory of one training step, measured by a MemoryMeter."""
+
+    peak_bytes: int  # most device bytes live at once during the step
+    split: dict  # bytes at the peak by category (parameters, gradients, optimizer_state, activations)
+    meter: MemoryMeter  # the meter itself (timeline, allocator figures on CUDA)
+
+
+def measure_step(model, optimizer, batch, step_fn=train_step, budget_bytes: int | None = None,
+                 device: torch.device | str | None = None, warmup: bool = True) -> StepMemory:
+    """Measure one training step's memory; a warm-up step first creates the optimizer state."""
+    if warmup:
+        step_fn(model, optimizer, batch)
+    if device is None:
+        device = next(model.parameters()).device
+    with MemoryMeter(device=device, budget_bytes=budget_bytes) as meter:
+        meter.track(model, optimizer, *[t for t in batch if isinstance(t, torch.Tensor)])
+        step_fn(model, optimizer, batch)
+    return StepMemory(meter.peak_bytes, meter.peak_split(), meter)

@@ -1,0 +1,53 @@
+"""Check notebook parameters before any work starts; errors name the parameter and the range."""
+
+from __future__ import annotations
+
+import math
+
+
+class ParameterError(ValueError):
+    """A notebook parameter is out of its allowed range."""
+
+
+def check_int(name: str, value, lo: int, hi: int | None = None) -> int:
+    """Return `value` if it is an integer in [lo, hi]; raise ParameterError naming `name` otherwise."""
+    rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ParameterError(f"{name} must be an integer {rng}, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise ParameterError(f"{name} must be an integer {rng}, got {value}")
+    return value
+
+
+def check_float(name: str, value, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> float:
+    """Return `value` as float if it lies in the range; raise ParameterError naming `name` otherwise."""
+    rng = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ParameterError(f"{name} must be a number in {rng}, got {value!r}")
+    bad_lo = value <= lo if lo_open else value < lo
+    bad_hi = value >= hi if hi_open else value > hi
+    if bad_lo or bad_hi:
+        raise ParameterError(f"{name} must be a number in {rng}, got {value}")
+    return float(value)
+
+
+def check_choice(name: str, value, choices) -> object:
+    """Return `value` if it is one of `choices`; raise ParameterError naming `name` otherwise."""
+    if value not in tuple(choices):
+        raise ParameterError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def check_divides(name: str, value: int, divisor_name: str, divisor: int) -> None:
+    """Raise ParameterError unless `divisor` divides `value` (e.g. WIDTH by HEADS)."""
+    if value % divisor:
+        raise ParameterError(f"{name} ({value}) must be divisible by {divisor_name} ({divisor})")
+
+
+def check_budget(name: str, value) -> int | None:
+    """Return a budget in bytes (None: no budget); raise ParameterError unless it is None or > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ParameterError(f"{name} must be None or a positive number of bytes, got {value!r}")
+    return int(value)

@@ -1,0 +1,140 @@
+"""labkit.runner executes real notebooks with papermill and collects their records into results.json and report.html."""
+
+from __future__ import annotations
+
+import json
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from labkit import runner
+
+GOOD = "00_good"
+BAD = "01_bad"
+
+
+def _write(path, cells):
+    nb = new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+
+
+@pytest.fixture
+def notebooks(tmp_path):
+    folder = tmp_path / "notebooks"
+    folder.mkdir()
+    params = new_code_cell("SEED = 0")
+    params.metadata["tags"] = ["parameters"]
+    _write(folder / f"{GOOD}.ipynb", [
+        new_markdown_cell("# Good notebook"),
+        params,
+        new_code_cell("from labkit.results import record\nrecord('answer', 42)\nrecord('seed', SEED)"),
+        new_markdown_cell("## The line plot"),
+        new_code_cell("%matplotlib inline\nimport matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])\nplt.show()"),
+    ])
+    _write(folder / f"{BAD}.ipynb", [
+        new_code_cell("from labkit.results import record\nrecord('before', 1.5)"),
+        new_code_cell("raise ValueError('broken <on purpose> & loudly')"),
+        new_code_cell("record('after', 2)"),
+    ])
+    # Files the runner must ignore.
+    _write(folder / "02_thing.student.ipynb", [new_code_cell("raise RuntimeError('must not run')")])
+    _write(folder / "scratch.ipynb", [new_code_cell("raise RuntimeError('must not run')")])
+    return folder
+
+
+def test_find_notebooks_filters_and_sorts(notebooks):
+    assert [p.name for p in runner.find_notebooks(notebooks)] == [f"{GOOD}.ipynb", f"{BAD}.ipynb"]
+    assert [p.name for p in runner.find_notebooks(notebooks, only=["01"])] == [f"{BAD}.ipynb"]
+
+
+def test_format_value():
+    assert runner.format_value("peak_bytes", 3 * 2**20) == "3,145,728 (3.0 MiB)"
+    assert runner.format_value("loss", 0.123456) == "0.1235"
+    assert runner.format_value("xs", list(range(500))).endswith("...")
+    assert len(runner.format_value("xs", list(range(500)))) <= runner.VALUE_CHARS
+
+
+def test_main_runs_all_and_reports(notebooks, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LABKIT_BATCH", raising=False)
+    out = tmp_path / "out"
+    code = runner.main(["--notebooks", str(notebooks), "--out", str(out), "-p", "SEED", "7", "--timeout-s", "120"])
+    assert code == 1
+    printed = capsys.readouterr().out
+    assert f"[1/2] {GOOD} ... ok" in printed and f"[2/2] {BAD} ... failed" in printed
+
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) >= {"generated_utc", "hardware", "torch", "parameters", "notebooks"}
+    assert results["parameters"] == {"SEED": 7}
+    assert set(results["notebooks"]) == {GOOD, BAD}
+
+    good = results["notebooks"][GOOD]
+    assert good["status"] == "ok" and "error" not in good
+    assert good["measurements"] == {"answer": 42, "seed": 7}
+    assert good["wall_s"] > 0
+    assert good["executed"] == f"notebooks/{GOOD}.ipynb"
+
+    bad = results["notebooks"][BAD]
+    assert bad["status"] == "failed"
+    assert "ValueError" in bad["error"] and "broken <on purpose>" in bad["error"]
+    assert bad["measurements"] == {"before": 1.5}
+
+    for stem in (GOOD, BAD):
+        assert (out / "notebooks" / f"{stem}.ipynb").exists()
+    assert not (out / "notebooks" / "02_thing.student.ipynb").exists()
+
+    report = (out / "report.html").read_text()
+    assert GOOD in report and BAD in report
+    assert "broken &lt;on purpose&gt; &amp; loudly" in report
+    assert "broken <on purpose>" not in report
+    assert "data:image/png;base64," in report
+    assert "The line plot" in report
+    assert "<script" not in report and 'src="http' not in report and "<link" not in report
+    # The runner restores the environment after running.
+    import os
+    assert "LABKIT_BATCH" not in os.environ
+
+
+def test_batch_env_reaches_the_kernel(tmp_path, monkeypatch):
+    monkeypatch.delenv("LABKIT_BATCH", raising=False)
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    (folder / "data.txt").write_text("hello")
+    _write(folder / "05_env.ipynb", [new_code_cell(
+        "from labkit.results import record, is_batch\n"
+        "record('batch', is_batch())\n"
+        "record('text', open('data.txt').read())"
+    )])
+    out = tmp_path / "out"
+    assert runner.main(["--notebooks", str(folder), "--out", str(out)]) == 0
+    entry = json.loads((out / "results.json").read_text())["notebooks"]["05_env"]
+    assert entry["measurements"] == {"batch": True, "text": "hello"}
+
+
+def test_bad_notebooks_dir_exits_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        runner.main(["--notebooks", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
+    assert info.value.code == 2
+    assert "--notebooks" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_only_matching_nothing_exits_2(notebooks, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        runner.main(["--notebooks", str(notebooks), "--out", str(tmp_path / "out"), "--only", "99"])
+    assert info.value.code == 2
+    assert "--only" in capsys.readouterr().err
+
+
+def test_only_merges_into_existing_results(notebooks, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    earlier = {"status": "ok", "wall_s": 3.0, "measurements": {"kept": 1}, "executed": "notebooks/09_other.ipynb"}
+    (out / "results.json").write_text(json.dumps({"notebooks": {"09_other": earlier}}))
+    assert runner.main(["--notebooks", str(notebooks), "--out", str(out), "--only", "00"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["notebooks"]) == {GOOD, "09_other"}
+    assert results["notebooks"]["09_other"] == earlier
+    assert results["notebooks"][GOOD]["measurements"] == {"answer": 42, "seed": 0}
+    assert "09_other" in (out / "report.html").read_text()
