@@ -16,8 +16,9 @@ setup: $(STAMP)  ## create .venv and install labkit with its dependencies
 run: $(STAMP)  ## execute every notebook (fast defaults) into build/, write build/results.json and build/report.html
 	$(PY) -m labkit.runner --notebooks notebooks --out build
 
-test: $(STAMP)  ## unit tests, then nbval over every notebook
-	LABKIT_BATCH=1 $(PY) -m pytest tests notebooks --nbval-lax --sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
+test: $(STAMP)  ## unit tests, then nbval over every notebook (checked cells' expected outputs from their source)
+	$(PY) -m labkit.nbcheck notebooks build/nbval
+	LABKIT_BATCH=1 $(PY) -m pytest tests build/nbval --nbval-lax --sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 
 unit: $(STAMP)  ## unit tests only (no notebooks)
 	LABKIT_BATCH=1 $(PY) -m pytest tests -p no:cacheprovider

@@ -1,0 +1,94 @@
+"""Prepare notebooks for nbval: checked cells carry their expected output in their own source.
+
+Notebooks are committed without outputs, so nbval has nothing stored to compare a checked cell
+with. Instead, a cell marked `# NBVAL_CHECK_OUTPUT` ends with its expected output, written as a
+comment block that readers see too:
+
+    # NBVAL_CHECK_OUTPUT
+    assert ratio < 1
+    print("PASS: offload lowers the device peak")
+    # Expected output:
+    # PASS: offload lowers the device peak
+
+`python -m labkit.nbcheck notebooks build/nbval` copies every numbered notebook into
+`build/nbval/`, with those expected lines stored as the cell's output; `make test` runs
+`pytest --nbval-lax` on the copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"
+EXPECT_HEADER = "# Expected output:"
+
+
+def expected_output(source: str) -> str | None:
+    """Return the expected stdout declared at the end of a cell's source (None when absent)."""
+    lines = source.splitlines()
+    try:
+        start = max(i for i, line in enumerate(lines) if line.strip() == EXPECT_HEADER)
+    except ValueError:
+        return None
+    body = []
+    for line in lines[start + 1:]:
+        if not line.startswith("#"):
+            raise ValueError(f"lines after {EXPECT_HEADER!r} must all be comments, got {line!r}")
+        body.append(line[2:] if line.startswith("# ") else line[1:])
+    return "\n".join(body) + "\n"
+
+
+def with_expected_outputs(nb):
+    """Return the notebook with each checked cell's expected output stored as its output."""
+    import nbformat
+
+    nb = nbformat.from_dict(nb)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        cell.outputs = []
+        cell.execution_count = None
+        if CHECK_MARKER in cell.source:
+            text = expected_output(cell.source)
+            if text is None:
+                raise ValueError(f"cell {i} is marked {CHECK_MARKER} but declares no '{EXPECT_HEADER}' block")
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text)]
+    return nb
+
+
+def prepare(src_dir: str | Path, out_dir: str | Path) -> list[Path]:
+    """Write a copy of every numbered notebook in `src_dir`, with expected outputs, into `out_dir`."""
+    import nbformat
+
+    from labkit.runner import find_notebooks
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob("*.ipynb"):
+        stale.unlink()
+    written = []
+    for path in find_notebooks(src_dir):
+        nb = with_expected_outputs(nbformat.read(path, as_version=4))
+        dest = out_dir / path.name
+        nbformat.write(nb, dest)
+        written.append(dest)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Copy notebooks with their expected outputs (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m labkit.nbcheck", description=__doc__.splitlines()[0])
+    parser.add_argument("src", help="folder of the numbered notebooks")
+    parser.add_argument("out", help="folder to write the prepared copies into")
+    args = parser.parse_args(argv)
+    if not Path(args.src).is_dir():
+        parser.error(f"src: {args.src!r} is not a folder")
+    written = prepare(args.src, args.out)
+    print(f"prepared {len(written)} notebooks for nbval in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
