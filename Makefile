@@ -23,8 +23,10 @@ test: $(STAMP)  ## unit tests, then nbval over every notebook (checked cells' ex
 unit: $(STAMP)  ## unit tests only (no notebooks)
 	LABKIT_BATCH=1 $(PY) -m pytest tests -p no:cacheprovider
 
-lab: $(STAMP)  ## JupyterLab on notebooks/ (token authentication on)
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+LAB_ARGS ?=
+AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+lab: $(STAMP)  ## JupyterLab on notebooks/ (token authentication on); extra options: make lab LAB_ARGS="--port 9999"
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(AS_ROOT) $(LAB_ARGS)
 
 clean:
 	rm -rf build

@@ -44,10 +44,10 @@ def check_divides(name: str, value: int, divisor_name: str, divisor: int) -> Non
         raise ParameterError(f"{name} ({value}) must be divisible by {divisor_name} ({divisor})")
 
 
-def check_budget(name: str, value) -> int | None:
-    """Return a budget in bytes (None: no budget); raise ParameterError unless it is None or > 0."""
+def check_budget(name: str, value, unit: str = "bytes") -> float | None:
+    """Return a memory budget (None: no budget); raise ParameterError unless it is None or > 0."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ParameterError(f"{name} must be None or a positive number of bytes, got {value!r}")
-    return int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
+        raise ParameterError(f"{name} must be None or a positive number of {unit}, got {value!r}")
+    return value

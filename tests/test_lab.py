@@ -1,0 +1,63 @@
+"""`make lab` serves JupyterLab on notebooks/ with token authentication on."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> tuple[int, str]:
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None
+    opener = urllib.request.build_opener(NoRedirect)
+    try:
+        with opener.open(url, timeout=5) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+
+
+def test_make_lab_serves_notebooks_with_a_token(tmp_path):
+    port = _free_port()
+    args = f"--no-browser --ip=127.0.0.1 --port={port} --ServerApp.port_retries=0"
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")}
+    log = open(tmp_path / "lab.log", "w+")
+    proc = subprocess.Popen(["make", "-s", "lab", f"LAB_ARGS={args}"], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        token = None
+        deadline = time.time() + 90
+        while time.time() < deadline and token is None:
+            time.sleep(0.5)
+            log.seek(0)
+            found = re.search(rf"http://127\.0\.0\.1:{port}/lab\?token=([0-9a-f]+)", log.read())
+            token = found.group(1) if found else None
+            if proc.poll() is not None:
+                log.seek(0)
+                raise AssertionError(f"make lab exited early:\n{log.read()}")
+        assert token, "no token URL printed: token authentication must be on"
+        base = f"http://127.0.0.1:{port}"
+        status, _ = _get(f"{base}/api/contents")
+        assert status in (401, 403), f"the API answered {status} without a token"
+        status, body = _get(f"{base}/api/contents?token={token}")
+        assert status == 200
+        assert "00_where_the_memory_goes.ipynb" in body  # served from notebooks/
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        log.close()
