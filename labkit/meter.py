@@ -222,9 +222,7 @@ class MemoryMeter(TorchDispatchMode):
             with self.host_tier():
                 self._see(t)
         elif not rec.host:
-            self._release(rec)
-            rec.host = True
-            self._acquire(rec, check_budget=False)
+            self._renew(st, rec, rec.nbytes, host=True, check_budget=False)
         return t
 
     def reset_peak(self) -> None:
@@ -297,11 +295,12 @@ class MemoryMeter(TorchDispatchMode):
 
     # -- internals ---------------------------------------------------------------------------
     def _phase(self) -> str:
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and self._auto_phase == "forward":
+            self._auto_phase = "other"  # what runs after backward (before the next forward) is not forward
         if self._phase_override is not None:
             return self._phase_override
-        if torch._C._current_graph_task_id() != -1:
-            return "backward"
-        return self._auto_phase
+        return "backward" if in_backward else self._auto_phase
 
     def _enter_forward(self, module, args):
         if torch._C._current_graph_task_id() == -1 and self._auto_phase != "optimizer":
@@ -357,9 +356,7 @@ class MemoryMeter(TorchDispatchMode):
         if rec is not None:
             nbytes = st.nbytes()
             if nbytes != rec.nbytes:  # storage resized in place
-                self._release(rec)
-                rec.nbytes = nbytes
-                self._acquire(rec, check_budget=check_budget)
+                self._renew(st, rec, nbytes, host=rec.host, check_budget=check_budget)
             return
         host = self._host_depth > 0 or (t.device.type != self.device.type and self.device.type != "cpu")
         if t.device.type == "meta" and self.device.type != "meta":
@@ -371,6 +368,25 @@ class MemoryMeter(TorchDispatchMode):
         self._refs.append(weakref.ref(st, self._freed_callback(rec)))
         if len(self._refs) > 4096:
             self._refs = [r for r in self._refs if r() is not None]
+
+    def _renew(self, st, rec: _Record, nbytes: int, host: bool, check_budget: bool) -> None:
+        """End `rec` and count its live storage anew (resized, or moved to the host tier).
+
+        The old record keeps its size and tier in the history, so a peak it belonged to still
+        splits correctly. The storage exists already, so it is counted before a budget refusal
+        (the count stays true, and its later free subtracts what was added).
+        """
+        self._release(rec)
+        rec.free_seq = self._seq
+        new = _Record(nbytes, host, self._seq)
+        new.category = rec.category
+        self._records[st] = new
+        self._history.append(new)
+        self._refs.append(weakref.ref(st, self._freed_callback(new)))
+        in_use = self.current_bytes
+        self._acquire(new, check_budget=False)
+        if check_budget and not host and self.budget_bytes is not None and self.current_bytes > self.budget_bytes:
+            raise OutOfMemory(nbytes, in_use, self.budget_bytes)
 
     def _freed_callback(self, rec: _Record):
         meter_ref = weakref.ref(self)

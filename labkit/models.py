@@ -71,7 +71,7 @@ class GPTConfig:
         if self.pos == "learned":
             total += self.block_size * C
         if not self.tie_weights:
-            total += V * C + (V if self.bias else 0)
+            total += V * C  # the output head (no bias, as in GPT-2 and llama)
         return total
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import traceback
 
 import ipywidgets as W
-
-from labkit.meter import OutOfMemory
+import torch
 
 
 def _widget_for(name: str, spec):
@@ -54,13 +53,14 @@ class ControlPanel(W.VBox):
         self.output.clear_output(wait=True)
         self.button.disabled = True
         self.status.value = "running…"
+        self.last_result = None  # a failed run returns None, not the previous run's result
         self.last_error = None
         try:
             with self.output:
                 try:
                     self.last_result = self.run_fn(**self.values())
                     self.status.value = "done"
-                except OutOfMemory as e:
+                except torch.OutOfMemoryError as e:  # labkit's OutOfMemory, or the CUDA allocator's
                     self.last_error = e.with_traceback(None)  # frames would hold the step's tensors
                     self.status.value = "<span style='color:#c44e52'>does not fit</span>"
                     print(f"Does not fit: {e}")

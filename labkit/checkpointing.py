@@ -1,0 +1,169 @@
+"""Activation checkpointing: the tested reference that notebooks 02 onwards reuse.
+
+Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"): keep only the inputs of
+`s` segments of a deep stack during the forward pass and recompute each segment's inner
+activations in the backward pass. Memory falls from n layers' activations to about
+s boundaries + n/s layers; the price is (at most) one extra forward pass.
+
+    from labkit.checkpointing import checkpoint_blocks
+    checkpoint_blocks(model, segments=4)          # GPT: model.blocks, MLP: model.layers, in place
+    checkpoint_blocks(model, segments=None)       # undo: plain nn.Sequential again
+
+`CheckpointedSequential` keeps the same child modules (state_dict keys unchanged). Like
+`torch.utils.checkpoint.checkpoint_sequential`, it runs the last segment without a checkpoint
+(its activations are needed first in the backward pass, so recomputing them saves nothing);
+unlike it, segment sizes differ by at most one with the larger segments first
+(`checkpoint_sequential` puts the whole remainder into the last, unchecked segment).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+MATMUL_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+"""Operators whose outputs selective checkpointing keeps by default (the expensive ones)."""
+
+
+def segment_sizes(n_blocks: int, segments: int) -> list[int]:
+    """Split n blocks into `segments` contiguous runs, sizes differing by at most one, larger first."""
+    if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 1:
+        raise ValueError(f"n_blocks must be an integer >= 1, got {n_blocks!r}")
+    if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= n_blocks:
+        raise ValueError(f"segments must be an integer in [1, n_blocks={n_blocks}], got {segments!r}")
+    q, r = divmod(n_blocks, segments)
+    return [q + 1] * r + [q] * (segments - r)
+
+
+def torch_segment_sizes(n_blocks: int, segments: int) -> list[int]:
+    """Return the segment sizes `torch.utils.checkpoint.checkpoint_sequential` uses (remainder last)."""
+    segment_sizes(n_blocks, segments)  # same argument checks
+    size = n_blocks // segments
+    return [size] * (segments - 1) + [n_blocks - size * (segments - 1)]
+
+
+def selective_policy(save_ops=MATMUL_OPS):
+    """Return a policy for torch's selective checkpoint: save outputs of `save_ops`, recompute the rest."""
+    save_ops = tuple(save_ops)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def selective_context_fn(save_ops=MATMUL_OPS):
+    """Return a `context_fn` for `checkpoint(..., use_reentrant=False)` that keeps `save_ops` outputs."""
+    return functools.partial(create_selective_checkpoint_contexts, selective_policy(save_ops))
+
+
+class CheckpointedSequential(nn.Sequential):
+    """An nn.Sequential that checkpoints its blocks in `segments` runs (all but the last, by default)."""
+
+    def __init__(self, *blocks: nn.Module, segments: int, checkpoint_last: bool = False, selective: bool = False,
+                 save_ops=MATMUL_OPS, use_reentrant: bool = False, preserve_rng_state: bool = True):
+        super().__init__(*blocks)
+        self.sizes = segment_sizes(len(blocks), segments)
+        self.checkpoint_last = bool(checkpoint_last)
+        self.use_reentrant = bool(use_reentrant)
+        self.preserve_rng_state = bool(preserve_rng_state)
+        if selective and use_reentrant:
+            raise ValueError("selective checkpointing needs use_reentrant=False")
+        self.context_fn = selective_context_fn(save_ops) if selective else None
+
+    @property
+    def segments(self) -> int:
+        """Return the number of segments."""
+        return len(self.sizes)
+
+    def _run(self, start: int, stop: int, x):  # x: (B, T, C) or (B, F)
+        for i in range(start, stop):
+            x = self[i](x)
+        return x
+
+    def forward(self, x):
+        start = 0
+        for j, size in enumerate(self.sizes):
+            stop = start + size
+            last = j == len(self.sizes) - 1
+            if last and not self.checkpoint_last:
+                x = self._run(start, stop, x)  # kept: its backward comes first, recomputing saves nothing
+            else:
+                kwargs = {"use_reentrant": self.use_reentrant, "preserve_rng_state": self.preserve_rng_state}
+                if self.context_fn is not None:
+                    kwargs["context_fn"] = self.context_fn
+                x = checkpoint(functools.partial(self._run, start, stop), x, **kwargs)
+            start = stop
+        return x
+
+    def extra_repr(self) -> str:
+        mode = "selective" if self.context_fn is not None else "full"
+        return (f"sizes={self.sizes}, checkpoint_last={self.checkpoint_last}, {mode}, "
+                f"use_reentrant={self.use_reentrant}")
+
+
+def _stack_name(model: nn.Module) -> str:
+    for name in ("blocks", "layers"):
+        if isinstance(getattr(model, name, None), nn.Sequential):
+            return name
+    raise TypeError(f"{type(model).__name__} has no nn.Sequential `blocks` (GPT) or `layers` (MLP) to checkpoint")
+
+
+def checkpoint_blocks(model: nn.Module, segments: int | None, *, checkpoint_last: bool = False,
+                      selective: bool = False, save_ops=MATMUL_OPS, use_reentrant: bool = False,
+                      preserve_rng_state: bool = True) -> nn.Module:
+    """Checkpoint a GPT's `blocks` (or an MLP's `layers`) in `segments` runs, in place; None undoes it.
+
+    segments=1 is the plain model; segments=n with checkpoint_last=True checkpoints every block.
+    """
+    name = _stack_name(model)
+    blocks = list(getattr(model, name))
+    if segments is None:
+        setattr(model, name, nn.Sequential(*blocks))
+    else:
+        setattr(model, name, CheckpointedSequential(
+            *blocks, segments=segments, checkpoint_last=checkpoint_last, selective=selective, save_ops=save_ops,
+            use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state))
+    return model
+
+
+def is_checkpointed(model: nn.Module) -> bool:
+    """Tell whether `checkpoint_blocks` is active on the model."""
+    return isinstance(getattr(model, _stack_name(model)), CheckpointedSequential)
+
+
+def flop_count(step_fn) -> int:
+    """Return the floating-point operations `step_fn()` runs (matmuls and convolutions, recomputation included)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counter:
+        step_fn()
+    return int(counter.get_total_flops())
+
+
+def max_grad_diff(model_a: nn.Module, model_b: nn.Module) -> float:
+    """Return the largest |grad_a - grad_b| over matching parameters (inf if one has a grad and the other not)."""
+    worst = 0.0
+    for (name, pa), (_, pb) in zip(model_a.named_parameters(), model_b.named_parameters(), strict=True):
+        if (pa.grad is None) != (pb.grad is None):
+            return float("inf")
+        if pa.grad is not None:
+            worst = max(worst, float((pa.grad - pb.grad).abs().max()))
+    return worst
+
+
+def predicted_activation_bytes(n_blocks: int, segments: int, block_bytes: float, boundary_bytes: float,
+                               rest_bytes: float = 0.0, sizes: list[int] | None = None) -> float:
+    """Estimate peak activation bytes (Chen's model): stored boundaries + the largest live segment + the rest.
+
+    Walks the backward pass: when segment j is (re)built, the inputs of segments 0..j-1 are still
+    stored; segment j holds size_j * block_bytes. `rest_bytes` covers everything outside the stack.
+    """
+    sizes = segment_sizes(n_blocks, segments) if sizes is None else list(sizes)
+    if sum(sizes) != n_blocks:
+        raise ValueError(f"sizes {sizes} do not add up to n_blocks={n_blocks}")
+    worst = 0.0
+    for j, size in enumerate(sizes):
+        worst = max(worst, j * boundary_bytes + size * block_bytes)
+    return rest_bytes + worst

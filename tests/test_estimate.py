@@ -1,0 +1,157 @@
+"""estimate_training_memory runs the step on fake tensors: it must equal the real meter's count.
+
+Parameter counts are checked against built models and against published figures.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from labkit.estimate import estimate_training_memory, example_batch
+from labkit.models import GPT2_124M, LLAMA_7B, GPTConfig, MLPConfig, build_model, count_params
+from labkit.train import make_optimizer, measure_step
+
+F32 = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+SMALL_GPT = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+LLAMA_LIKE = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64, bias=False, mlp="swiglu",
+                       norm="rms", pos="rope", attn="sdpa", tie_weights=False)
+
+
+def _real_step(cfg, batch_size, seq_len, optimizer="adam"):
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    opt = make_optimizer(optimizer, model.parameters())
+    return measure_step(model, opt, example_batch(cfg, batch_size, seq_len))
+
+
+@pytest.mark.parametrize("cfg, batch_size, seq_len, optimizer", [
+    (SMALL_GPT, 4, 16, "adam"),
+    (LLAMA_LIKE, 3, 12, "adam"),
+    (SMALL_GPT, 2, 8, "momentum"),
+    (MLPConfig(in_features=16, hidden=32, depth=3, classes=5), 8, None, "adam"),
+    (MLPConfig(in_features=16, hidden=32, depth=2, classes=5, batchnorm=True), 8, None, "sgd"),
+], ids=["gpt", "llama-like", "gpt-momentum", "mlp", "mlp-batchnorm-sgd"])
+def test_estimate_equals_the_measured_step(cfg, batch_size, seq_len, optimizer):
+    est = estimate_training_memory(cfg, batch_size, seq_len, optimizer=optimizer)
+    real = _real_step(cfg, batch_size, seq_len, optimizer)
+    rel = abs(est.peak_bytes - real.peak_bytes) / real.peak_bytes
+    print(f"estimate {est.peak_bytes} B, measured {real.peak_bytes} B, relative difference {rel:.2e}")
+    assert rel <= 0.01
+    assert est.split == real.split  # the same step on fake tensors: exact, category by category
+    assert est.peak_bytes == real.peak_bytes
+    model_params = count_params(build_model(cfg))
+    assert est.n_params == model_params
+    assert est.batch_size == batch_size
+    assert est.seq_len == (None if isinstance(cfg, MLPConfig) else seq_len)
+
+
+def test_estimate_split_by_hand_for_an_mlp():
+    """MLP 16 -> 32 -> 32 -> 5 with Adam: parameters and Adam state follow from the shapes."""
+    cfg = MLPConfig(in_features=16, hidden=32, depth=2, classes=5)
+    P = (16 * 32 + 32) + (32 * 32 + 32) + (32 * 5 + 5)
+    tensors = 6  # a weight and a bias per Linear
+    est = estimate_training_memory(cfg, 8)
+    assert est.n_params == P
+    assert est.split["parameters"] == F32 * P
+    assert est.split["optimizer_state"] == 2 * F32 * P + F32 * tensors
+    assert sum(est.split.values()) == est.peak_bytes
+    # Activations grow with the batch, the static part does not.
+    big = estimate_training_memory(cfg, 64)
+    assert big.split["parameters"] == est.split["parameters"]
+    assert big.split["optimizer_state"] == est.split["optimizer_state"]
+    assert big.peak_bytes > est.peak_bytes
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"mlp": "swiglu"},
+    {"norm": "rms"},
+    {"pos": "rope"},
+    {"tie_weights": False},
+    {"bias": False},
+    {"bias": False, "norm": "layer", "tie_weights": False},
+    {"mlp": "swiglu", "norm": "rms", "pos": "rope", "tie_weights": False, "bias": False},
+    {"mlp": "swiglu", "bias": True, "tie_weights": False, "mlp_hidden": 40},
+    {"n_layer": 3, "n_embd": 48, "n_head": 3, "block_size": 20, "vocab_size": 97},
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_n_params_equals_the_built_model(overrides):
+    cfg = replace(GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=50), **overrides)
+    with torch.device("meta"):  # shapes only
+        model = build_model(cfg)
+    assert cfg.n_params() == count_params(model)
+
+
+def test_gpt2_124m_parameter_count():
+    """GPT-2 small has 124,439,808 parameters (tied head, learned positions).
+
+    L=12, C=768, V=50257, T=1024, MLP hidden 4C:
+      block = attention (4C² + 4C) + MLP (8C² + 5C) + two LayerNorms (4C) = 12C² + 13C = 7,087,872
+      12 blocks = 85,054,464; final LayerNorm 2C = 1,536; tokens V·C = 38,597,376; positions T·C = 786,432
+      total = 124,439,808 (nanoGPT prints 123.65M: the same less the 786,432 position weights).
+    """
+    C, L, V, T = 768, 12, 50257, 1024
+    by_formula = L * (12 * C * C + 13 * C) + 2 * C + V * C + T * C
+    assert by_formula == 124_439_808
+    assert GPT2_124M.n_params() == 124_439_808
+    with torch.device("meta"):
+        assert count_params(build_model(GPT2_124M)) == 124_439_808
+
+
+def test_llama_7b_estimate():
+    """LLaMA-7B shape: 6,738,415,616 parameters (32 blocks of 4C² attention + 3·C·11008 SwiGLU + 2C norms,
+    a final norm, untied 32000×4096 embedding and head)."""
+    C, L, V, H = 4096, 32, 32000, 11008
+    assert L * (4 * C * C + 3 * C * H + 2 * C) + C + 2 * V * C == 6_738_415_616 == LLAMA_7B.n_params()
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    t0 = time.perf_counter()
+    est = estimate_training_memory(LLAMA_7B, 1, 256)
+    elapsed = time.perf_counter() - t0
+    rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
+    print(f"7B estimate in {elapsed:.1f} s: {est.peak_bytes / 2**30:.1f} GiB, "
+          f"{est.bytes_per_param_static:.6f} static B/param")
+    assert elapsed < 60
+    assert est.peak_bytes > 100 * 2**30  # ~100 GiB estimated...
+    assert rss_growth < 2**30  # ...while this process grew by less than 1 GiB: fake tensors allocate nothing
+    assert est.n_params == LLAMA_7B.n_params()
+    assert est.split["parameters"] == F32 * LLAMA_7B.n_params()
+    assert est.bytes_per_param_static == pytest.approx(16, rel=1e-3)  # 4 weights + 4 grads + 8 Adam
+    assert est.seq_len == 256 and est.batch_size == 1
+    assert sum(est.split.values()) == est.peak_bytes
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, 1.5, True, "8"])
+def test_bad_batch_size(batch_size):
+    with pytest.raises(ValueError, match="batch_size"):
+        estimate_training_memory(SMALL_GPT, batch_size, 8)
+
+
+@pytest.mark.parametrize("seq_len", [0, -3, SMALL_GPT.block_size + 1])
+def test_bad_seq_len(seq_len):
+    with pytest.raises(ValueError, match="seq_len"):
+        estimate_training_memory(SMALL_GPT, 2, seq_len)
+
+
+def test_example_batch_shapes():
+    x, y = example_batch(SMALL_GPT, 3, 5)
+    assert x.shape == y.shape == (3, 5) and x.dtype == torch.long
+    assert int(x.max()) < SMALL_GPT.vocab_size
+    x, y = example_batch(SMALL_GPT, 2)  # seq_len None: the whole block
+    assert x.shape == (2, SMALL_GPT.block_size)
+    cfg = MLPConfig(in_features=7, classes=3)
+    x, y = example_batch(cfg, 4)
+    assert x.shape == (4, 7) and y.shape == (4,) and int(y.max()) < 3

@@ -1,0 +1,243 @@
+"""labkit.offload: the host tier (HostPool) and the activation-offload hooks; notebook 04 under papermill."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import labkit
+from labkit.offload import HostPool, OffloadHooks, dense_stride, saved_tensor_census, to_host
+
+CFG = labkit.GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+B, T = 4, 16
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    model = labkit.GPT(CFG)
+    return model, labkit.make_optimizer("adam", model.parameters())
+
+
+def _batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(CFG.vocab_size, (B, T), generator=g), torch.randint(CFG.vocab_size, (B, T), generator=g))
+
+
+def _grads(model, batch, ctx=None, checkpointing=False):
+    model.zero_grad(set_to_none=True)
+    with ctx if ctx is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        if checkpointing:
+            x = model.embed(batch[0])
+            for block in model.blocks:
+                x = checkpoint(block, x, use_reentrant=False)
+            loss = torch.nn.functional.cross_entropy(model.logits(x).flatten(0, 1), batch[1].flatten())
+        else:
+            _, loss = model(*batch)
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _offload_step(hooks):
+    def step(model, opt, batch):
+        with hooks:
+            _, loss = model(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+# -- HostPool --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_host_pool_copies_into_a_separate_buffer_with_the_same_strides(kind):
+    pool = HostPool("cpu", kind=kind)
+    t = torch.randn(6, 5).t()  # non-contiguous, dense
+    h = pool.to_host(t)
+    assert h.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    assert h.stride() == t.stride() == dense_stride(t)
+    assert torch.equal(h, t)
+    x = pool.to_device(h)
+    assert torch.equal(x, t) and x.stride() == t.stride()
+    assert pool.bytes_to_host == pool.bytes_to_device == t.numel() * 4
+    assert pool.live_buffers == 1 and pool.live_bytes == t.numel() * 4
+    del h
+    assert pool.live_buffers == 0 and pool.live_bytes == 0
+    assert pool.peak_bytes == t.numel() * 4
+    pool.close()
+
+
+def test_host_pool_counts_on_the_meter_host_tier_not_the_device():
+    pool = HostPool("cpu")
+    t = torch.randn(1024)
+    with labkit.MemoryMeter("cpu", budget_bytes=4096) as meter:  # t fills the budget: no room for a device copy
+        meter.track(t)
+        h = pool.to_host(t)
+        assert meter.host_current_bytes == 4096 and meter.current_bytes == 4096
+        del h
+        assert meter.host_current_bytes == 0
+    assert meter.host_peak_bytes == 4096 and meter.peak_bytes == 4096
+
+
+def test_to_host_helper_uses_the_active_meter():
+    t = torch.arange(10.0)
+    with labkit.MemoryMeter("cpu") as meter:
+        h = to_host(t)
+        assert meter.host_current_bytes == 40
+    assert torch.equal(h, t) and h.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+def test_disk_pool_deletes_each_file_with_its_buffer_and_the_folder_on_close(tmp_path):
+    pool = HostPool("cpu", kind="disk", spill_dir=str(tmp_path))
+    a = pool.to_host(torch.randn(100))
+    b = pool.to_host(torch.randn(7, 3))
+    assert len(pool.files()) == 2
+    folder = pool.spill_dir
+    assert folder is not None and os.path.dirname(folder) == str(tmp_path)
+    del a
+    assert len(pool.files()) == 1
+    del b
+    assert pool.files() == []
+    pool.close()
+    assert not os.path.exists(folder) and pool.spill_dir is None and os.listdir(tmp_path) == []
+
+
+def test_host_pool_rejects_bad_kinds():
+    with pytest.raises(ValueError, match="kind"):
+        HostPool("cpu", kind="nvme")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pinned"):
+            HostPool("cpu", kind="pinned")
+    assert HostPool("cpu").kind == "memory"
+
+
+# -- OffloadHooks ----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gradients_equal_the_plain_step_exactly(kind, prefetch):
+    model, _ = _model()
+    batch = _batch()
+    plain = _grads(model, batch)
+    pool = HostPool("cpu", kind=kind)
+    hooks = OffloadHooks(model, pool=pool, min_bytes=1024, prefetch=prefetch).track_layers(model.blocks)
+    offloaded = _grads(model, batch, hooks)
+    assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
+    s = hooks.stats()
+    assert s["offloaded"] > 0 and s["bytes_to_host"] == s["bytes_to_device"] > 0
+    assert s["kept_params"] > 0  # addmm saves the weights: they are skipped
+    if prefetch:
+        assert s["prefetched"] > 0
+    assert pool.live_bytes == 0 and pool.files() == []
+    hooks.remove()
+    pool.close()
+
+
+def test_checkpointing_with_offload_gives_the_same_gradients():
+    model, _ = _model()
+    batch = _batch()
+    plain = _grads(model, batch)
+    hooks = OffloadHooks(model, min_bytes=1024)
+    both = _grads(model, batch, hooks, checkpointing=True)
+    assert max((a - b).abs().max().item() for a, b in zip(plain, both)) <= 1e-6
+    assert hooks.stats()["offloaded"] > 0  # the block inputs that checkpoint saves
+
+
+def test_parameters_and_small_tensors_stay_on_the_device():
+    lin = torch.nn.Linear(64, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+    hooks = OffloadHooks(lin, min_bytes=32 * 64 * 4)
+    with hooks:
+        y = torch.relu(lin(x)).sum()
+    s = hooks.stats()
+    assert s["kept_params"] >= 1  # the weight, saved by addmm
+    assert s["offloaded"] >= 1  # x (32×64 fp32) reaches the threshold
+    y.backward()
+    assert lin.weight.grad is not None and x.grad is not None
+    census = saved_tensor_census(labkit.GPT(CFG), _batch())
+    assert any(c["param"] for c in census) and any(not c["param"] for c in census)
+
+
+def test_a_huge_threshold_offloads_nothing_and_changes_nothing():
+    model, opt = _model()
+    batch = _batch()
+    plain = labkit.measure_step(model, opt, batch).peak_bytes
+    hooks = OffloadHooks(model, min_bytes=2**40)
+    same = labkit.measure_step(model, opt, batch, step_fn=_offload_step(hooks), warmup=False)
+    assert same.peak_bytes == plain and hooks.stats()["offloaded"] == 0 and same.meter.host_peak_bytes == 0
+
+
+def test_offload_lowers_the_device_peak_and_fits_a_budget_the_plain_step_does_not():
+    model, opt = _model()
+    batch = _batch()
+    plain = labkit.measure_step(model, opt, batch)
+    pool = HostPool("cpu")
+    hooks = OffloadHooks(model, pool=pool, min_bytes=1024)
+    off = labkit.measure_step(model, opt, batch, step_fn=_offload_step(hooks), warmup=False)
+    assert off.peak_bytes < plain.peak_bytes
+    assert off.meter.host_peak_bytes == hooks.stats()["bytes_to_host"] > 0
+    assert off.meter.host_current_bytes == 0 and pool.live_bytes == 0
+    budget = (off.peak_bytes + plain.peak_bytes) // 2
+    assert not labkit.try_fit(labkit.measure_step, model, opt, batch, budget_bytes=budget, warmup=False).fits
+    fit = labkit.try_fit(labkit.measure_step, model, opt, batch, step_fn=_offload_step(hooks), budget_bytes=budget,
+                         warmup=False)
+    assert fit.fits and fit.value.peak_bytes == off.peak_bytes
+
+
+def test_nothing_accumulates_across_steps(tmp_path):
+    model, opt = _model()
+    batch = _batch()
+    pool = HostPool("cpu", kind="disk", spill_dir=str(tmp_path))
+    hooks = OffloadHooks(model, pool=pool, min_bytes=1024)
+    step = _offload_step(hooks)
+    with labkit.MemoryMeter("cpu") as meter:
+        meter.track(model, opt, *batch)
+        after = []
+        for _ in range(3):
+            step(model, opt, batch)
+            after.append((meter.current_bytes, meter.host_current_bytes, pool.live_bytes, len(pool.files())))
+    assert after[1] == after[2] and after[0][1:] == (0, 0, 0)
+    assert pool.peak_bytes == hooks.stats()["bytes_to_host"]  # one step's worth, never more
+    pool.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_copy_timing_reports_a_bandwidth():
+    model, opt = _model()
+    hooks = OffloadHooks(model, min_bytes=1024, time_copies=True)
+    _offload_step(hooks)(model, opt, _batch())
+    s = hooks.stats()
+    assert s["copy_to_host_s"] > 0 and s["copy_to_host_bytes_per_s"] > 0
+
+
+def test_hooks_validate_their_arguments():
+    model, _ = _model()
+    with pytest.raises(ValueError, match="min_bytes"):
+        OffloadHooks(model, min_bytes=-1)
+    with pytest.raises(ValueError, match="prefetch"):
+        OffloadHooks(model, prefetch="sometimes")
+
+
+# -- the notebook ----------------------------------------------------------------------------
+def test_notebook_invariants_hold_for_another_seed_and_depth(execute_notebook):
+    entry = execute_notebook("04_activation_offload", SEED=3, N_LAYER=2, BATCH=6, SEQ_LEN=32, HOST_TIER="disk",
+                             TIMED_STEPS=1, LEAK_STEPS=2)
+    assert entry["status"] == "ok", entry.get("error")
+    m = entry["measurements"]
+    assert m["max_grad_diff"] == 0 if not torch.cuda.is_available() else m["max_grad_diff"] <= 1e-5
+    assert 0 < m["device_peak_ratio_offload"] < 1
+    assert m["bytes_offloaded_per_step"] > 0
+    assert m["host_bytes_after_step"] == 0 and m["spill_files_after_step"] == 0
+    assert m["host_tier"] == "disk"
+    assert isinstance(m["fits_in_budget"], bool)
+    assert m["step_time_ratio_offload"] > 0
+    if not torch.cuda.is_available():
+        assert m["device_peak_ratio_save_on_cpu"] == 1.0  # CPU: save_on_cpu moves nothing
+
+
+def test_notebook_rejects_a_bad_parameter_before_work(execute_notebook):
+    entry = execute_notebook("04_activation_offload", HOST_TIER="ssd")
+    assert entry["status"] == "failed"
+    assert "HOST_TIER" in entry["error"]
+    assert entry["measurements"] == {}
