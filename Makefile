@@ -18,7 +18,7 @@ run: $(STAMP)  ## execute every notebook (fast defaults) into build/, write buil
 
 test: $(STAMP)  ## unit tests, then nbval over every notebook (checked cells' expected outputs from their source)
 	$(PY) -m labkit.nbcheck notebooks build/nbval
-	LABKIT_BATCH=1 $(PY) -m pytest tests build/nbval --nbval-lax --sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
+	LABKIT_BATCH=1 $(PY) -m pytest tests build/nbval --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 
 unit: $(STAMP)  ## unit tests only (no notebooks)
 	LABKIT_BATCH=1 $(PY) -m pytest tests -p no:cacheprovider

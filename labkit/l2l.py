@@ -60,18 +60,20 @@ def host_tier():
     return meter.host_tier() if meter is not None else contextlib.nullcontext()
 
 
-def _pin() -> bool:
-    return torch.cuda.is_available()
-
-
-def host_empty_like(t: torch.Tensor) -> torch.Tensor:
-    """Allocate an uninitialised host tensor shaped like `t` (pinned when CUDA is available)."""
+def host_empty_like(t: torch.Tensor, pin: bool | None = None) -> torch.Tensor:
+    """Allocate an uninitialised host tensor shaped like `t` (pinned by default when `t` is on CUDA)."""
+    if pin is None:
+        pin = t.device.type == "cuda"
     with host_tier():
-        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=_pin())
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
 
 
 def to_host(t: torch.Tensor, non_blocking: bool = True) -> torch.Tensor:
-    """Copy a device tensor into a new host tensor (asynchronous on CUDA; stream order keeps it safe)."""
+    """Copy a device tensor into a new host tensor.
+
+    On CUDA the copy is asynchronous (into pinned memory): later copies on the same stream see it
+    in order, but the CPU must synchronize before it reads the result.
+    """
     out = host_empty_like(t)
     out.copy_(t.detach(), non_blocking=non_blocking and t.device.type == "cuda")
     return out
@@ -166,7 +168,7 @@ def _label(t: torch.Tensor, category: str) -> torch.Tensor:
     """Tell the active meter which category a device tensor belongs to (for its peak split); return `t`."""
     meter = active_meter()
     if meter is not None:
-        meter._set_category(t, category)
+        meter.label(t, category)
     return t
 
 
@@ -192,7 +194,7 @@ class L2LTrainer:
         """`model` becomes the host master copy (moved to CPU, pinned on CUDA); prefetch: None = on CUDA."""
         self.device = torch.device(device)
         self.model = model.to("cpu")
-        if _pin():
+        if self.device.type == "cuda":  # pinned pages: asynchronous copies that overlap compute
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 t.data = t.data.pin_memory()
         self.stages = split_stages(self.model)

@@ -2,9 +2,13 @@
 
 `MemoryMeter` is a `TorchDispatchMode`: every tensor an operator returns (and every tensor it
 first sees as an input) is traced to its untyped storage. A storage is counted once, however
-many views share it, and leaves the count when Python finalises it (a weakref callback). The
-count is the same on CPU and on GPU because it is a count of storages, not of an allocator's
-blocks; on CUDA the allocator's own figures are reported beside it.
+many views share it, and leaves the count when Python finalises it (a weakref callback). It
+counts storages, not an allocator's blocks, so the same model gives the same bytes on CPU and on
+GPU; on CUDA the allocator's own figures (rounded blocks, cache) are reported beside it. One
+difference: under a CUDA meter, CPU tensors count as host memory, and Adam keeps its 4-byte
+`step` counters on the CPU, so its device state is 8 B/param there and 8 B/param + 4 B per
+parameter tensor on a CPU meter. Buffers (e.g. BatchNorm statistics) count as parameters.
+After the `with` block, frees still lower `current_bytes`; the timeline stops at the exit.
 
 Categories are resolved when asked for, so a tensor that only later turns out to be a gradient
 (or optimizer state) is counted as such at the peak too:
@@ -319,6 +323,16 @@ class MemoryMeter(TorchDispatchMode):
         if p.grad is not None:
             self._see(p.grad)
             self._set_category(p.grad, "gradients")
+
+    def label(self, t: torch.Tensor, category: str) -> torch.Tensor:
+        """Count a live tensor's storage under `category` (one of CATEGORIES) from now on; return it."""
+        if category not in CATEGORIES:
+            raise ValueError(f"category must be one of {CATEGORIES}, got {category!r}")
+        self._see(t, check_budget=False)
+        rec = self._records.get(t.untyped_storage())
+        if rec is not None:
+            rec.category = category
+        return t
 
     def _set_category(self, t, category):
         rec = self._records.get(t.untyped_storage())

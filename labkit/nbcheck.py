@@ -55,10 +55,11 @@ def with_expected_outputs(nb):
             if text is None:
                 raise ValueError(f"cell {i} is marked {CHECK_MARKER} but declares no '{EXPECT_HEADER}' block")
             cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text)]
+            cell.execution_count = i + 1  # nbval refuses outputs on a cell that looks unrun
     return nb
 
 
-def prepare(src_dir: str | Path, out_dir: str | Path) -> list[Path]:
+def prepare(src_dir: str | Path, out_dir: str | Path, only=()) -> list[Path]:
     """Write a copy of every numbered notebook in `src_dir`, with expected outputs, into `out_dir`."""
     import nbformat
 
@@ -69,8 +70,11 @@ def prepare(src_dir: str | Path, out_dir: str | Path) -> list[Path]:
     for stale in out_dir.glob("*.ipynb"):
         stale.unlink()
     written = []
-    for path in find_notebooks(src_dir):
-        nb = with_expected_outputs(nbformat.read(path, as_version=4))
+    for path in find_notebooks(src_dir, only):
+        try:
+            nb = with_expected_outputs(nbformat.read(path, as_version=4))
+        except ValueError as e:
+            raise ValueError(f"{path.name}: {e}") from None
         dest = out_dir / path.name
         nbformat.write(nb, dest)
         written.append(dest)
@@ -82,10 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labkit.nbcheck", description=__doc__.splitlines()[0])
     parser.add_argument("src", help="folder of the numbered notebooks")
     parser.add_argument("out", help="folder to write the prepared copies into")
+    parser.add_argument("--only", action="append", default=[], help="only notebooks whose name contains this")
     args = parser.parse_args(argv)
     if not Path(args.src).is_dir():
         parser.error(f"src: {args.src!r} is not a folder")
-    written = prepare(args.src, args.out)
+    written = prepare(args.src, args.out, args.only)
     print(f"prepared {len(written)} notebooks for nbval in {args.out}")
     return 0
 

@@ -46,6 +46,11 @@ buffers) and, with prefetch, backward of layer i starts the copy-back of layer i
         _, loss = model(x, y)
     loss.backward()
     hooks.stats()   # bytes_to_host, bytes_to_device, offloaded, kept_params, kept_small, ...
+
+Also: `dense_stride(t)` (the strides a copy of t keeps) and `saved_tensor_census(model, batch)`
+(every tensor one forward saves: bytes, shape, parameter or not, storage pointer).
+On CUDA the hooks were written against the documented stream/event API but are exercised by the
+test suite only on CPU (where the copies are synchronous and prefetch only moves copies earlier).
 """
 
 from __future__ import annotations

@@ -65,9 +65,9 @@ class ControlPanel(W.VBox):
                     self.status.value = "<span style='color:#c44e52'>does not fit</span>"
                     print(f"Does not fit: {e}")
                 except Exception as e:  # shown in the panel, never lost in a callback
-                    self.last_error = e
                     self.status.value = f"<span style='color:#c44e52'>error: {type(e).__name__}</span>"
                     traceback.print_exc()
+                    self.last_error = e.with_traceback(None)  # printed above; frames would hold tensors
         finally:
             self.button.disabled = False
         return self.last_result

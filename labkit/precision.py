@@ -1,0 +1,316 @@
+"""Mixed precision: an autocast training step (GradScaler, accumulation, clipping) and fp16 range statistics.
+
+The tested reference implementations of notebook 03, reused by later chapters (offload, HPO):
+
+    step = amp_train_step(model, opt, [batch], precision="bf16")               # autocast bf16
+    step = amp_train_step(model, opt, micro_batches, precision="fp16",         # fp16 + loss scaling,
+                          scaler=torch.amp.GradScaler("cuda"), clip_norm=1.0)  # accumulation, clipping
+    step.loss, step.stepped, step.scale
+
+`fp16_cast_stats` tells what a cast to fp16 does to fp32 values (flushed to zero, subnormal,
+overflowed), with or without a loss scale; `collect_gradients` returns real gradients of a
+model's weights and of its block outputs; `saved_tensor_bytes` splits what autograd saves for
+backward by dtype and kind (activations, 16-bit weight copies, resident parameters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from labkit.meter import MemoryMeter
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
+               torch.int64: "int64", torch.int32: "int32", torch.bool: "bool"}
+
+FP16_MIN_SUBNORMAL = 2.0**-24  # smallest positive fp16 value (≈ 5.96e-8)
+FP16_MIN_NORMAL = 2.0**-14  # smallest normal fp16 value (≈ 6.10e-5); below it, fewer mantissa bits
+FP16_MAX = 65504.0  # largest finite fp16 value
+
+
+def check_precision(precision: str, device: torch.device | str) -> None:
+    """Raise ValueError for an unknown precision, or for fp16 compute on a CPU (hundreds of times slower)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp16" and torch.device(device).type == "cpu":
+        raise ValueError("fp16 compute on CPU is hundreds of times slower than fp32; use bf16 on CPU, "
+                         "or study fp16's range with casts (fp16_cast_stats)")
+
+
+def autocast(precision: str, device: torch.device | str):
+    """Return the autocast context for "fp32" (autocast off), "bf16" or "fp16" on the device's type."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    device_type = torch.device(device).type
+    if precision == "fp32":
+        return torch.autocast(device_type, enabled=False)
+    return torch.autocast(device_type, dtype=DTYPES[precision])
+
+
+@dataclass(frozen=True)
+class AmpStep:
+    """What one optimizer step of `amp_train_step` did."""
+
+    loss: float  # the step's loss: token-weighted mean over all micro-batches (unscaled)
+    stepped: bool  # False when GradScaler found inf/NaN gradients and skipped optimizer.step()
+    scale: float | None  # GradScaler's scale after update() (None without a scaler)
+    grad_norm: float | None  # total gradient norm before clipping (None without clipping)
+
+
+def _n_targets(batch) -> int:
+    """Return how many targets of a (inputs, targets) batch count in the loss (targets != -100)."""
+    return int((batch[-1] != -100).sum())
+
+
+def amp_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches, *,
+                   precision: str = "bf16", scaler: torch.amp.GradScaler | None = None,
+                   clip_norm: float | None = None) -> AmpStep:
+    """Run one optimizer step over micro-batches under autocast, with an optional GradScaler and clipping.
+
+    Each micro-batch's mean loss is weighted by its share of the step's targets (targets != -100),
+    so the accumulated gradient equals the full batch's token-mean gradient. With a scaler, the
+    scaled loss is backpropagated, the gradients are unscaled *before* clipping, and
+    `scaler.step`/`scaler.update` run once per optimizer step (never per micro-batch).
+    """
+    if isinstance(micro_batches, tuple) and micro_batches and isinstance(micro_batches[0], torch.Tensor):
+        micro_batches = [micro_batches]  # one (inputs, targets) batch given directly
+    micro_batches = list(micro_batches)
+    if not micro_batches:
+        raise ValueError("amp_train_step needs at least one micro-batch")
+    device = next(model.parameters()).device
+    check_precision(precision, device)
+    if len(micro_batches) == 1:
+        weights = [1.0]  # no count needed (also works on fake tensors)
+    else:
+        counts = [_n_targets(b) for b in micro_batches]
+        total = sum(counts)
+        if total == 0:
+            raise ValueError("the micro-batches hold no targets (all are -100)")
+        weights = [n / total for n in counts]
+    loss_sum = 0.0
+    for batch, w in zip(micro_batches, weights):
+        with autocast(precision, device):
+            _, loss = model(*batch)  # fp32 loss: cross-entropy runs in fp32 under autocast
+        loss = loss.float() * w if w != 1.0 else loss.float()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        loss_sum += loss.detach()
+    grad_norm = None
+    if clip_norm is not None:
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grad_norm = _as_float(torch.nn.utils.clip_grad_norm_(params, clip_norm))
+    stepped, scale = True, None
+    if scaler is not None:
+        before = scaler.get_scale()
+        scaler.step(optimizer)  # skips optimizer.step() when a gradient is inf/NaN
+        scaler.update()  # a skip multiplies the scale by backoff_factor < 1
+        scale = scaler.get_scale()
+        stepped = scale >= before
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return AmpStep(_as_float(loss_sum), stepped, scale, grad_norm)
+
+
+def _as_float(t) -> float:
+    """Return a tensor's value as a float (nan for fake tensors, which carry no values)."""
+    if isinstance(t, torch.Tensor) and type(t).__name__ == "FakeTensor":
+        return math.nan
+    return float(t)
+
+
+def amp_step_fn(precision: str, scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None):
+    """Return step_fn(model, optimizer, batch) running `amp_train_step`, for labkit.measure_step."""
+    def step_fn(model, optimizer, batch):
+        return amp_train_step(model, optimizer, [batch], precision=precision, scaler=scaler, clip_norm=clip_norm)
+    return step_fn
+
+
+@contextlib.contextmanager
+def captured_grads(optimizer: torch.optim.Optimizer):
+    """Yield a list that receives, at every optimizer.step(), a flat fp32 copy of the gradients it uses."""
+    seen: list[torch.Tensor] = []
+
+    def hook(opt, args, kwargs):
+        seen.append(torch.cat([p.grad.detach().flatten().float().clone()
+                               for group in opt.param_groups for p in group["params"] if p.grad is not None]))
+
+    handle = optimizer.register_step_pre_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def forward_activation_bytes(model: torch.nn.Module, batch, precision: str = "fp32",
+                             device: torch.device | str | None = None) -> int:
+    """Return the bytes one forward pass leaves alive for backward (meter count after minus before)."""
+    if device is None:
+        device = next(model.parameters()).device
+    with MemoryMeter(device=device, timeline=False) as meter:
+        meter.track(model, *[t for t in batch if isinstance(t, torch.Tensor)])
+        before = meter.current_bytes
+        with autocast(precision, device):
+            loss = model(*batch)[1]  # logits dropped: only what the graph keeps stays alive
+        after = meter.current_bytes
+    del loss
+    return after - before
+
+
+def _is_weight_copy(t: torch.Tensor, param_ids: set) -> bool:
+    """Tell whether `t` is a cast (possibly transposed/viewed) of a parameter, e.g. autocast's bf16 weight."""
+    fn = t.grad_fn
+    for _ in range(4):
+        if fn is None:
+            return False
+        name = type(fn).__name__
+        if name.startswith("ToCopyBackward"):
+            nxt = fn.next_functions[0][0] if fn.next_functions else None
+            return nxt is not None and id(getattr(nxt, "variable", None)) in param_ids
+        if not name.startswith(("TBackward", "TransposeBackward", "PermuteBackward", "ViewBackward",
+                                 "ExpandBackward", "UnsqueezeBackward")):
+            return False
+        fn = fn.next_functions[0][0] if fn.next_functions else None
+    return False
+
+
+def saved_tensor_bytes(model: torch.nn.Module, fn) -> dict[str, int]:
+    """Run fn() and return the bytes autograd saves for backward, by "<dtype> <kind>" (unique storages).
+
+    Kinds: "activations" (tensors computed in the forward), "weight copies" (16-bit casts of
+    parameters that autocast makes and backward needs) and "parameters" (resident anyway).
+    """
+    param_ids = {id(p) for p in model.parameters()}
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set = set()
+    out: dict[str, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        if key not in seen:
+            seen.add(key)
+            if st.data_ptr() in param_storages:
+                kind = "parameters"
+            elif _is_weight_copy(t, param_ids):
+                kind = "weight copies"
+            else:
+                kind = "activations"
+            name = f"{SHORT_NAMES.get(t.dtype, str(t.dtype).replace('torch.', ''))} {kind}"
+            out[name] = out.get(name, 0) + st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    del result
+    return dict(sorted(out.items()))
+
+
+@dataclass(frozen=True)
+class Fp16CastStats:
+    """What casting fp32 values (times a loss scale) to fp16 does to the nonzero ones."""
+
+    scale: float  # the loss scale the values were multiplied by before the cast
+    nonzero: int  # nonzero fp32 values examined
+    zero_fraction: float  # share that became exactly 0 in fp16 (underflow: the value is lost)
+    subnormal_fraction: float  # share that became fp16 subnormals (nonzero, below 2^-14: fewer mantissa bits)
+    overflow_fraction: float  # share that became ±inf in fp16 (above 65504)
+    below_min_subnormal_fraction: float  # share with |scale·g| < 2^-24 in fp32 (rounding sends some up to 2^-24)
+
+
+def fp16_cast_stats(values: torch.Tensor, scale: float = 1.0) -> Fp16CastStats:
+    """Cast scale·values to fp16 and count the nonzero fp32 values flushed to 0, made subnormal, or overflowed."""
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    v = values.detach().flatten().float()
+    v = v[v != 0] * scale  # (N,) fp32; a power-of-two scale is exact
+    n = v.numel()
+    if n == 0:
+        return Fp16CastStats(float(scale), 0, 0.0, 0.0, 0.0, 0.0)
+    h = v.to(torch.float16)  # round to nearest even; |v| < 2^-25 flushes to 0, |v| > 65519 overflows
+    zero = int((h == 0).sum())
+    inf = int(h.isinf().sum())
+    sub = int(((h != 0) & (h.abs() < FP16_MIN_NORMAL)).sum())
+    below = int((v.abs() < FP16_MIN_SUBNORMAL).sum())
+    return Fp16CastStats(float(scale), n, zero / n, sub / n, inf / n, below / n)
+
+
+@dataclass
+class GradientSample:
+    """Real fp32 gradients of a model: its weights' gradients and its blocks' output gradients."""
+
+    weights: torch.Tensor  # (N_w,) every parameter-gradient value of every collected step
+    activations: torch.Tensor  # (N_a,) every gradient of a block output, of every collected step
+    losses: list  # the loss of each step
+
+
+def _blocks(model: torch.nn.Module):
+    for name in ("blocks", "layers"):
+        seq = getattr(model, name, None)
+        if isinstance(seq, torch.nn.Sequential):
+            return list(seq)
+    raise ValueError("collect_gradients needs a model with a `blocks` or `layers` nn.Sequential (GPT, MLP)")
+
+
+def collect_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, batches,
+                      loss_scale: float = 1.0) -> GradientSample:
+    """Train one fp32 step per batch and return all weight gradients and block-output gradients seen.
+
+    `loss_scale` multiplies the loss before backward (the returned gradients carry the factor).
+    With `optimizer=None` the weights stay put (gradients only).
+    """
+    weights, acts, losses = [], [], []
+    hooks = []
+
+    def keep_output_grad(module, args, output):
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda g: acts.append(g.detach().flatten().clone()))
+
+    for block in _blocks(model):
+        hooks.append(block.register_forward_hook(keep_output_grad))
+    try:
+        for batch in batches:
+            _, loss = model(*batch)
+            (loss * loss_scale).backward()
+            losses.append(float(loss.detach()))
+            weights.append(torch.cat([p.grad.detach().flatten() for p in model.parameters() if p.grad is not None]))
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return GradientSample(torch.cat(weights).float(), torch.cat(acts).float(), losses)
+
+
+def log2_magnitudes(values: torch.Tensor) -> torch.Tensor:
+    """Return log2|v| of the nonzero values (for histograms against fp16's 2^-24 and 2^-14)."""
+    v = values.detach().flatten().float()
+    return v[v != 0].abs().log2()
+
+
+def lost_update_fraction(weights: torch.Tensor, update: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Return the share of nonzero updates that vanish when the weights are held in `dtype` (w + Δ == w)."""
+    w = weights.detach().flatten().to(dtype)
+    d = update.detach().flatten()
+    mask = d != 0
+    if not bool(mask.any()):
+        return 0.0
+    new = (w.float() + d.float()).to(dtype)  # the update applied to the 16-bit weight, rounded back
+    return float((new[mask] == w[mask]).float().mean())
+
+
+@contextlib.contextmanager
+def fake_tensors():
+    """Run the block on fake tensors: shapes, dtypes and the meter's counts, no arithmetic."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        yield

@@ -1,0 +1,384 @@
+"""Records, parameter checks, devices, throughput, widget panels, plots and the running example."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+import labkit
+from labkit import results, validate
+from labkit.device import DEVICE_CHOICES, hardware_report, resolve_device
+from labkit.meter import MemoryMeter, OutOfMemory, TimelinePoint
+from labkit.plots import LiveFigure, MiB, plot_memory_bars, plot_series, plot_timeline, png_bytes
+from labkit.throughput import measure_throughput
+from labkit.widgets import control_panel
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture
+def clean_records():
+    saved = results.recorded()
+    results.clear()
+    yield
+    results.clear()
+    results._RECORDS.update(saved)
+
+
+# -- results -------------------------------------------------------------------------------------
+
+def test_record_recorded_clear(clean_records):
+    assert results.recorded() == {}
+    assert labkit.record("peak_bytes", torch.tensor(4000)) == 4000
+    labkit.record("loss", 0.5)
+    got = labkit.recorded()
+    assert got == {"peak_bytes": 4000, "loss": 0.5}
+    got["loss"] = 9  # a copy: the store is unchanged
+    assert labkit.recorded()["loss"] == 0.5
+    labkit.record("loss", 0.25)  # the latest value wins
+    assert labkit.recorded()["loss"] == 0.25
+    results.clear()
+    assert labkit.recorded() == {}
+
+
+def test_jsonable_conversions():
+    j = results._jsonable
+    assert j(torch.tensor([1, 2])) == [1, 2]
+    assert j(torch.tensor(1.5)) == 1.5
+    assert j(np.float32(0.5)) == 0.5 and type(j(np.float32(0.5))) is float
+    assert j(np.int64(3)) == 3 and type(j(np.int64(3))) is int
+    assert j(np.array([[1, 2], [3, 4]])) == [[1, 2], [3, 4]]
+    assert j((1, (2, 3))) == [1, [2, 3]]
+    assert j({1: "a", (2, 3): torch.tensor([4])}) == {"1": "a", "(2, 3)": [4]}
+    assert j(float("inf")) == "inf" and j(-math.inf) == "-inf" and j(float("nan")) == "nan"
+    assert j({"xs": [1.0, math.inf]}) == {"xs": [1.0, "inf"]}
+    assert j(None) is None and j(True) is True and j("s") == "s"
+    json.dumps(j({"a": (np.float64(1.0), torch.tensor([math.inf]))}))  # the result always serialises
+
+
+@pytest.mark.parametrize("value", [object(), {1, 2}, b"bytes", [1, object()]])
+def test_jsonable_rejects_objects(value, clean_records):
+    with pytest.raises(TypeError, match="JSON"):
+        labkit.record("x", value)
+    assert "x" not in labkit.recorded()
+
+
+@pytest.mark.parametrize("name", ["peak bytes", "1st", "", "a-b", 3, None])
+def test_record_names_must_be_identifiers(name, clean_records):
+    with pytest.raises(ValueError, match="identifier"):
+        labkit.record(name, 1)
+    assert labkit.recorded() == {}
+
+
+def test_records_from_notebook():
+    mime = results.MIME_TYPE
+
+    def payload(data):
+        return new_output("display_data", data={mime: data, "text/plain": "recorded"})
+
+    cell1 = new_code_cell("record(...)", outputs=[
+        new_output("stream", name="stdout", text="hello\n"),
+        payload({"name": "peak_bytes", "value": 123}),
+        payload(json.dumps({"name": "step_s", "value": 0.5})),  # a payload kept as a JSON string
+    ])
+    cell2 = new_code_cell("record(...) on every rank", outputs=[
+        payload({"name": "loss", "value": 1.0, "rank": 0}),
+        payload({"name": "loss", "value": 2.0, "rank": 1}),
+        payload({"name": "loss", "value": 3.0, "rank": 3}),
+        new_output("execute_result", data={"text/plain": "42"}, execution_count=1),
+    ])
+    cell3 = new_code_cell("record('peak_bytes', 456)", outputs=[payload({"name": "peak_bytes", "value": 456})])
+    nb = new_notebook(cells=[new_markdown_cell("# title"), cell1, cell2, cell3])
+    assert results.records_from_notebook(nb) == {"peak_bytes": 456, "step_s": 0.5, "loss": 1.0,
+                                                 "loss@rank1": 2.0, "loss@rank3": 3.0}
+    # A plain dict (nbformat JSON) reads the same.
+    assert results.records_from_notebook(json.loads(json.dumps(nb))) == results.records_from_notebook(nb)
+
+
+def test_is_batch(monkeypatch):
+    monkeypatch.setenv("LABKIT_BATCH", "1")
+    assert labkit.is_batch()
+    monkeypatch.setenv("LABKIT_BATCH", "0")
+    assert not labkit.is_batch()
+    monkeypatch.delenv("LABKIT_BATCH")
+    assert not labkit.is_batch()
+
+
+# -- parameter checks ----------------------------------------------------------------------------
+
+def test_check_int():
+    assert validate.check_int("BATCH", 16, 1, 4096) == 16
+    with pytest.raises(validate.ParameterError, match=r"BATCH must be an integer \[1, 4096\], got 0"):
+        validate.check_int("BATCH", 0, 1, 4096)
+    with pytest.raises(validate.ParameterError, match=r"BATCH .*\[1, 4096\].*5000"):
+        validate.check_int("BATCH", 5000, 1, 4096)
+    with pytest.raises(validate.ParameterError, match=r"STEPS must be an integer >= 1, got 2.5"):
+        validate.check_int("STEPS", 2.5, 1)
+    with pytest.raises(validate.ParameterError, match="STEPS"):
+        validate.check_int("STEPS", True, 0)
+    assert issubclass(validate.ParameterError, ValueError)
+
+
+def test_check_float():
+    assert validate.check_float("LR", 1, 0, 1) == 1.0
+    with pytest.raises(validate.ParameterError, match=r"LR must be a number in \(0, 1\], got 0"):
+        validate.check_float("LR", 0, 0, 1, lo_open=True)
+    with pytest.raises(validate.ParameterError, match=r"FRACTION .*\[0, 1\).*1"):
+        validate.check_float("FRACTION", 1.0, 0, 1, hi_open=True)
+    for bad in (math.nan, math.inf, "0.1", None):
+        with pytest.raises(validate.ParameterError, match="LR"):
+            validate.check_float("LR", bad, 0, 1)
+
+
+def test_check_choice():
+    assert validate.check_choice("OPTIMIZER", "adam", ["sgd", "adam"]) == "adam"
+    with pytest.raises(validate.ParameterError, match=r"DEVICE must be one of \('auto', 'cpu', 'cuda'\), got 'tpu'"):
+        validate.check_choice("DEVICE", "tpu", DEVICE_CHOICES)
+
+
+def test_check_divides():
+    validate.check_divides("WIDTH", 128, "HEADS", 4)
+    with pytest.raises(validate.ParameterError, match=r"WIDTH \(130\) must be divisible by HEADS \(4\)"):
+        validate.check_divides("WIDTH", 130, "HEADS", 4)
+
+
+def test_check_budget():
+    assert validate.check_budget("BUDGET_BYTES", None) is None
+    assert validate.check_budget("BUDGET_BYTES", 2.5e6) == 2_500_000
+    for bad in (-1, 0, True, "1GB", math.nan):
+        with pytest.raises(validate.ParameterError, match="BUDGET_BYTES must be None or a positive number"):
+            validate.check_budget("BUDGET_BYTES", bad)
+
+
+# -- devices -------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine 'auto' picks CUDA")
+def test_resolve_device_on_cpu():
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="DEVICE"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="DEVICE"):
+        resolve_device("cuda:1")
+
+
+def test_resolve_device_rejects_unknown():
+    with pytest.raises(ValueError) as info:
+        resolve_device("tpu")
+    assert "DEVICE" in str(info.value)
+    assert all(choice in str(info.value) for choice in DEVICE_CHOICES)
+    with pytest.raises(TypeError, match="DEVICE"):
+        resolve_device(0)
+
+
+def test_hardware_report():
+    text = hardware_report()
+    assert f"torch {torch.__version__}" in text
+    assert text.startswith(resolve_device("auto").type)
+
+
+# -- throughput ----------------------------------------------------------------------------------
+
+def test_measure_throughput_counts_and_rates():
+    calls = []
+    x = torch.randn(64, 64)
+
+    def step():
+        calls.append(1)
+        (x @ x).sum()
+
+    tp = measure_throughput(step, samples_per_step=8, tokens_per_step=256, warmup_steps=2, steps=5)
+    assert len(calls) == 2 + 5
+    assert tp.steps == 5 and len(tp.step_times_s) == 5
+    assert all(t > 0 for t in tp.step_times_s)
+    assert tp.step_s == pytest.approx(sorted(tp.step_times_s)[2])  # the median of five
+    assert tp.samples_per_s == pytest.approx(8 / tp.step_s)
+    assert tp.tokens_per_s == pytest.approx(256 / tp.step_s)
+    assert measure_throughput(step, samples_per_step=1, steps=1).tokens_per_s is None
+    with pytest.raises(ValueError):
+        measure_throughput(step, samples_per_step=1, steps=0)
+
+
+def test_measure_throughput_refuses_inside_a_meter():
+    calls = []
+    with MemoryMeter(device="cpu"):
+        with pytest.raises(RuntimeError, match="outside a MemoryMeter"):
+            measure_throughput(lambda: calls.append(1), samples_per_step=1)
+    assert calls == []
+
+
+# -- widgets -------------------------------------------------------------------------------------
+
+def test_control_panel_builds_controls_and_runs():
+    import ipywidgets as W
+    calls = []
+
+    def experiment(layers, lr, optimizer, checkpoint, custom):
+        calls.append((layers, lr, optimizer, checkpoint, custom))
+        return layers * 10
+
+    panel = control_panel(experiment, title="Try it", layers=(1, 8, 1), lr=(0.0, 1.0, 0.1, 0.3),
+                          optimizer=["adam", "sgd"], checkpoint=False, custom=W.IntText(value=5))
+    kinds = {name: type(w) for name, w in panel.controls.items()}
+    assert kinds == {"layers": W.IntSlider, "lr": W.FloatSlider, "optimizer": W.Dropdown,
+                     "checkpoint": W.Checkbox, "custom": W.IntText}
+    c = panel.controls
+    assert (c["layers"].min, c["layers"].max, c["layers"].step, c["layers"].value) == (1, 8, 1, 1)
+    assert c["lr"].value == pytest.approx(0.3)
+    assert list(c["optimizer"].options) == ["adam", "sgd"] and c["optimizer"].value == "adam"
+    assert panel.run() == 10
+    c["layers"].value, c["optimizer"].value, c["checkpoint"].value = 4, "sgd", True
+    assert panel.run() == 40
+    assert calls == [(1, pytest.approx(0.3), "adam", False, 5), (4, pytest.approx(0.3), "sgd", True, 5)]
+    assert panel.status.value == "done" and panel.last_error is None
+    with pytest.raises(TypeError, match="control 'bad'"):
+        control_panel(experiment, bad=object())
+    with pytest.raises(TypeError, match="callable"):
+        control_panel("not a function")
+
+
+def test_control_panel_shows_errors_instead_of_raising():
+    def experiment(n):
+        if n > 2:
+            raise ZeroDivisionError("boom")
+        return n
+
+    panel = control_panel(experiment, n=(1, 5, 1))
+    assert panel.run() == 1
+    panel.controls["n"].value = 3
+    assert panel.run() is None  # not the previous run's result
+    assert "ZeroDivisionError" in panel.status.value
+    assert isinstance(panel.last_error, ZeroDivisionError)
+    assert not panel.button.disabled
+    panel.controls["n"].value = 2
+    assert panel.run() == 2 and panel.last_error is None
+
+
+def test_control_panel_reports_out_of_memory():
+    def experiment(kib):
+        with MemoryMeter(device="cpu", budget_bytes=64 * 1024) as meter:
+            x = torch.empty(kib * 256)  # kib KiB of float32
+            return meter.peak_bytes + 0 * x.numel()
+
+    panel = control_panel(experiment, kib=(1, 128, 1, 16))
+    assert panel.run() == 16 * 1024
+    panel.controls["kib"].value = 100
+    assert panel.run() is None
+    assert "does not fit" in panel.status.value
+    assert isinstance(panel.last_error, OutOfMemory)
+    assert panel.last_error.requested_bytes == 100 * 1024
+    assert panel.last_error.__traceback__ is None  # the frames (and their tensors) are let go
+
+    def cuda_oom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    panel = control_panel(cuda_oom)
+    panel.run()
+    assert "does not fit" in panel.status.value
+    assert panel.last_error.__traceback__ is None
+
+
+# -- plots ---------------------------------------------------------------------------------------
+
+def _small_step():
+    cfg = labkit.MLPConfig(in_features=8, hidden=16, depth=2, classes=3)
+    torch.manual_seed(0)
+    model = labkit.build_model(cfg)
+    opt = labkit.make_optimizer("adam", model.parameters())
+    return labkit.measure_step(model, opt, labkit.example_batch(cfg, 4), budget_bytes=10**6)
+
+
+def test_plot_timeline():
+    step = _small_step()
+    ax = plot_timeline(step.meter)
+    phases = {p.phase for p in step.meter.timeline}
+    assert len(ax.lines) == 2  # the memory line and the budget line (the meter's budget)
+    assert ax.lines[1].get_ydata()[0] == pytest.approx(10**6 / MiB)
+    assert len(ax.collections) == len(phases)  # one scatter per phase present
+    y = ax.lines[0].get_ydata()
+    assert len(y) == len(step.meter.timeline)
+    assert max(y) == pytest.approx(step.peak_bytes / MiB)
+    assert png_bytes(ax.figure).startswith(PNG_SIGNATURE)
+    # A plain list of points and no budget: one line.
+    points = [TimelinePoint(i, 0.0, b, "forward") for i, b in enumerate([0, MiB, 3 * MiB, 2 * MiB])]
+    ax = plot_timeline(points)
+    assert len(ax.lines) == 1 and list(ax.lines[0].get_ydata()) == [0, 1, 3, 2]
+    assert len(ax.collections) == 1
+    ax = plot_timeline([])
+    assert len(ax.lines) == 0 and ax.texts[0].get_text() == "no allocations recorded"
+
+
+def test_plot_memory_bars():
+    splits = {
+        "plain": {"parameters": 4 * MiB, "gradients": 4 * MiB, "optimizer_state": 8 * MiB, "activations": 20 * MiB},
+        "checkpointed": {"parameters": 4 * MiB, "gradients": 4 * MiB, "optimizer_state": 8 * MiB,
+                         "activations": 6 * MiB},
+        "no state": {"parameters": 4 * MiB},
+    }
+    ax = plot_memory_bars(splits, budget_bytes=30 * MiB)
+    assert len(ax.containers) == len(labkit.CATEGORIES)  # one stacked layer per category
+    assert all(len(c) == 3 for c in ax.containers)  # one bar per label
+    assert len(ax.patches) == 4 * 3
+    tops = [max(bar.get_y() + bar.get_height() for bar in (c[i] for c in ax.containers)) for i in range(3)]
+    assert tops == pytest.approx([36, 22, 4])
+    assert len(ax.lines) == 1 and ax.lines[0].get_ydata()[0] == pytest.approx(30)
+    assert png_bytes(ax.figure).startswith(PNG_SIGNATURE)
+
+
+def test_live_figure_redraws():
+    seen = []
+
+    def draw(fig, axes, data):
+        seen.append(len(data))
+        plot_series(axes[0], range(len(data)), {"loss": data}, "step", "loss")
+        plot_series(axes[1], range(len(data)), {"a": data, "b": [2 * v for v in data]}, "step", "x", logx=True)
+
+    live = LiveFigure(draw, ncols=2)
+    assert live.fig is None
+    fig1 = live.update([3.0, 2.0])
+    fig2 = live.update([3.0, 2.0, 1.5])
+    assert seen == [2, 3]
+    assert fig2 is live.fig and fig1 is not fig2
+    assert len(fig2.axes) == 2
+    assert [len(ax.lines) for ax in fig2.axes] == [1, 2]
+    assert list(fig2.axes[0].lines[0].get_ydata()) == [3.0, 2.0, 1.5]
+    assert fig2.axes[1].get_xscale() == "log"
+    assert png_bytes(fig2).startswith(PNG_SIGNATURE)
+
+
+# -- the running example -------------------------------------------------------------------------
+
+def test_running_example_does_not_fit_its_budget():
+    ex = labkit.running_example()
+    assert 0 < ex.budget_bytes < ex.baseline_peak_bytes
+    assert ex.budget_bytes % 2**20 == 0
+    # The budget is the largest whole MiB at or below 3/4 of the peak.
+    assert ex.budget_bytes <= 0.75 * ex.baseline_peak_bytes < ex.budget_bytes + 2**20
+    assert ex.config.block_size >= ex.seq_len
+
+    torch.manual_seed(0)
+    model = labkit.build_model(ex.config)
+    opt = labkit.make_optimizer("adam", model.parameters())
+    batch = labkit.example_batch(ex.config, ex.batch_size, ex.seq_len)
+    real = labkit.measure_step(model, opt, batch)
+    assert real.peak_bytes == ex.baseline_peak_bytes  # the estimate is the real count
+    assert real.split["parameters"] == 4 * ex.config.n_params()
+
+    res = labkit.try_fit(labkit.measure_step, model, opt, batch, budget_bytes=ex.budget_bytes, warmup=False)
+    assert not res.fits
+    assert isinstance(res.error, OutOfMemory)
+    assert res.error.budget_bytes == ex.budget_bytes
+    assert res.error.in_use_bytes + res.error.requested_bytes > ex.budget_bytes >= res.error.in_use_bytes

@@ -1,0 +1,220 @@
+"""One set of dependencies: pyproject.toml declares it, environment.yml mirrors it; one command per task.
+
+environment.yml is read with a small line parser (the project does not depend on PyYAML); where PyYAML
+happens to be installed (papermill pulls it in), the parser is checked against it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the project runs on 3.11; tomli is the same parser for 3.10
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = ROOT / "pyproject.toml"
+ENVIRONMENT = ROOT / "environment.yml"
+README = ROOT / "README.md"
+MAKEFILE = ROOT / "Makefile"
+CI = ROOT / ".ci" / "run"
+
+CONDA_TO_PIP = {"pytorch": "torch"}  # conda-forge package name -> PyPI name
+NOT_IN_PYPROJECT = {"python", "pip"}  # environment.yml entries with no pyproject dependency line
+
+SPEC = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:(==|>=|<=|~=|!=|=|>|<)\s*([A-Za-z0-9.*+!-]+))?\s*$")
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _split(requirement: str, conda: bool) -> tuple[str, str]:
+    """Return (normalised PyPI name, pip-style spec): 'numpy>=1.26' -> ('numpy', '>=1.26'); conda 'x=1' -> '==1'."""
+    m = SPEC.match(requirement)
+    assert m, f"cannot read the requirement {requirement!r} (expected name, name>=x, name==x or conda's name=x)"
+    name, op, version = m.group(1), m.group(2) or "", m.group(3) or ""
+    if conda:
+        name = CONDA_TO_PIP.get(name, name)
+        if op == "=":
+            op = "=="
+    else:
+        assert op != "=", f"{requirement!r}: pip has no '=' operator"
+    return _norm(name), f"{op}{version}"
+
+
+def parse_environment(text: str) -> dict:
+    """Read the subset of YAML environment.yml uses: scalars, block or flow lists, and the nested pip list."""
+    out: dict = {}
+    key = None
+    pip_indent = None
+    for raw in text.splitlines():
+        line = re.sub(r"(^|\s)#.*$", "", raw).rstrip()
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        body = line.strip()
+        if indent == 0:
+            assert not body.startswith("-"), f"list item at top level: {raw!r}"
+            key, _, value = body.partition(":")
+            key, value = key.strip(), value.strip()
+            pip_indent = None
+            if value.startswith("["):
+                assert value.endswith("]"), raw
+                out[key] = [v.strip() for v in value[1:-1].split(",") if v.strip()]
+            elif value:
+                out[key] = value
+            else:
+                out[key] = []
+            continue
+        assert body.startswith("- "), f"expected a list item: {raw!r}"
+        item = body[2:].strip()
+        if pip_indent is not None and indent > pip_indent:
+            out["pip"].append(item)
+            continue
+        pip_indent = None
+        if item == "pip:":
+            out.setdefault("pip", [])
+            pip_indent = indent
+            continue
+        out[key].append(item)
+    return out
+
+
+def _environment() -> dict:
+    if not ENVIRONMENT.exists():
+        pytest.skip("environment.yml does not exist yet")
+    return parse_environment(ENVIRONMENT.read_text())
+
+
+def _pyproject() -> dict:
+    return tomllib.loads(PYPROJECT.read_text())
+
+
+def test_parser_reads_both_list_styles():
+    text = """# comment
+name: env  # trailing comment
+channels: [conda-forge, defaults]
+dependencies:
+  - python=3.11
+  - numpy>=1.26   # same spec as pyproject
+  - pip
+  - pip:
+      - -e .
+      - extra==1.0
+other:
+  - a
+"""
+    assert parse_environment(text) == {"name": "env", "channels": ["conda-forge", "defaults"],
+                                       "dependencies": ["python=3.11", "numpy>=1.26", "pip"],
+                                       "pip": ["-e .", "extra==1.0"], "other": ["a"]}
+    assert _split("pytorch=2.13.0", conda=True) == ("torch", "==2.13.0")
+    assert _split("Foo_Bar>=1", conda=False) == ("foo-bar", ">=1")
+    with pytest.raises(AssertionError, match="cannot read"):
+        _split("numpy >= 1.26; python_version < '3.12'", conda=False)
+
+
+def test_parser_agrees_with_pyyaml_where_installed():
+    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed; the line parser stands alone")
+    env = _environment()
+    loaded = yaml.safe_load(ENVIRONMENT.read_text())
+    deps = [d for d in loaded["dependencies"] if isinstance(d, str)]
+    pips = [d["pip"] for d in loaded["dependencies"] if isinstance(d, dict)]
+    assert deps == env["dependencies"]
+    assert pips == ([env["pip"]] if "pip" in env else [])
+    assert loaded["name"] == env["name"] and loaded["channels"] == env["channels"]
+
+
+def test_environment_mirrors_pyproject():
+    env = _environment()
+    project = _pyproject()["project"]
+    declared = list(project["dependencies"]) + list(project["optional-dependencies"]["test"])
+    want = dict(_split(r, conda=False) for r in declared)
+    assert len(want) == len(declared), "a dependency is listed twice in pyproject.toml"
+
+    got: dict[str, str] = {}
+    for item in env["dependencies"]:
+        name, spec = _split(item, conda=True)
+        if name in NOT_IN_PYPROJECT:
+            continue
+        assert name not in got, f"{name} is listed twice in environment.yml"
+        got[name] = spec
+    for item in env.get("pip", []):
+        if item == "-e .":
+            continue
+        name, spec = _split(item, conda=False)
+        got[name] = spec
+
+    assert got == want, {"only in environment.yml": sorted(set(got.items()) - set(want.items())),
+                         "only in pyproject.toml": sorted(set(want.items()) - set(got.items()))}
+    assert {"pytest", "nbval"} <= set(got)  # the test extras are part of the environment
+
+
+def test_environment_installs_labkit_and_a_supported_python():
+    env = _environment()
+    assert env.get("name") == "fit-the-model"
+    assert env.get("channels") == ["conda-forge"]
+    assert "pip" in env["dependencies"]
+    assert env.get("pip") == ["-e ."]  # labkit itself, editable; everything else comes from conda
+    pythons = [d for d in env["dependencies"] if re.match(r"python\s*[=<>]", d)]
+    assert len(pythons) == 1
+    version = tuple(int(v) for v in re.findall(r"\d+", pythons[0])[:2])
+    lowest = tuple(int(v) for v in re.findall(r"\d+", _pyproject()["project"]["requires-python"])[:2])
+    assert version >= lowest
+
+
+def test_torch_is_pinned_exactly():
+    deps = [_split(r, conda=False) for r in _pyproject()["project"]["dependencies"]]
+    torch_specs = [spec for name, spec in deps if name == "torch"]
+    assert len(torch_specs) == 1 and re.fullmatch(r"==\d+\.\d+\.\d+", torch_specs[0]), torch_specs
+    import torch
+    assert torch.__version__.split("+")[0] == torch_specs[0][2:], "the installed torch is not the pinned one"
+
+
+def _make_targets() -> dict[str, list[str]]:
+    targets: dict[str, list[str]] = {}
+    current = None
+    for line in MAKEFILE.read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.$()-]+)\s*:(?!=)", line)
+        if m:
+            current = m.group(1)
+            targets[current] = []
+        elif line.startswith("\t") and current is not None:
+            targets[current].append(line.strip())
+        elif line.strip() and not line.startswith("#"):
+            current = None
+    return targets
+
+
+def test_makefile_has_the_three_commands():
+    targets = _make_targets()
+    assert {"run", "test", "lab"} <= set(targets)
+    phony = re.search(r"^\.PHONY:(.*)$", MAKEFILE.read_text(), re.M)
+    assert phony and {"run", "test", "lab"} <= set(phony.group(1).split())
+    test_recipe = " ".join(targets["test"])
+    assert "pytest tests" in test_recipe and "--nbval" in test_recipe
+    assert "labkit.runner" in " ".join(targets["run"])
+    assert "jupyter lab" in " ".join(targets["lab"])
+
+
+def test_ci_runs_make_test_and_nothing_else():
+    lines = [ln.strip() for ln in CI.read_text().splitlines()]
+    commands = [ln for ln in lines if ln and not ln.startswith("#")]
+    own = [c for c in commands if not c.startswith(("set ", "cd "))]
+    assert own == ["make test"], own
+    assert "pytest" not in CI.read_text()
+    assert CI.stat().st_mode & 0o111, ".ci/run must be executable"
+
+
+def test_readme_shows_the_three_commands():
+    if not README.exists():
+        pytest.skip("README.md does not exist yet")
+    text = README.read_text()
+    code = "\n".join(re.findall(r"```[^\n]*\n(.*?)```", text, re.S))  # fenced code blocks
+    for command in ("make run", "make test", "make lab"):
+        assert re.search(rf"^\s*{command}\b", code, re.M), f"README has no code line starting with `{command}`"
