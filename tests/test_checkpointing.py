@@ -1,0 +1,235 @@
+"""labkit.checkpointing: segment layouts, checkpointed stacks equal to the plain model, memory and FLOPs.
+
+The last tests run notebook 02 with papermill on non-default parameters and check its recorded invariants.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint_sequential
+
+from labkit.checkpointing import (MATMUL_OPS, CheckpointedSequential, checkpoint_blocks, flop_count, is_checkpointed,
+                                  max_grad_diff, predicted_activation_bytes, segment_sizes, torch_segment_sizes)
+from labkit.models import GPT, MLP, GPTConfig, MLPConfig
+from labkit.train import make_optimizer, measure_step, train_step
+
+CFG = GPTConfig(n_layer=6, n_embd=32, n_head=4, block_size=16, vocab_size=64)
+
+
+def _gpt(cfg=CFG, seed=0):
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def _batch(cfg=CFG, B=3, T=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(cfg.vocab_size, (B, T), generator=g), torch.randint(cfg.vocab_size, (B, T), generator=g))
+
+
+def _backward(model, batch):
+    _, loss = model(*batch)
+    loss.backward()
+    return loss.detach()
+
+
+# -- layouts ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 5, 16, 17])
+def test_segment_sizes_cover_the_stack_evenly_larger_first(n):
+    for s in range(1, n + 1):
+        sizes = segment_sizes(n, s)
+        assert len(sizes) == s and sum(sizes) == n
+        assert max(sizes) - min(sizes) <= 1
+        assert sizes == sorted(sizes, reverse=True)
+
+
+def test_torch_segment_sizes_put_the_remainder_last():
+    assert torch_segment_sizes(16, 9) == [1] * 8 + [8]
+    assert torch_segment_sizes(16, 4) == [4, 4, 4, 4] == segment_sizes(16, 4)
+    assert torch_segment_sizes(10, 3) == [3, 3, 4]
+    assert all(sum(torch_segment_sizes(16, s)) == 16 for s in range(1, 17))
+
+
+def test_torch_segment_sizes_match_checkpoint_sequential():
+    """Count each block's forward calls under checkpoint_sequential: recomputed blocks run twice."""
+    n, s = 7, 3
+    calls = [0] * n
+    blocks = nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
+    for i, b in enumerate(blocks):
+        b.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+    x = torch.randn(2, 4, requires_grad=True)
+    checkpoint_sequential(blocks, s, x, use_reentrant=False).sum().backward()
+    sizes = torch_segment_sizes(n, s)
+    expected = [2] * sum(sizes[:-1]) + [1] * sizes[-1]
+    assert calls == expected
+
+
+@pytest.mark.parametrize("bad", [(0, 1), (4, 0), (4, 5), (4, 1.5), (True, 1)])
+def test_segment_sizes_reject_bad_input(bad):
+    with pytest.raises(ValueError):
+        segment_sizes(*bad)
+
+
+# -- correctness -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs", [dict(segments=1), dict(segments=2), dict(segments=4),
+                                    dict(segments=6, checkpoint_last=True),
+                                    dict(segments=6, checkpoint_last=True, selective=True),
+                                    dict(segments=3, selective=True, save_ops=MATMUL_OPS[:2])])
+def test_checkpointed_gpt_gives_the_plain_gradients(kwargs):
+    batch = _batch()
+    plain = _gpt()
+    loss_plain = _backward(plain, batch)
+    ckpt = checkpoint_blocks(_gpt(), **kwargs)
+    assert is_checkpointed(ckpt)
+    loss_ckpt = _backward(ckpt, batch)
+    assert torch.equal(loss_plain, loss_ckpt)
+    assert max_grad_diff(plain, ckpt) <= 1e-6
+
+
+def test_checkpoint_blocks_keeps_modules_and_state_dict_keys():
+    model = _gpt()
+    keys, blocks = list(model.state_dict()), list(model.blocks)
+    checkpoint_blocks(model, 3)
+    assert isinstance(model.blocks, CheckpointedSequential) and model.blocks.sizes == [2, 2, 2]
+    assert list(model.state_dict()) == keys and all(a is b for a, b in zip(model.blocks, blocks))
+    checkpoint_blocks(model, None)
+    assert type(model.blocks) is nn.Sequential and not is_checkpointed(model)
+    assert list(model.state_dict()) == keys
+
+
+def test_checkpoint_blocks_works_on_an_mlp_and_rejects_other_models():
+    torch.manual_seed(0)
+    mlp = MLP(MLPConfig(in_features=8, hidden=16, depth=5))
+    ref = copy.deepcopy(mlp)
+    x, y = torch.randn(6, 8), torch.randint(10, (6,))
+    _backward(ref, (x, y))
+    _backward(checkpoint_blocks(mlp, 2), (x, y))  # x does not require grad: fine with non-reentrant
+    assert max_grad_diff(ref, mlp) <= 1e-6
+    with pytest.raises(TypeError, match="blocks"):
+        checkpoint_blocks(nn.Linear(2, 2), 1)
+
+
+def test_selective_needs_non_reentrant():
+    with pytest.raises(ValueError, match="use_reentrant"):
+        checkpoint_blocks(_gpt(), 2, selective=True, use_reentrant=True)
+
+
+def test_dropout_needs_the_rng_state_preserved():
+    cfg = GPTConfig(n_layer=3, n_embd=32, n_head=4, block_size=16, vocab_size=64, dropout=0.2)
+    batch = _batch(cfg)
+    grads = {}
+    for name, kwargs in (("plain", None), ("kept", dict(preserve_rng_state=True)),
+                         ("lost", dict(preserve_rng_state=False))):
+        model = _gpt(cfg)
+        if kwargs is not None:
+            checkpoint_blocks(model, 3, checkpoint_last=True, **kwargs)
+        torch.manual_seed(5)
+        _backward(model, batch)
+        grads[name] = model
+    assert max_grad_diff(grads["plain"], grads["kept"]) <= 1e-6
+    assert max_grad_diff(grads["plain"], grads["lost"]) > 1e-3
+
+
+def test_batchnorm_counts_the_batch_twice_under_checkpointing():
+    torch.manual_seed(0)
+    mlp = MLP(MLPConfig(in_features=8, hidden=16, depth=2, batchnorm=True))
+    checkpoint_blocks(mlp, 2, checkpoint_last=True)
+    _backward(mlp, (torch.randn(6, 8), torch.randint(10, (6,))))
+    assert int(mlp.layers[0][1].num_batches_tracked) == 2  # pytorch/pytorch#96136
+
+
+def test_max_grad_diff_flags_a_missing_gradient():
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    a(torch.randn(1, 2)).sum().backward()
+    assert max_grad_diff(a, b) == float("inf")
+
+
+# -- memory and FLOPs ------------------------------------------------------------------------------
+def _peak(model, batch):
+    opt = make_optimizer("adam", model.parameters())
+    return measure_step(model, opt, batch, step_fn=train_step)
+
+
+def test_checkpointing_lowers_the_peak_and_one_segment_is_the_plain_step():
+    batch = _batch(B=8)
+    plain = _peak(_gpt(), batch)
+    one = _peak(checkpoint_blocks(_gpt(), 1), batch)
+    assert one.peak_bytes == plain.peak_bytes
+    peaks = {s: _peak(checkpoint_blocks(_gpt(), s), batch).peak_bytes for s in (2, 3, 6)}
+    assert all(p < plain.peak_bytes for p in peaks.values())
+    every = _peak(checkpoint_blocks(_gpt(), 6, checkpoint_last=True), batch)
+    assert every.split["activations"] < plain.split["activations"] / 2
+
+
+def test_selective_checkpointing_sits_between_plain_and_full():
+    batch = _batch(B=8)
+    acts = {}
+    for name, kwargs in (("plain", None), ("full", dict(checkpoint_last=True)),
+                         ("selective", dict(checkpoint_last=True, selective=True))):
+        model = _gpt() if kwargs is None else checkpoint_blocks(_gpt(), CFG.n_layer, **kwargs)
+        acts[name] = _peak(model, batch).split["activations"]
+    assert acts["full"] < acts["selective"] < acts["plain"]
+
+
+def test_flops_within_one_extra_forward_and_selective_recomputes_no_matmul():
+    batch = _batch()
+    flops = {}
+    for name, kwargs in (("plain", None), ("full", dict(checkpoint_last=True)),
+                         ("selective", dict(checkpoint_last=True, selective=True))):
+        model = _gpt() if kwargs is None else checkpoint_blocks(_gpt(), CFG.n_layer, **kwargs)
+        flops[name] = flop_count(lambda: _backward(model, batch))
+    assert flops["selective"] == flops["plain"]
+    assert 1.0 < flops["full"] / flops["plain"] <= 4 / 3
+
+
+def test_predicted_activation_bytes_follows_chen():
+    n = 16
+    plain = predicted_activation_bytes(n, 1, block_bytes=10, boundary_bytes=1, rest_bytes=5)
+    assert plain == 5 + n * 10
+    equal = {s: predicted_activation_bytes(n, s, 1, 1) for s in range(1, n + 1)}
+    assert equal[round(math.sqrt(n))] == min(equal.values())  # a = b: the minimum includes Chen's √n
+    heavy = {s: predicted_activation_bytes(n, s, 25, 1) for s in range(1, n + 1)}
+    assert min(heavy, key=heavy.get) == n  # a ≫ b: one block per segment
+    assert predicted_activation_bytes(4, 2, 3, 1, sizes=[3, 1]) == max(0 + 9, 1 + 3)
+    with pytest.raises(ValueError):
+        predicted_activation_bytes(4, 2, 3, 1, sizes=[1, 1])
+
+
+# -- the notebook, with other parameters -----------------------------------------------------------
+NOTEBOOK = "02_activation_checkpointing"
+
+
+def test_notebook_invariants_hold_for_other_seeds_and_sizes(execute_notebook):
+    n = 9
+    entry = execute_notebook(NOTEBOOK, SEED=3, BATCH=5, SEQ_LEN=32, N_LAYER=n, WIDTH=32, SWEEP_BATCH=3,
+                             TIMED_STEPS=1)
+    assert entry["status"] == "ok", entry.get("error")
+    m = entry["measurements"]
+    assert m["max_grad_diff"] <= 1e-5
+    acts = {int(k): v for k, v in m["peak_activation_bytes_by_segments"].items()}
+    assert sorted(acts) == list(range(1, n + 1))
+    assert m["best_segments"] == min(acts, key=lambda s: (acts[s], s))
+    assert m["sqrt_n"] == pytest.approx(math.sqrt(n))
+    assert all(acts[s] < acts[1] for s in acts if s > 1)
+    assert m["best_segments"] >= math.floor(m["sqrt_n"])
+    torch_acts = {int(k): v for k, v in m["peak_activation_bytes_by_segments_torch"].items()}
+    assert all(torch_acts[s] >= acts[s] for s in acts)
+    assert m["fits_in_budget"] == (m["peak_bytes_checkpointed"] <= m["budget_bytes"])
+    assert 1.0 < m["flop_ratio_full_checkpoint"] <= 4 / 3
+    assert m["flop_ratio_selective"] == 1.0
+    assert m["step_time_ratio_full_checkpoint"] > 0  # a time: recorded, never compared
+    assert m["peak_activation_bytes_full_checkpoint"] < m["peak_activation_bytes_selective_linear"] \
+        < m["peak_activation_bytes_selective"] < acts[1]
+    assert m["dropout_grad_diff_rng_preserved"] <= 1e-5 < m["dropout_grad_diff_rng_not_preserved"]
+    assert m["batchnorm_batches_tracked_checkpointed"] == 2
+
+
+def test_notebook_rejects_a_bad_parameter_before_work(execute_notebook):
+    entry = execute_notebook(NOTEBOOK, N_LAYER=1)
+    assert entry["status"] == "failed"
+    assert "N_LAYER" in entry["error"]
+    assert "max_grad_diff" not in entry["measurements"]
