@@ -19,6 +19,7 @@ unlike it, segment sizes differ by at most one with the larger segments first
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 
 import torch
 import torch.nn as nn
@@ -72,6 +73,11 @@ class CheckpointedSequential(nn.Sequential):
         if selective and use_reentrant:
             raise ValueError("selective checkpointing needs use_reentrant=False")
         self.context_fn = selective_context_fn(save_ops) if selective else None
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):  # a slice is a plain nn.Sequential over the same modules
+            return nn.Sequential(OrderedDict(list(self._modules.items())[idx]))
+        return super().__getitem__(idx)
 
     @property
     def segments(self) -> int:

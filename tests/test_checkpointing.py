@@ -96,6 +96,8 @@ def test_checkpoint_blocks_keeps_modules_and_state_dict_keys():
     checkpoint_blocks(model, 3)
     assert isinstance(model.blocks, CheckpointedSequential) and model.blocks.sizes == [2, 2, 2]
     assert list(model.state_dict()) == keys and all(a is b for a, b in zip(model.blocks, blocks))
+    head = model.blocks[:2]
+    assert type(head) is nn.Sequential and list(head) == blocks[:2] and model.blocks[-1] is blocks[-1]
     checkpoint_blocks(model, None)
     assert type(model.blocks) is nn.Sequential and not is_checkpointed(model)
     assert list(model.state_dict()) == keys
@@ -228,8 +230,10 @@ def test_notebook_invariants_hold_for_other_seeds_and_sizes(execute_notebook):
     assert m["batchnorm_batches_tracked_checkpointed"] == 2
 
 
-def test_notebook_rejects_a_bad_parameter_before_work(execute_notebook):
-    entry = execute_notebook(NOTEBOOK, N_LAYER=1)
+@pytest.mark.parametrize("name, parameters", [("N_LAYER", dict(N_LAYER=1)),
+                                              ("SWEEP_BATCH × SEQ_LEN", dict(SWEEP_BATCH=1, SEQ_LEN=16))])
+def test_notebook_rejects_a_bad_parameter_before_work(execute_notebook, name, parameters):
+    entry = execute_notebook(NOTEBOOK, **parameters)
     assert entry["status"] == "failed"
-    assert "N_LAYER" in entry["error"]
-    assert "max_grad_diff" not in entry["measurements"]
+    assert "ParameterError" in entry["error"] and name in entry["error"]
+    assert entry["measurements"] == {}  # nothing measured or recorded before the check
