@@ -50,7 +50,11 @@ def estimate_training_memory(cfg: GPTConfig | MLPConfig, batch_size: int, seq_le
         model = build_model(cfg)
         opt = make_optimizer(optimizer, model.parameters())
         batch = example_batch(cfg, batch_size, seq_len)
-        step = measure_step(model, opt, batch, device="cpu")
+        for p in model.parameters():  # create the optimizer state without a forward pass
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step = measure_step(model, opt, batch, device="cpu", warmup=False)
     n = sum(p.numel() for p in model.parameters())
     T = (cfg.block_size if seq_len is None else seq_len) if isinstance(cfg, GPTConfig) else None
     return MemoryEstimate(step.peak_bytes, step.split, n, batch_size, T)
