@@ -19,12 +19,7 @@ from labkit.train import make_optimizer, measure_step
 F32 = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 SMALL_GPT = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)

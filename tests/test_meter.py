@@ -24,13 +24,7 @@ from labkit.meter import MemoryMeter, OutOfMemory, active_meter, try_fit
 F32 = 4  # bytes per float32 element
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Byte counts do not depend on threads; one thread keeps the tests fast on a shared machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -11,12 +11,7 @@ from labkit.data import MarkovTokens, TeacherTask
 from labkit.models import GPT, MLP, GPTConfig, MLPConfig, build_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- determinism ---------------------------------------------------------------------------------
