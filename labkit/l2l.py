@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from labkit.meter import MemoryMeter, active_meter
-from labkit.models import GPT, MLP
+from labkit.models import GPT, MLP, Block
 
 __all__ = [
     "EmbedStage", "GPTHeadStage", "L2LTrainer", "MLPHeadStage", "count_flops", "host_empty_like",
@@ -149,6 +149,15 @@ class MLPHeadStage(nn.Module):
         return F.cross_entropy(self.head(x), targets)
 
 
+def _stage_name(i: int, stage: nn.Module) -> str:
+    """Name stage i for reports: "embedding", "block i", "layer i" or "head"."""
+    if isinstance(stage, EmbedStage):
+        return "embedding"
+    if isinstance(stage, (GPTHeadStage, MLPHeadStage)):
+        return "head"
+    return f"block {i}" if isinstance(stage, Block) else f"layer {i}"
+
+
 def split_stages(model: nn.Module) -> list[nn.Module]:
     """Return the model's stages in order; the last one takes (x, targets) and returns the loss.
 
@@ -207,6 +216,8 @@ class L2LTrainer:
         self._copy_stream = torch.cuda.Stream(self.device) if prefetch else None
         self._dropout = [_has_dropout(s) for s in self.stages]
         self.moved_bytes = {"host_to_device": 0, "device_to_host": 0}  # by the last step
+        self.stage_names = [_stage_name(i, s) for i, s in enumerate(self.stages)]
+        self.peak_stage: tuple[str, str] | None = None  # (phase, stage) whose visit set the meter's peak
 
     # -- host tensors --------------------------------------------------------------------------------
     def host_tensors(self) -> Iterator[torch.Tensor]:
@@ -283,6 +294,14 @@ class L2LTrainer:
         weights = self._weights(order)
         meter = active_meter()
         phase = meter.phase if meter is not None else (lambda _: contextlib.nullcontext())
+        self.peak_stage = None
+        peak_seen = [meter.peak_bytes if meter is not None else 0]
+
+        def note_peak(phase_name: str, i: int):
+            """Remember the visit during which the meter's device peak last rose."""
+            if meter is not None and meter.peak_bytes > peak_seen[0]:
+                peak_seen[0] = meter.peak_bytes
+                self.peak_stage = (phase_name, self.stage_names[i])
 
         # 1. forward without a graph; keep each stage's input (a boundary activation) on the host
         boundary: list = [inputs]  # boundary[i]: input of stage i (stage 0's is the batch itself)
@@ -297,6 +316,7 @@ class L2LTrainer:
                 if i + 1 < n - 1:
                     boundary.append(to_host(h))
                     self.moved_bytes["device_to_host"] += h.nbytes
+                note_peak("forward", i)
 
         # 2. the last stage: forward and backward at once
         host_grads: list = []  # (host parameter, host gradient) pairs, added up after the backward
@@ -308,6 +328,7 @@ class L2LTrainer:
             grad_h = self._backward(n - 1, loss, None, x, w, host_grads)
             loss = loss.detach()  # its graph's leaf nodes would keep the head's device weights alive
             del w, x
+            note_peak("backward", n - 1)
 
             # 3. backward, last block to first stage: recompute each stage, then its gradients
             for i in range(n - 2, -1, -1):
@@ -322,6 +343,7 @@ class L2LTrainer:
                     out = functional_call(self.stages[i], w, (x,))
                 grad_h = self._backward(i, out, grad_h, x, w, host_grads)
                 del w, out, x
+                note_peak("backward", i)
         del weights
 
         # 4. gradients land on the host; the optimizer steps there

@@ -206,6 +206,18 @@ def test_max_param_diff():
         max_param_diff(a, labkit.MLP(labkit.MLPConfig()))
 
 
+def test_peak_stage_names_the_visit_that_set_the_meter_peak():
+    trainer = L2LTrainer(_gpt(), CPU)
+    assert trainer.stage_names == ["embedding", "block 1", "block 2", "head"]
+    b = MarkovTokens(vocab_size=trainer.model.cfg.vocab_size, seed=0).batch(4, 16)
+    trainer.step(b)
+    assert trainer.peak_stage is None  # no meter: nothing to attribute
+    meter = measure_l2l_step(trainer, b, timeline=False)
+    phase, stage = trainer.peak_stage
+    assert phase in ("forward", "backward") and stage in trainer.stage_names
+    assert meter.peak_bytes > 0
+
+
 # -- the notebook, with other parameters ------------------------------------------------------------
 def test_notebook_runs_with_other_seed_and_depths(execute_notebook):
     entry = execute_notebook("05_layer_to_layer", SEED=3, N_LAYER=3, BATCH=6, EQUAL_STEPS=2, SWEEP_DEPTHS=[1, 3, 6],

@@ -236,6 +236,17 @@ def test_notebook_invariants_hold_for_another_seed_and_depth(execute_notebook):
         assert m["device_peak_ratio_save_on_cpu"] == 1.0  # CPU: save_on_cpu moves nothing
 
 
+def test_notebook_checks_hold_when_the_threshold_exceeds_every_saved_tensor(execute_notebook):
+    entry = execute_notebook("04_activation_offload", SEED=1, N_LAYER=1, BATCH=2, SEQ_LEN=8, MIN_OFFLOAD_BYTES=2**30,
+                             TIMED_STEPS=1, LEAK_STEPS=2)
+    assert entry["status"] == "ok", entry.get("error")
+    m = entry["measurements"]
+    assert m["bytes_offloaded_per_step"] == 0
+    assert m["device_peak_ratio_offload"] == 1.0  # nothing moved: the hooks change nothing
+    assert m["host_peak_bytes_offload"] == 0
+    assert m["fits_in_budget"] is False
+
+
 def test_notebook_rejects_a_bad_parameter_before_work(execute_notebook):
     entry = execute_notebook("04_activation_offload", HOST_TIER="ssd")
     assert entry["status"] == "failed"
