@@ -34,11 +34,11 @@ FP16_MAX = 65504.0  # largest finite fp16 value
 
 
 def check_precision(precision: str, device: torch.device | str) -> None:
-    """Raise ValueError for an unknown precision, or for fp16 compute on a CPU (hundreds of times slower)."""
+    """Raise ValueError for an unknown precision, or for fp16 compute on a CPU (slow generic kernels)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp16" and torch.device(device).type == "cpu":
-        raise ValueError("fp16 compute on CPU is hundreds of times slower than fp32; use bf16 on CPU, "
+        raise ValueError("fp16 compute on CPU runs on slow generic kernels (notebook 03 times it); use bf16 on CPU, "
                          "or study fp16's range with casts (fp16_cast_stats)")
 
 
@@ -218,10 +218,10 @@ class Fp16CastStats:
 
     scale: float  # the loss scale the values were multiplied by before the cast
     nonzero: int  # nonzero fp32 values examined
-    zero_fraction: float  # share that became exactly 0 in fp16 (underflow: the value is lost)
+    zero_fraction: float  # share that became exactly 0 in fp16 (flushed to zero: the value is lost)
     subnormal_fraction: float  # share that became fp16 subnormals (nonzero, below 2^-14: fewer mantissa bits)
     overflow_fraction: float  # share that became ±inf in fp16 (above 65504)
-    below_min_subnormal_fraction: float  # share with |scale·g| < 2^-24 in fp32 (rounding sends some up to 2^-24)
+    below_min_subnormal_fraction: float  # underflow: share with |scale·g| < 2^-24 (rounding sends some up to 2^-24)
 
 
 def fp16_cast_stats(values: torch.Tensor, scale: float = 1.0) -> Fp16CastStats:

@@ -263,7 +263,21 @@ def test_notebook_invariants_hold_for_other_parameters(execute_notebook):
     assert m["throughput_ratio_bf16"] > 0
     assert m["final_loss_rel_diff_bf16"] < 0.05
     assert 0 <= m["fp16_underflow_fraction_scaled"] <= m["fp16_underflow_fraction_unscaled"] < 1
+    for which in ("unscaled", "scaled"):  # only values below 2^-24 can become 0
+        assert m[f"fp16_flushed_to_zero_fraction_{which}"] <= m[f"fp16_underflow_fraction_{which}"]
+    assert 0.5 < m["saved_activation_ratio_bf16"] < 1.0
     assert [r["width"] for r in m["sweep_bf16"]] == [16, 32]
+
+
+def test_notebook_runs_for_a_wide_model_on_few_tokens(execute_notebook):
+    # weight copies (width²) outweigh the activations (tokens × width): the checks must still pass
+    entry = execute_notebook(NB, N_LAYER=1, N_EMBD=1024, N_HEAD=4, BATCH=2, SEQ_LEN=2, SWEEP_WIDTHS=[32],
+                             SWEEP_BATCH=1, CURVE_STEPS=5, CURVE_N_EMBD=32, CURVE_BATCH=2, GRAD_STEPS=1,
+                             ACCUM_STEPS=2)
+    assert entry["status"] == "ok", entry.get("error")
+    m = entry["measurements"]
+    assert m["activation_bytes_ratio_bf16"] > 1.0  # the copies dominate here
+    assert 0.5 < m["saved_activation_ratio_bf16"] < 1.0
 
 
 def test_notebook_refuses_bad_parameter(execute_notebook):
