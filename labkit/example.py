@@ -8,7 +8,8 @@ from labkit.estimate import estimate_training_memory
 from labkit.models import GPTConfig
 
 BUDGET_FRACTION = 0.75
-"""The budget is this share of the plain fp32 Adam step's peak, rounded down to a whole MiB."""
+"""The budget is this share of the plain fp32 Adam step's peak, rounded down to a whole MiB
+(to a whole KiB for tiny models, whose budget would otherwise round to nothing)."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ def running_example(n_layer: int = 4, n_embd: int = 128, n_head: int = 4, batch_
     cfg = replace(GPTConfig(), n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                   block_size=max(seq_len, 1), vocab_size=vocab_size)
     peak = estimate_training_memory(cfg, batch_size, seq_len, optimizer="adam").peak_bytes
-    budget = int(BUDGET_FRACTION * peak) // 2**20 * 2**20
+    unit = 2**20 if BUDGET_FRACTION * peak >= 4 * 2**20 else 2**10
+    budget = int(BUDGET_FRACTION * peak) // unit * unit
     assert 0 < budget < peak, (budget, peak)
     return RunningExample(cfg, batch_size, seq_len, budget, peak)

@@ -356,6 +356,13 @@ def test_live_figure_redraws():
 
 # -- the running example -------------------------------------------------------------------------
 
+def test_tiny_running_example_gets_a_kib_budget():
+    ex = labkit.running_example(n_layer=1, n_embd=8, n_head=8, batch_size=2, seq_len=2)
+    assert ex.baseline_peak_bytes < 2**20  # a whole-MiB budget would round to 0
+    assert ex.budget_bytes % 2**10 == 0
+    assert ex.budget_bytes <= 0.75 * ex.baseline_peak_bytes < ex.budget_bytes + 2**10
+
+
 def test_running_example_does_not_fit_its_budget():
     ex = labkit.running_example()
     assert 0 < ex.budget_bytes < ex.baseline_peak_bytes
