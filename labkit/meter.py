@@ -125,6 +125,7 @@ class MemoryMeter(TorchDispatchMode):
         self._phase_override: str | None = None
         self._auto_phase = "other"
         self._host_depth = 0
+        self._quiet = False  # True while track() registers tensors that already exist
         self._open = False
         self._used = False
         self._t0 = time.perf_counter()
@@ -174,6 +175,15 @@ class MemoryMeter(TorchDispatchMode):
     # -- tracking ----------------------------------------------------------------------------
     def track(self, *objs) -> "MemoryMeter":
         """Count and categorise the parameters, gradients and optimizer state of modules/optimizers."""
+        self._quiet = True  # what already exists enters the timeline as one point, not one per tensor
+        try:
+            self._track(objs)
+        finally:
+            self._quiet = False
+        self._note()
+        return self
+
+    def _track(self, objs) -> None:
         for obj in objs:
             if isinstance(obj, torch.nn.Module):
                 self._tracked_modules.append(weakref.ref(obj))
@@ -196,7 +206,6 @@ class MemoryMeter(TorchDispatchMode):
             else:
                 raise TypeError(f"track() takes modules, optimizers or tensors, got {type(obj).__name__}")
         self._classify()
-        return self
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -439,7 +448,7 @@ class MemoryMeter(TorchDispatchMode):
         self._note()
 
     def _note(self) -> None:
-        if self.keep_timeline and self._open:
+        if self.keep_timeline and self._open and not self._quiet:
             self._timeline.append(TimelinePoint(self._seq, time.perf_counter() - self._t0,
                                                 self.current_bytes, self._phase()))
 

@@ -62,6 +62,7 @@ def plot_timeline(source: MemoryMeter | list[TimelinePoint], ax=None, budget_byt
     ax.annotate(f"peak {y[peak]:.1f} MiB", (peak, y[peak]), textcoords="offset points", xytext=(4, 4), fontsize=8)
     if budget_bytes:
         ax.axhline(budget_bytes / MiB, color="black", ls="--", lw=1, label=f"budget {budget_bytes / MiB:.0f} MiB")
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("allocation/free event")
     ax.set_ylabel("device memory (MiB)")
     ax.set_title(title)
