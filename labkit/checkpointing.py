@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from labkit.flops import count_flops
+
 MATMUL_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 """Operators whose outputs selective checkpointing keeps by default (the expensive ones)."""
 
@@ -142,10 +144,7 @@ def is_checkpointed(model: nn.Module) -> bool:
 
 def flop_count(step_fn) -> int:
     """Return the floating-point operations `step_fn()` runs (matmuls and convolutions, recomputation included)."""
-    from torch.utils.flop_counter import FlopCounterMode
-    with FlopCounterMode(display=False) as counter:
-        step_fn()
-    return int(counter.get_total_flops())
+    return count_flops(step_fn)
 
 
 def max_grad_diff(model_a: nn.Module, model_b: nn.Module) -> float:

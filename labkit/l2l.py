@@ -40,9 +40,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
+from labkit.flops import count_flops  # re-exported: notebook 05 imports it from here
 from labkit.meter import MemoryMeter, active_meter
 from labkit.models import GPT, MLP, Block
 
@@ -392,29 +391,6 @@ def measure_l2l_step(trainer: L2LTrainer, batch, budget_bytes: int | None = None
         meter.track(*[t for t in batch if isinstance(t, torch.Tensor)])
         trainer.step(batch)
     return meter
-
-
-class _MatmulFlops(TorchDispatchMode):
-    """Add up the FLOPs of the operators torch's flop counter knows (matmuls, attention, convolutions)."""
-
-    def __init__(self):
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = flop_registry.get(func.overloadpacket)
-        if formula is not None:
-            self.flops += int(formula(*args, **kwargs, out_val=out))
-        return out
-
-
-def count_flops(fn, *args, **kwargs) -> int:
-    """Return the matmul FLOPs that `fn(*args, **kwargs)` runs (forward, backward and recomputation alike)."""
-    with _MatmulFlops() as counter:
-        fn(*args, **kwargs)
-    return counter.flops
 
 
 @torch.no_grad()
