@@ -25,15 +25,15 @@ meters in one thread is refused.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import weakref
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 """Categories of `peak_split`; "activations" holds activations and everything else (inputs, temporaries)."""
@@ -83,6 +83,14 @@ class _Record:
         self.free_seq: int | None = None
 
 
+def _storage(t: torch.Tensor):
+    """Return the tensor's untyped storage, or None for tensors without one (sparse, nested)."""
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 @dataclass(frozen=True)
 class TimelinePoint:
     """Device bytes in use after one allocation or free."""
@@ -117,9 +125,10 @@ class MemoryMeter(TorchDispatchMode):
         self.host_peak_bytes = 0  # most host-tier bytes live at once
         self.cuda_max_allocated_bytes: int | None = None  # allocator's figure (CUDA only)
         self.cuda_reserved_bytes: int | None = None  # allocator's reserved bytes (CUDA only)
-        self._records = WeakIdKeyDictionary()  # storage -> _Record (live ones)
+        self._records: dict[int, _Record] = {}  # id(storage) -> its live record; removed when the storage dies
+        self._refs: dict[int, weakref.ref] = {}  # id(storage) -> weakref whose callback releases the record
         self._history: list[_Record] = []  # every record that may belong to the current peak
-        self._refs: list[weakref.ref] = []
+        self._self_ref = weakref.ref(self)
         self._seq = 0
         self._peak_seq = 0
         self._phase_override: str | None = None
@@ -129,7 +138,7 @@ class MemoryMeter(TorchDispatchMode):
         self._open = False
         self._used = False
         self._t0 = time.perf_counter()
-        self._timeline: list[TimelinePoint] = []
+        self._timeline: list[tuple] = []  # (seq, t_s, bytes, phase); TimelinePoints are built when asked for
         self._hooks: list = []
         self._tracked_modules: list[weakref.ref] = []
         self._tracked_optimizers: list[weakref.ref] = []
@@ -230,7 +239,7 @@ class MemoryMeter(TorchDispatchMode):
     def mark_host(self, t: torch.Tensor) -> torch.Tensor:
         """Move a tensor's storage from the device count to the host count; return the tensor."""
         st = t.untyped_storage()
-        rec = self._records.get(st)
+        rec = self._records.get(id(st))
         if rec is None:
             with self.host_tier():
                 self._see(t)
@@ -275,7 +284,7 @@ class MemoryMeter(TorchDispatchMode):
     @property
     def timeline(self) -> list[TimelinePoint]:
         """Device bytes after every allocation and free, with phase labels."""
-        return list(self._timeline)
+        return [TimelinePoint(*point) for point in self._timeline]
 
     def summary(self) -> dict:
         """Return the meter's figures as a JSON-able dict."""
@@ -294,17 +303,34 @@ class MemoryMeter(TorchDispatchMode):
 
     # -- dispatch ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        flat_in, _ = tree_flatten((args, kwargs))
-        for t in flat_in:
-            if isinstance(t, torch.Tensor):
-                self._see(t, check_budget=False)
-        out = func(*args, **kwargs)
-        flat_out, _ = tree_flatten(out)
-        for t in flat_out:
+        # Inputs: a tensor first seen here (the batch, an untracked weight) is counted, never refused.
+        # Operator arguments are tensors, lists of tensors or plain values: no general tree walk needed.
+        records = self._records
+        for a in (args, kwargs.values()) if kwargs else (args,):
+            for t in a:
+                if isinstance(t, torch.Tensor):
+                    st = _storage(t)
+                    if st is not None and id(st) not in records:
+                        self._see(t, check_budget=False)
+                elif isinstance(t, (list, tuple)):
+                    for u in t:
+                        if isinstance(u, torch.Tensor):
+                            st = _storage(u)
+                            if st is not None and id(st) not in records:
+                                self._see(u, check_budget=False)
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self._see(out)
+        elif isinstance(out, (list, tuple)):
+            self._see_all(out)
+        return out
+
+    def _see_all(self, outs) -> None:
+        for t in outs:
             if isinstance(t, torch.Tensor):
                 self._see(t)
-        return out
+            elif isinstance(t, (list, tuple)):  # e.g. a tuple of lists from a foreach operator
+                self._see_all(t)
 
     # -- internals ---------------------------------------------------------------------------
     def _phase(self) -> str:
@@ -338,13 +364,13 @@ class MemoryMeter(TorchDispatchMode):
         if category not in CATEGORIES:
             raise ValueError(f"category must be one of {CATEGORIES}, got {category!r}")
         self._see(t, check_budget=False)
-        rec = self._records.get(t.untyped_storage())
+        rec = self._records.get(id(t.untyped_storage()))
         if rec is not None:
             rec.category = category
         return t
 
     def _set_category(self, t, category):
-        rec = self._records.get(t.untyped_storage())
+        rec = self._records.get(id(t.untyped_storage()))
         if rec is not None and rec.category != "parameters":
             rec.category = category
 
@@ -355,7 +381,7 @@ class MemoryMeter(TorchDispatchMode):
             if m is None:
                 continue
             for t in list(m.parameters()) + list(m.buffers()):
-                rec = self._records.get(t.untyped_storage())
+                rec = self._records.get(id(t.untyped_storage()))
                 if rec is not None:
                     rec.category = "parameters"
                 if t.grad is not None:
@@ -367,30 +393,35 @@ class MemoryMeter(TorchDispatchMode):
                     self._set_category(t, "optimizer_state")
 
     def _see(self, t: torch.Tensor, check_budget: bool = True) -> None:
-        if not self._open or t.device.type not in (self.device.type, "cpu", "meta"):
+        if not self._open:
             return
-        if type(t).__name__ != "FakeTensor" and t.device.type == "meta":
+        dev = t.device.type
+        if dev != self.device.type and dev != "cpu" and dev != "meta":
             return
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. sparse, nested)
+        if dev == "meta" and not isinstance(t, FakeTensor):  # real meta tensors hold no memory
             return
-        rec = self._records.get(st)
+        st = _storage(t)
+        if st is None:
+            return
+        rec = self._records.get(id(st))
         if rec is not None:
             nbytes = st.nbytes()
             if nbytes != rec.nbytes:  # storage resized in place
                 self._renew(st, rec, nbytes, host=rec.host, check_budget=check_budget)
             return
-        host = self._host_depth > 0 or (t.device.type != self.device.type and self.device.type != "cpu")
-        if t.device.type == "meta" and self.device.type != "meta":
+        host = self._host_depth > 0 or (dev != self.device.type and self.device.type != "cpu")
+        if dev == "meta" and self.device.type != "meta":
             host = self._host_depth > 0
         rec = _Record(st.nbytes(), host, self._seq)
         self._acquire(rec, check_budget=check_budget)
-        self._records[st] = rec
+        self._register(st, rec)
+
+    def _register(self, st, rec: _Record) -> None:
+        """Make `rec` the live record of storage `st`; its weakref releases the bytes when `st` dies."""
+        key = id(st)
+        self._records[key] = rec
         self._history.append(rec)
-        self._refs.append(weakref.ref(st, self._freed_callback(rec)))
-        if len(self._refs) > 4096:
-            self._refs = [r for r in self._refs if r() is not None]
+        self._refs[key] = weakref.ref(st, functools.partial(_freed, self._self_ref, key, rec))
 
     def _renew(self, st, rec: _Record, nbytes: int, host: bool, check_budget: bool) -> None:
         """End `rec` and count its live storage anew (resized, or moved to the host tier).
@@ -403,23 +434,11 @@ class MemoryMeter(TorchDispatchMode):
         rec.free_seq = self._seq
         new = _Record(nbytes, host, self._seq)
         new.category = rec.category
-        self._records[st] = new
-        self._history.append(new)
-        self._refs.append(weakref.ref(st, self._freed_callback(new)))
+        self._register(st, new)
         in_use = self.current_bytes
         self._acquire(new, check_budget=False)
         if check_budget and not host and self.budget_bytes is not None and self.current_bytes > self.budget_bytes:
             raise OutOfMemory(nbytes, in_use, self.budget_bytes)
-
-    def _freed_callback(self, rec: _Record):
-        meter_ref = weakref.ref(self)
-
-        def freed(_):
-            meter = meter_ref()
-            if meter is not None and rec.free_seq is None:
-                meter._release(rec)
-                rec.free_seq = meter._seq
-        return freed
 
     def _acquire(self, rec: _Record, check_budget: bool) -> None:
         if rec.host:
@@ -449,8 +468,20 @@ class MemoryMeter(TorchDispatchMode):
 
     def _note(self) -> None:
         if self.keep_timeline and self._open and not self._quiet:
-            self._timeline.append(TimelinePoint(self._seq, time.perf_counter() - self._t0,
-                                                self.current_bytes, self._phase()))
+            self._timeline.append((self._seq, time.perf_counter() - self._t0, self.current_bytes, self._phase()))
+
+
+def _freed(meter_ref, key: int, rec: _Record, _storage_ref) -> None:
+    """Weakref callback: the storage of `rec` died; release its bytes and forget its key."""
+    meter = meter_ref()
+    if meter is None:
+        return
+    if rec.free_seq is None:
+        meter._release(rec)
+        rec.free_seq = meter._seq
+    if meter._records.get(key) is rec:
+        del meter._records[key]
+        del meter._refs[key]
 
 
 def _optimizer_state_tensors(opt: torch.optim.Optimizer):
