@@ -14,14 +14,19 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)  ## create .venv and install labkit with its dependencies
 
 run: $(STAMP)  ## execute every notebook (fast defaults) into build/, write build/results.json and build/report.html
-	$(PY) -m labkit.runner --notebooks notebooks --out build
+	$(PY) -m labkit.tools.runner --notebooks notebooks --out build
 
-test: $(STAMP)  ## unit tests, then nbval over every notebook (checked cells' expected outputs from their source)
-	$(PY) -m labkit.nbcheck notebooks build/nbval
-	LABKIT_BATCH=1 $(PY) -m pytest tests build/nbval --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
+# Tests run in TEST_WORKERS processes (pytest-xdist; a notebook's cells stay together in one), each on one
+# thread: two processes of two OpenMP threads on two cores spin against each other and run many times slower.
+TEST_WORKERS ?= 2
+TEST_ENV := LABKIT_BATCH=1 OMP_NUM_THREADS=1
 
-unit: $(STAMP)  ## unit tests only (no notebooks)
-	LABKIT_BATCH=1 $(PY) -m pytest tests -p no:cacheprovider
+test: $(STAMP)  ## unit and notebook tests, then nbval over every notebook; the 15 slowest tests are listed at the end
+	$(PY) -m labkit.tools.nbcheck notebooks build/nbval
+	$(TEST_ENV) $(PY) -m pytest tests build/nbval --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --durations=15
+
+unit: $(STAMP)  ## labkit's unit tests only: no notebook is run (tests marked `notebook` are left out)
+	$(TEST_ENV) $(PY) -m pytest tests -m "not notebook" -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --durations=10
 
 LAB_ARGS ?=
 AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)

@@ -7,18 +7,20 @@ themselves are written out in the notebooks. Importing labkit has no side effect
 from labkit.device import DEVICE_CHOICES, hardware_report, resolve_device, synchronize
 from labkit.estimate import MemoryEstimate, estimate_training_memory, example_batch
 from labkit.example import RunningExample, running_example
+from labkit.kernel import in_kernel, is_batch
 from labkit.meter import CATEGORIES, PHASES, FitResult, MemoryMeter, OutOfMemory, format_bytes, try_fit
 from labkit.models import GPT, MLP, GPTConfig, MLPConfig, build_model, count_params
 from labkit.progress import progress
-from labkit.results import is_batch, record, recorded
-from labkit.throughput import Throughput, measure_throughput
+from labkit.results import record, recorded
+from labkit.throughput import Throughput, measure_throughput, measure_throughputs
 from labkit.train import make_optimizer, measure_step, train_step
 from labkit.validate import ParameterError
 
 __all__ = [
     "CATEGORIES", "DEVICE_CHOICES", "FitResult", "GPT", "GPTConfig", "MLP", "MLPConfig", "MemoryEstimate",
-    "MemoryMeter", "OutOfMemory", "PHASES", "ParameterError", "RunningExample", "Throughput",
-    "build_model", "count_params", "estimate_training_memory", "example_batch", "format_bytes",
-    "hardware_report", "is_batch", "make_optimizer", "measure_step", "measure_throughput", "progress",
-    "record", "recorded", "resolve_device", "running_example", "synchronize", "train_step", "try_fit",
+    "MemoryMeter", "OutOfMemory", "PHASES", "ParameterError", "RunningExample", "Throughput", "build_model",
+    "count_params", "estimate_training_memory", "example_batch", "format_bytes", "hardware_report",
+    "in_kernel", "is_batch", "make_optimizer", "measure_step", "measure_throughput", "measure_throughputs",
+    "progress", "record", "recorded", "resolve_device", "running_example", "synchronize", "train_step",
+    "try_fit",
 ]

@@ -3,17 +3,17 @@
 The reference implementation that notebook 01 checks its visible loop against and that later
 notebooks (offload, the HPO study) reuse:
 
-    step = make_accumulation_step(micro_batch_size=4, loss="token_sum")
+    step = make_accumulation_step(micro_batch_size=4, normalise="tokens")
     step(model, optimizer, (x, y))          # same signature as labkit.train_step
     accumulate_gradients(model, (x, y), 4)  # gradients only, into .grad
 
-The loss of each micro-batch is scaled so that the summed gradients are the gradient of the loss
-of the whole batch:
+The loss of each micro-batch is normalised so that the summed gradients are the gradient of the
+loss of the whole batch (`normalise=`, the same words as notebook 01):
 
 - "mean": the model's own mean loss times (micro-batch rows / batch rows). Exact for losses that
   average over samples, and over tokens when every row holds the same number of real tokens,
   also when the last micro-batch is short (ragged).
-- "token_sum": the summed cross-entropy of the real tokens (targets != ignore_index) divided by
+- "tokens": the summed cross-entropy of the real tokens (targets != ignore_index) divided by
   the real tokens of the *whole* batch. Exact for token-level losses with padding.
 - "naive": each micro-batch's mean loss divided by the number of micro-batches. This is the
   accumulation bug of transformers/trl before October 2024 (transformers #24725, trl #2175; fixed
@@ -28,14 +28,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-LOSS_MODES = ("mean", "token_sum", "naive")
+from labkit.validate import check_choice, check_int
+
+NORMALISATIONS = ("mean", "tokens", "naive")
 IGNORE_INDEX = -100
-
-
-def _check_micro(micro_batch_size) -> int:
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be an integer >= 1, got {micro_batch_size!r}")
-    return micro_batch_size
 
 
 def _batch_rows(batch: Sequence[torch.Tensor]) -> int:
@@ -52,16 +48,15 @@ def _batch_rows(batch: Sequence[torch.Tensor]) -> int:
 
 def split_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
     """Return the rows of each micro-batch: full ones of `micro_batch_size`, then a ragged remainder."""
-    _check_micro(micro_batch_size)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    check_int("micro_batch_size", micro_batch_size, 1)
+    check_int("batch_size", batch_size, 1)
     full, rest = divmod(batch_size, micro_batch_size)
     return [micro_batch_size] * full + ([rest] if rest else [])
 
 
 def split_batch(batch: Sequence[torch.Tensor], micro_batch_size: int) -> list[tuple]:
     """Split every tensor of a batch along dim 0 into micro-batches (the last may be shorter)."""
-    _check_micro(micro_batch_size)
+    check_int("micro_batch_size", micro_batch_size, 1)
     _batch_rows(batch)
     parts = [t.split(micro_batch_size) if isinstance(t, torch.Tensor) else None for t in batch]
     n = len(next(p for p in parts if p is not None))
@@ -77,43 +72,42 @@ def _logits(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def micro_batch_loss(model: torch.nn.Module, micro_batch: Sequence[torch.Tensor], *, loss: str, batch_rows: int,
+def micro_batch_loss(model: torch.nn.Module, micro_batch: Sequence[torch.Tensor], *, normalise: str, batch_rows: int,
                      n_micro: int, batch_tokens: int | None = None,
                      ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Return one micro-batch's loss, scaled so that summing over micro-batches gives the batch's loss."""
-    if loss == "token_sum":
+    """Return one micro-batch's loss, normalised so that summing over micro-batches gives the batch's loss."""
+    if normalise == "tokens":
         *inputs, targets = micro_batch
         logits = _logits(model(*inputs))  # (..., V)
         summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                                  ignore_index=ignore_index, reduction="sum")
         return summed / batch_tokens
     _, mean_loss = model(*micro_batch)
-    if loss == "mean":
+    if normalise == "mean":
         return mean_loss * (micro_batch[0].shape[0] / batch_rows)
-    if loss == "naive":
+    if normalise == "naive":
         return mean_loss / n_micro
-    raise ValueError(f"loss must be one of {LOSS_MODES}, got {loss!r}")
+    raise ValueError(f"normalise must be one of {NORMALISATIONS}, got {normalise!r}")
 
 
 def accumulate_gradients(model: torch.nn.Module, batch: Sequence[torch.Tensor], micro_batch_size: int,
-                         loss: str = "mean", ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                         normalise: str = "mean", ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Add the batch's gradient to .grad, one micro-batch at a time; return the detached batch loss.
 
     `batch` is (inputs..., targets); the model returns (logits, mean_loss) or logits. Zero the
-    gradients first for a fresh gradient. See the module docstring for the `loss` modes.
+    gradients first for a fresh gradient. See the module docstring for `normalise`.
     """
-    if loss not in LOSS_MODES:
-        raise ValueError(f"loss must be one of {LOSS_MODES}, got {loss!r}")
+    check_choice("normalise", normalise, NORMALISATIONS)
     rows = _batch_rows(batch)
     micro_batches = split_batch(batch, micro_batch_size)
     tokens = None
-    if loss == "token_sum":
+    if normalise == "tokens":
         tokens = count_tokens(batch[-1], ignore_index)  # the whole batch's real tokens, counted once
         if tokens == 0:
-            raise ValueError("token_sum: the batch holds no real tokens (every target is ignore_index)")
+            raise ValueError("normalise='tokens': the batch holds no real tokens (every target is ignore_index)")
     total = torch.zeros((), device=batch[-1].device)
     for mb in micro_batches:
-        part = micro_batch_loss(model, mb, loss=loss, batch_rows=rows, n_micro=len(micro_batches),
+        part = micro_batch_loss(model, mb, normalise=normalise, batch_rows=rows, n_micro=len(micro_batches),
                                 batch_tokens=tokens, ignore_index=ignore_index)
         part.backward()
         total += part.detach()
@@ -121,11 +115,11 @@ def accumulate_gradients(model: torch.nn.Module, batch: Sequence[torch.Tensor], 
 
 
 def accumulation_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor],
-                      micro_batch_size: int, loss: str = "mean", scheduler=None,
+                      micro_batch_size: int, normalise: str = "mean", scheduler=None,
                       max_grad_norm: float | None = None) -> torch.Tensor:
     """Run one optimizer step on a batch through micro-batches; return the detached batch loss."""
     optimizer.zero_grad(set_to_none=True)
-    total = accumulate_gradients(model, batch, micro_batch_size, loss=loss)
+    total = accumulate_gradients(model, batch, micro_batch_size, normalise=normalise)
     if max_grad_norm is not None:  # clip the accumulated gradient, once, never per micro-batch
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
@@ -135,42 +129,16 @@ def accumulation_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     return total
 
 
-def make_accumulation_step(micro_batch_size: int, loss: str = "mean") -> Callable:
+def make_accumulation_step(micro_batch_size: int, normalise: str = "mean") -> Callable:
     """Return step_fn(model, optimizer, batch) that accumulates over micro-batches (for measure_step)."""
-    _check_micro(micro_batch_size)
-    if loss not in LOSS_MODES:
-        raise ValueError(f"loss must be one of {LOSS_MODES}, got {loss!r}")
+    check_int("micro_batch_size", micro_batch_size, 1)
+    check_choice("normalise", normalise, NORMALISATIONS)
 
     def step(model, optimizer, batch):
-        return accumulation_step(model, optimizer, batch, micro_batch_size, loss=loss)
+        return accumulation_step(model, optimizer, batch, micro_batch_size, normalise=normalise)
 
-    step.__name__ = f"accumulation_step_m{micro_batch_size}_{loss}"
+    step.__name__ = f"accumulation_step_m{micro_batch_size}_{normalise}"
     return step
-
-
-def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Return a copy of every parameter's gradient by name (zeros where .grad is None)."""
-    return {name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-            for name, p in model.named_parameters()}
-
-
-def max_rel_grad_diff(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
-                      floor: float = 1e-12) -> float:
-    """Return max over parameters of ||g - g_ref||_2 / max(||g_ref||_2, floor), computed in float64."""
-    if grads.keys() != reference.keys():
-        raise ValueError(f"gradient sets differ: {sorted(set(grads) ^ set(reference))}")
-    worst = 0.0
-    for name, ref in reference.items():
-        ref64, g64 = ref.detach().double(), grads[name].detach().double()
-        diff = float(torch.linalg.vector_norm(g64 - ref64))
-        worst = max(worst, diff / max(float(torch.linalg.vector_norm(ref64)), floor))
-    return worst
-
-
-def rel_diff(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> float:
-    """Return ||a - b||_2 / max(||b||_2, floor) in float64 (b is the reference)."""
-    a64, b64 = a.detach().double(), b.detach().double()
-    return float(torch.linalg.vector_norm(a64 - b64)) / max(float(torch.linalg.vector_norm(b64)), floor)
 
 
 def accumulation_steps(batch_size: int, micro_batch_size: int) -> int:
@@ -178,7 +146,6 @@ def accumulation_steps(batch_size: int, micro_batch_size: int) -> int:
     return len(split_sizes(batch_size, micro_batch_size))
 
 
-__all__ = ["IGNORE_INDEX", "LOSS_MODES", "accumulate_gradients", "accumulation_step", "accumulation_steps",
-           "count_tokens", "gradients", "make_accumulation_step", "max_rel_grad_diff", "micro_batch_loss",
-           "rel_diff", "split_batch", "split_sizes"]
+__all__ = ["IGNORE_INDEX", "NORMALISATIONS", "accumulate_gradients", "accumulation_step", "accumulation_steps",
+           "count_tokens", "make_accumulation_step", "micro_batch_loss", "split_batch", "split_sizes"]
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from labkit.flops import count_flops
+from labkit.validate import check_int
 
 MATMUL_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 """Operators whose outputs selective checkpointing keeps by default (the expensive ones)."""
@@ -33,10 +33,8 @@ MATMUL_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops
 
 def segment_sizes(n_blocks: int, segments: int) -> list[int]:
     """Split n blocks into `segments` contiguous runs, sizes differing by at most one, larger first."""
-    if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 1:
-        raise ValueError(f"n_blocks must be an integer >= 1, got {n_blocks!r}")
-    if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= n_blocks:
-        raise ValueError(f"segments must be an integer in [1, n_blocks={n_blocks}], got {segments!r}")
+    check_int("n_blocks", n_blocks, 1)
+    check_int("segments", segments, 1, n_blocks)
     q, r = divmod(n_blocks, segments)
     return [q + 1] * r + [q] * (segments - r)
 
@@ -140,22 +138,6 @@ def checkpoint_blocks(model: nn.Module, segments: int | None, *, checkpoint_last
 def is_checkpointed(model: nn.Module) -> bool:
     """Tell whether `checkpoint_blocks` is active on the model."""
     return isinstance(getattr(model, _stack_name(model)), CheckpointedSequential)
-
-
-def flop_count(step_fn) -> int:
-    """Return the floating-point operations `step_fn()` runs (matmuls and convolutions, recomputation included)."""
-    return count_flops(step_fn)
-
-
-def max_grad_diff(model_a: nn.Module, model_b: nn.Module) -> float:
-    """Return the largest |grad_a - grad_b| over matching parameters (inf if one has a grad and the other not)."""
-    worst = 0.0
-    for (name, pa), (_, pb) in zip(model_a.named_parameters(), model_b.named_parameters(), strict=True):
-        if (pa.grad is None) != (pb.grad is None):
-            return float("inf")
-        if pa.grad is not None:
-            worst = max(worst, float((pa.grad - pb.grad).abs().max()))
-    return worst
 
 
 def predicted_activation_bytes(n_blocks: int, segments: int, block_bytes: float, boundary_bytes: float,

@@ -6,11 +6,11 @@ import math
 
 import torch
 
+from labkit.validate import check_int
+
 
 def _generator(seed: int) -> torch.Generator:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"SEED must be an integer, got {seed!r}")
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator().manual_seed(check_int("seed", seed, 0))
 
 
 class MarkovTokens:

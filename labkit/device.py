@@ -9,17 +9,17 @@ import torch
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
-def resolve_device(name: str = "auto") -> torch.device:
-    """Return the torch device for DEVICE = "auto" | "cpu" | "cuda" (auto: CUDA, other accelerator, CPU)."""
+def resolve_device(name: str | torch.device = "auto", param: str = "device") -> torch.device:
+    """Return the torch device for "auto" | "cpu" | "cuda" (auto: CUDA, other accelerator, CPU); errors name `param`."""
     if not isinstance(name, (str, torch.device)):
-        raise TypeError(f"DEVICE must be one of {DEVICE_CHOICES}, got {name!r}")
+        raise TypeError(f"{param} must be one of {DEVICE_CHOICES}, got {name!r}")
     name = str(name)
     kind = name.split(":")[0]
     if kind not in DEVICE_CHOICES:
-        raise ValueError(f"DEVICE must be one of {DEVICE_CHOICES}, got {name!r}")
+        raise ValueError(f"{param} must be one of {DEVICE_CHOICES}, got {name!r}")
     if kind == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("DEVICE='cuda' but torch sees no CUDA device; use DEVICE='auto' or 'cpu'")
+            raise ValueError(f"{param}={name!r} but torch sees no CUDA device; use 'auto' or 'cpu'")
         return torch.device(name)
     if kind == "cpu":
         return torch.device("cpu")

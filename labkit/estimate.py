@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from labkit.models import GPTConfig, MLPConfig, build_model
 from labkit.train import make_optimizer, measure_step
+from labkit.validate import check_int
 
 
 @dataclass
@@ -42,10 +43,9 @@ def example_batch(cfg: GPTConfig | MLPConfig, batch_size: int, seq_len: int | No
 def estimate_training_memory(cfg: GPTConfig | MLPConfig, batch_size: int, seq_len: int | None = None,
                              optimizer: str = "adam") -> MemoryEstimate:
     """Estimate the peak bytes of one steady-state training step on fake tensors (nothing allocated)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if isinstance(cfg, GPTConfig) and seq_len is not None and not 1 <= seq_len <= cfg.block_size:
-        raise ValueError(f"seq_len must be in [1, block_size={cfg.block_size}], got {seq_len}")
+    check_int("batch_size", batch_size, 1)
+    if isinstance(cfg, GPTConfig) and seq_len is not None:
+        check_int("seq_len", seq_len, 1, cfg.block_size)
     with FakeTensorMode():
         model = build_model(cfg)
         opt = make_optimizer(optimizer, model.parameters())

@@ -31,5 +31,6 @@ def running_example(n_layer: int = 4, n_embd: int = 128, n_head: int = 4, batch_
     peak = estimate_training_memory(cfg, batch_size, seq_len, optimizer="adam").peak_bytes
     unit = 2**20 if BUDGET_FRACTION * peak >= 4 * 2**20 else 2**10
     budget = int(BUDGET_FRACTION * peak) // unit * unit
-    assert 0 < budget < peak, (budget, peak)
+    if not 0 < budget < peak:  # a peak under one KiB leaves nothing to budget
+        raise ValueError(f"the running example's peak ({peak} B) is too small for a budget in whole KiB below it")
     return RunningExample(cfg, batch_size, seq_len, budget, peak)

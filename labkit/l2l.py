@@ -20,10 +20,10 @@ peak does not grow with depth. On CUDA the host tensors are pinned and the next 
 copied on a side stream while the current stage computes (`prefetch`).
 
 CPU-only machines: the "device" and the "host" are the same RAM. The host tier is then an
-*accounted pool*: tensors allocated inside `host_tier()` (or passed to `MemoryMeter.mark_host`)
-are counted as host bytes by the active `MemoryMeter`, exempt from its budget; device working copies
-are real, separate allocations (`torch.empty_like` + `copy_`), never the host tensor itself, so the
-meter's device count is exactly what a GPU would hold. The code is the same on both.
+*accounted pool* (`labkit.hosttier`): tensors allocated inside `host_tier()` (or passed to
+`MemoryMeter.mark_host`) are counted as host bytes by the active `MemoryMeter`, exempt from its
+budget; device working copies are real, separate allocations (`hosttier.to_device`), never the host
+tensor itself, so the meter's device count is exactly what a GPU would hold. The code is the same on both.
 
     trainer = L2LTrainer(model, device)            # model: the host master copy (stays on CPU)
     loss = trainer.step((idx, targets))            # batch on the device
@@ -38,138 +38,13 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.func import functional_call
 
-from labkit.flops import count_flops  # re-exported: notebook 05 imports it from here
+from labkit.hosttier import host_state_tensors, host_tier, mark_host_state, to_device, to_host
 from labkit.meter import MemoryMeter, active_meter
-from labkit.models import GPT, MLP, Block
+from labkit.models import split_stages, stage_name
 
-__all__ = [
-    "EmbedStage", "GPTHeadStage", "L2LTrainer", "MLPHeadStage", "count_flops", "host_empty_like",
-    "host_state_tensors", "host_tier", "mark_host_state", "max_param_diff", "measure_l2l_step", "split_stages",
-    "to_device", "to_host",
-]
-
-
-# -- the host tier -----------------------------------------------------------------------------------
-def host_tier():
-    """Return a context in which new storages count as host memory in the active meter (no-op without one)."""
-    meter = active_meter()
-    return meter.host_tier() if meter is not None else contextlib.nullcontext()
-
-
-def host_empty_like(t: torch.Tensor, pin: bool | None = None) -> torch.Tensor:
-    """Allocate an uninitialised host tensor shaped like `t` (pinned by default when `t` is on CUDA)."""
-    if pin is None:
-        pin = t.device.type == "cuda"
-    with host_tier():
-        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-
-
-def to_host(t: torch.Tensor, non_blocking: bool = True) -> torch.Tensor:
-    """Copy a device tensor into a new host tensor.
-
-    On CUDA the copy is asynchronous (into pinned memory): later copies on the same stream see it
-    in order, but the CPU must synchronize before it reads the result.
-    """
-    out = host_empty_like(t)
-    out.copy_(t.detach(), non_blocking=non_blocking and t.device.type == "cuda")
-    return out
-
-
-def to_device(t: torch.Tensor, device: torch.device, non_blocking: bool = True) -> torch.Tensor:
-    """Copy a host tensor into a new device tensor (a real copy, also on a CPU "device")."""
-    out = torch.empty_like(t, device=device)
-    out.copy_(t.detach(), non_blocking=non_blocking and device.type == "cuda")
-    return out
-
-
-def host_state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[torch.Tensor]:
-    """Yield a model's parameters, gradients and buffers and an optimizer's state tensors."""
-    for p in model.parameters():
-        yield p
-        if p.grad is not None:
-            yield p.grad
-    yield from model.buffers()
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    yield v
-
-
-def mark_host_state(meter: MemoryMeter, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
-    """Count a host-resident model and optimizer state as host bytes in `meter`; return the meter."""
-    for t in host_state_tensors(model, optimizer):
-        meter.mark_host(t)
-    return meter
-
-
-# -- stages ----------------------------------------------------------------------------------------
-class EmbedStage(nn.Module):
-    """Token (and position) embedding of a GPT: (B, T) int64 -> (B, T, C)."""
-
-    def __init__(self, gpt: GPT):
-        super().__init__()
-        self.tok_emb, self.pos_emb, self.drop = gpt.tok_emb, gpt.pos_emb, gpt.drop
-        self.block_size = gpt.cfg.block_size
-
-    def forward(self, idx):  # (B, T)
-        T = idx.size(1)
-        if T > self.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
-        x = self.tok_emb(idx)  # (B, T, C)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(T, device=idx.device))
-        return self.drop(x)
-
-
-class GPTHeadStage(nn.Module):
-    """Final norm, output head (tied to the token embedding when the GPT ties them) and loss."""
-
-    def __init__(self, gpt: GPT):
-        super().__init__()
-        self.norm, self.head = gpt.norm, gpt.head
-
-    def forward(self, x, targets):  # x: (B, T, C), targets: (B, T)
-        logits = self.head(self.norm(x))  # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-
-
-class MLPHeadStage(nn.Module):
-    """Classifier head of an MLP and its loss."""
-
-    def __init__(self, mlp: MLP):
-        super().__init__()
-        self.head = mlp.head
-
-    def forward(self, x, targets):  # x: (B, hidden), targets: (B,)
-        return F.cross_entropy(self.head(x), targets)
-
-
-def _stage_name(i: int, stage: nn.Module) -> str:
-    """Name stage i for reports: "embedding", "block i", "layer i" or "head"."""
-    if isinstance(stage, EmbedStage):
-        return "embedding"
-    if isinstance(stage, (GPTHeadStage, MLPHeadStage)):
-        return "head"
-    return f"block {i}" if isinstance(stage, Block) else f"layer {i}"
-
-
-def split_stages(model: nn.Module) -> list[nn.Module]:
-    """Return the model's stages in order; the last one takes (x, targets) and returns the loss.
-
-    The stages share the model's parameter objects, so a tied weight appears in two stages.
-    """
-    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        raise ValueError("L2L recomputes each layer's forward in backward, so BatchNorm running statistics "
-                         "would update twice (pytorch #96136); use a model without BatchNorm")
-    if isinstance(model, GPT):
-        return [EmbedStage(model), *model.blocks, GPTHeadStage(model)]
-    if isinstance(model, MLP):
-        return [*model.layers, MLPHeadStage(model)]
-    raise TypeError(f"split_stages supports labkit GPT and MLP models, got {type(model).__name__}")
+__all__ = ["L2LTrainer", "measure_l2l_step"]
 
 
 def _label(t: torch.Tensor, category: str) -> torch.Tensor:
@@ -201,6 +76,9 @@ class L2LTrainer:
                  prefetch: bool | None = None):
         """`model` becomes the host master copy (moved to CPU, pinned on CUDA); prefetch: None = on CUDA."""
         self.device = torch.device(device)
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            raise ValueError("L2L recomputes each layer's forward in backward, so BatchNorm running statistics "
+                             "would update twice (pytorch #96136); use a model without BatchNorm")
         self.model = model.to("cpu")
         if self.device.type == "cuda":  # pinned pages: asynchronous copies that overlap compute
             for t in list(self.model.parameters()) + list(self.model.buffers()):
@@ -215,7 +93,7 @@ class L2LTrainer:
         self._copy_stream = torch.cuda.Stream(self.device) if prefetch else None
         self._dropout = [_has_dropout(s) for s in self.stages]
         self.moved_bytes = {"host_to_device": 0, "device_to_host": 0}  # by the last step
-        self.stage_names = [_stage_name(i, s) for i, s in enumerate(self.stages)]
+        self.stage_names = [stage_name(i, s) for i, s in enumerate(self.stages)]
         self.peak_stage: tuple[str, str] | None = None  # (phase, stage) whose visit set the meter's peak
 
     # -- host tensors --------------------------------------------------------------------------------
@@ -233,18 +111,13 @@ class L2LTrainer:
         named = dict(self.stages[i].named_parameters())
         named.update(self.stages[i].named_buffers())
         self.moved_bytes["host_to_device"] += sum(t.nbytes for t in named.values())
-        weights = {n: _label(torch.empty_like(t, device=self.device), "parameters")  # on the compute stream
+        # allocated on the compute stream; copied on the side stream when prefetching
+        weights = {n: _label(to_device(t, self.device, stream=self._copy_stream), "parameters")
                    for n, t in named.items()}
         if self._copy_stream is None:
-            for n, t in named.items():
-                weights[n].copy_(t.detach(), non_blocking=self.device.type == "cuda")
             return _Fetch(weights, None)
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the buffers' memory is free
-        with torch.cuda.stream(self._copy_stream):
-            for n, t in named.items():
-                weights[n].copy_(t.detach(), non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(self._copy_stream)
+        ready = torch.cuda.Event()
+        ready.record(self._copy_stream)
         return _Fetch(weights, ready)
 
     def _weights(self, order: Sequence[int]) -> Iterator[dict]:
@@ -391,19 +264,3 @@ def measure_l2l_step(trainer: L2LTrainer, batch, budget_bytes: int | None = None
         meter.track(*[t for t in batch if isinstance(t, torch.Tensor)])
         trainer.step(batch)
     return meter
-
-
-@torch.no_grad()
-def max_param_diff(a: nn.Module, b: nn.Module, relative: bool = False) -> float:
-    """Return the largest elementwise |a - b| over matching parameters (relative: over max |b|, per tensor)."""
-    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
-    if pa.keys() != pb.keys():
-        raise ValueError("the two models have different parameter names")
-    worst = 0.0
-    for name, x in pa.items():
-        y = pb[name].to(x.device)
-        d = (x - y).abs().max().item()
-        if relative:
-            d /= max(y.abs().max().item(), 1e-12)
-        worst = max(worst, d)
-    return worst

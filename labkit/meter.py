@@ -484,6 +484,17 @@ def _freed(meter_ref, key: int, rec: _Record, _storage_ref) -> None:
         del meter._refs[key]
 
 
+class DispatchFloor(TorchDispatchMode):
+    """A dispatch mode that only forwards each operator: the least any TorchDispatchMode adds to a step.
+
+    Timing a step inside it, beside the same step plain and inside a `MemoryMeter`, splits the
+    meter's overhead into what Python dispatch costs anyway and what the meter's counting adds.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def _optimizer_state_tensors(opt: torch.optim.Optimizer):
     for state in opt.state.values():
         for v in state.values():
@@ -498,23 +509,24 @@ def active_meter() -> MemoryMeter | None:
 
 @dataclass
 class FitResult:
-    """Whether a piece of work fitted the budget, and its value or the OutOfMemory it raised."""
+    """Whether a piece of work fitted the memory, and its value or the out-of-memory error it raised."""
 
-    fits: bool  # True when no OutOfMemory was raised
+    fits: bool  # True when no out-of-memory error was raised
     value: object = None  # what the work returned (None when it did not fit)
-    error: OutOfMemory | None = None  # the OutOfMemory raised (traceback dropped, memory released)
+    error: torch.OutOfMemoryError | None = None  # labkit's OutOfMemory (budget) or the allocator's own error
 
 
 def try_fit(fn, *args, **kwargs) -> FitResult:
-    """Call `fn`; turn an OutOfMemory into a FitResult(fits=False) and release what it held."""
+    """Call `fn`; turn an out-of-memory error (budget or allocator) into FitResult(fits=False), releasing memory.
+
+    A budget refusal is a `labkit.OutOfMemory` with the requested, in-use and allowed bytes; a real
+    CUDA allocator failure is kept as the allocator raised it (its message carries its own figures).
+    """
     import gc
     try:
         return FitResult(True, fn(*args, **kwargs))
     except torch.OutOfMemoryError as e:
-        err = e if isinstance(e, OutOfMemory) else OutOfMemory(0, 0, 0)
-        if not isinstance(e, OutOfMemory):
-            err.args = (str(e),)
-        err.__traceback__ = None  # the traceback's frames hold the step's tensors
+        err = e.with_traceback(None)  # the traceback's frames hold the step's tensors
         del e
         gc.collect()
         if torch.cuda.is_available():

@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labkit.validate import check_int
+
 
 @dataclass
 class GPTConfig:
@@ -34,9 +36,7 @@ class GPTConfig:
 
     def __post_init__(self):
         for name in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be an integer >= 1, got {value!r}")
+            check_int(f"GPTConfig.{name}", getattr(self, name), 1)
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
@@ -188,13 +188,7 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def embed(self, idx):  # (B, T) int64 -> (B, T, C)
-        T = idx.size(1)
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
-        x = self.tok_emb(idx)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(T, device=idx.device))  # (B, T, C)
-        return self.drop(x)
+        return _embed(self, idx, self.cfg.block_size)
 
     def logits(self, x):  # (B, T, C) -> (B, T, V)
         return self.head(self.norm(x))
@@ -202,10 +196,22 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None):  # idx, targets: (B, T)
         """Return (logits, loss); loss is the mean cross-entropy over targets != -100, or None."""
         logits = self.logits(self.blocks(self.embed(idx)))  # (B, T, V)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-        return logits, loss
+        return logits, None if targets is None else token_loss(logits, targets)
+
+
+def _embed(m, idx, block_size: int):  # m: a GPT or its EmbedStage; idx (B, T) int64 -> (B, T, C)
+    T = idx.size(1)
+    if T > block_size:
+        raise ValueError(f"sequence length {T} exceeds block_size {block_size}")
+    x = m.tok_emb(idx)  # (B, T, C)
+    if m.pos_emb is not None:
+        x = x + m.pos_emb(torch.arange(T, device=idx.device))
+    return m.drop(x)
+
+
+def token_loss(logits, targets):  # logits (B, T, V), targets (B, T) -> ()
+    """Return the mean cross-entropy over the targets that are not -100 (padding)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 
 @dataclass
@@ -221,9 +227,7 @@ class MLPConfig:
 
     def __post_init__(self):
         for name in ("in_features", "hidden", "depth", "classes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MLPConfig.{name} must be an integer >= 1, got {value!r}")
+            check_int(f"MLPConfig.{name}", getattr(self, name), 1)
 
 
 class MLP(nn.Module):
@@ -262,3 +266,60 @@ def build_model(cfg: GPTConfig | MLPConfig) -> nn.Module:
 def count_params(model: nn.Module) -> int:
     """Return the number of unique parameter elements (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+# -- stages: a model cut into the pieces that L2L (one at a time) and pipelines (one group per rank) run --
+class EmbedStage(nn.Module):
+    """Token (and position) embedding of a GPT: (B, T) int64 -> (B, T, C). Shares the GPT's parameters."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        self.tok_emb, self.pos_emb, self.drop = gpt.tok_emb, gpt.pos_emb, gpt.drop
+        self.block_size = gpt.cfg.block_size
+
+    def forward(self, idx):  # (B, T)
+        return _embed(self, idx, self.block_size)
+
+
+class GPTHeadStage(nn.Module):
+    """Final norm, output head (tied to the token embedding when the GPT ties them) and loss."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        self.norm, self.head = gpt.norm, gpt.head
+
+    def forward(self, x, targets):  # x: (B, T, C), targets: (B, T)
+        return token_loss(self.head(self.norm(x)), targets)  # logits (B, T, V) -> ()
+
+
+class MLPHeadStage(nn.Module):
+    """Classifier head of an MLP and its loss."""
+
+    def __init__(self, mlp: MLP):
+        super().__init__()
+        self.head = mlp.head
+
+    def forward(self, x, targets):  # x: (B, hidden), targets: (B,)
+        return F.cross_entropy(self.head(x), targets)
+
+
+def split_stages(model: nn.Module) -> list[nn.Module]:
+    """Return the model's stages in order; the last one takes (x, targets) and returns the loss.
+
+    GPT: embedding, each block, head; MLP: each hidden layer, head. The stages share the model's
+    parameter objects, so a tied weight appears in two stages.
+    """
+    if isinstance(model, GPT):
+        return [EmbedStage(model), *model.blocks, GPTHeadStage(model)]
+    if isinstance(model, MLP):
+        return [*model.layers, MLPHeadStage(model)]
+    raise TypeError(f"split_stages supports labkit GPT and MLP models, got {type(model).__name__}")
+
+
+def stage_name(i: int, stage: nn.Module) -> str:
+    """Name stage i for reports: "embedding", "block i", "layer i" or "head"."""
+    if isinstance(stage, EmbedStage):
+        return "embedding"
+    if isinstance(stage, (GPTHeadStage, MLPHeadStage)):
+        return "head"
+    return f"block {i}" if isinstance(stage, Block) else f"layer {i}"

@@ -10,6 +10,7 @@ import io
 
 from matplotlib.figure import Figure
 
+from labkit.kernel import in_kernel
 from labkit.meter import CATEGORIES, PHASES, MemoryMeter, TimelinePoint
 
 MiB = 2**20
@@ -18,8 +19,8 @@ CATEGORY_COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_s
 PHASE_COLORS = {"forward": "#4c72b0", "backward": "#c44e52", "optimizer": "#55a868", "other": "#8c8c8c"}
 
 
-def new_figure(ncols: int = 1, nrows: int = 1, width_in: float = 6.0, height_in: float = 3.2):
-    """Return a headless Figure and its axes (one Axes, or an array for several)."""
+def new_figure(nrows: int = 1, ncols: int = 1, width_in: float = 6.0, height_in: float = 3.2):
+    """Return a headless Figure and its axes (one Axes, or an array for several), rows first as in matplotlib."""
     fig = Figure(figsize=(width_in * ncols, height_in * nrows), layout="constrained")
     axes = fig.subplots(nrows, ncols)
     return fig, axes
@@ -34,8 +35,7 @@ def png_bytes(fig: Figure) -> bytes:
 
 def show(fig: Figure) -> None:
     """Display a figure as a PNG image in the notebook (nothing outside a kernel)."""
-    from labkit.results import _in_kernel
-    if _in_kernel():
+    if in_kernel():
         from IPython.display import Image, display
         display(Image(png_bytes(fig)))
 
@@ -110,10 +110,10 @@ def plot_series(ax, x, series: dict[str, list], xlabel: str, ylabel: str, title:
 class LiveFigure:
     """A figure that redraws in place as results arrive (one display handle, updated)."""
 
-    def __init__(self, draw, ncols: int = 2, nrows: int = 1, width_in: float = 5.0, height_in: float = 3.2):
+    def __init__(self, draw, nrows: int = 1, ncols: int = 2, width_in: float = 5.0, height_in: float = 3.2):
         """`draw(fig, axes, data)` draws everything from `data`; call `update(data)` after each result."""
         self._draw = draw
-        self._shape = (ncols, nrows, width_in, height_in)
+        self._shape = (nrows, ncols, width_in, height_in)
         self._handle = None
         self.fig = None
 
@@ -122,8 +122,7 @@ class LiveFigure:
         fig, axes = new_figure(*self._shape)
         self._draw(fig, axes, data)
         self.fig = fig
-        from labkit.results import _in_kernel
-        if _in_kernel():
+        if in_kernel():
             from IPython.display import Image, display
             img = Image(png_bytes(fig))
             if self._handle is None:

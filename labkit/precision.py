@@ -9,8 +9,8 @@ The tested reference implementations of notebook 03, reused by later chapters (o
 
 `fp16_cast_stats` tells what a cast to fp16 does to fp32 values (flushed to zero, subnormal,
 overflowed), with or without a loss scale; `collect_gradients` returns real gradients of a
-model's weights and of its block outputs; `saved_tensor_bytes` splits what autograd saves for
-backward by dtype and kind (activations, 16-bit weight copies, resident parameters).
+model's weights and of its block outputs. What autograd saves, by dtype and kind (activations,
+16-bit weight copies, resident parameters), is `labkit.saved.saved_tensor_census(...).by_dtype_kind()`.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
+from labkit.accumulation import count_tokens
 from labkit.meter import MemoryMeter
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
-               torch.int64: "int64", torch.int32: "int32", torch.bool: "bool"}
 
 FP16_MIN_SUBNORMAL = 2.0**-24  # smallest positive fp16 value (≈ 5.96e-8)
 FP16_MIN_NORMAL = 2.0**-14  # smallest normal fp16 value (≈ 6.10e-5); below it, fewer mantissa bits
@@ -62,11 +62,6 @@ class AmpStep:
     grad_norm: float | None  # total gradient norm before clipping (None without clipping)
 
 
-def _n_targets(batch) -> int:
-    """Return how many targets of a (inputs, targets) batch count in the loss (targets != -100)."""
-    return int((batch[-1] != -100).sum())
-
-
 def amp_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches, *,
                    precision: str = "bf16", scaler: torch.amp.GradScaler | None = None,
                    clip_norm: float | None = None) -> AmpStep:
@@ -87,7 +82,7 @@ def amp_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mic
     if len(micro_batches) == 1:
         weights = [1.0]  # no count needed (also works on fake tensors)
     else:
-        counts = [_n_targets(b) for b in micro_batches]
+        counts = [count_tokens(b[-1]) for b in micro_batches]
         total = sum(counts)
         if total == 0:
             raise ValueError("the micro-batches hold no targets (all are -100)")
@@ -120,7 +115,7 @@ def amp_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mic
 
 def _as_float(t) -> float:
     """Return a tensor's value as a float (nan for fake tensors, which carry no values)."""
-    if isinstance(t, torch.Tensor) and type(t).__name__ == "FakeTensor":
+    if isinstance(t, FakeTensor):
         return math.nan
     return float(t)
 
@@ -161,55 +156,6 @@ def forward_activation_bytes(model: torch.nn.Module, batch, precision: str = "fp
         after = meter.current_bytes
     del loss
     return after - before
-
-
-def _is_weight_copy(t: torch.Tensor, param_ids: set) -> bool:
-    """Tell whether `t` is a cast (possibly transposed/viewed) of a parameter, e.g. autocast's bf16 weight."""
-    fn = t.grad_fn
-    for _ in range(4):
-        if fn is None:
-            return False
-        name = type(fn).__name__
-        if name.startswith("ToCopyBackward"):
-            nxt = fn.next_functions[0][0] if fn.next_functions else None
-            return nxt is not None and id(getattr(nxt, "variable", None)) in param_ids
-        if not name.startswith(("TBackward", "TransposeBackward", "PermuteBackward", "ViewBackward",
-                                 "ExpandBackward", "UnsqueezeBackward")):
-            return False
-        fn = fn.next_functions[0][0] if fn.next_functions else None
-    return False
-
-
-def saved_tensor_bytes(model: torch.nn.Module, fn) -> dict[str, int]:
-    """Run fn() and return the bytes autograd saves for backward, by "<dtype> <kind>" (unique storages).
-
-    Kinds: "activations" (tensors computed in the forward), "weight copies" (16-bit casts of
-    parameters that autocast makes and backward needs) and "parameters" (resident anyway).
-    """
-    param_ids = {id(p) for p in model.parameters()}
-    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set = set()
-    out: dict[str, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        key = (st.data_ptr(), st.nbytes())
-        if key not in seen:
-            seen.add(key)
-            if st.data_ptr() in param_storages:
-                kind = "parameters"
-            elif _is_weight_copy(t, param_ids):
-                kind = "weight copies"
-            else:
-                kind = "activations"
-            name = f"{SHORT_NAMES.get(t.dtype, str(t.dtype).replace('torch.', ''))} {kind}"
-            out[name] = out.get(name, 0) + st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        result = fn()
-    del result
-    return dict(sorted(out.items()))
 
 
 @dataclass(frozen=True)
@@ -306,11 +252,3 @@ def lost_update_fraction(weights: torch.Tensor, update: torch.Tensor, dtype: tor
         return 0.0
     new = (w.float() + d.float()).to(dtype)  # the update applied to the 16-bit weight, rounded back
     return float((new[mask] == w[mask]).float().mean())
-
-
-@contextlib.contextmanager
-def fake_tensors():
-    """Run the block on fake tensors: shapes, dtypes and the meter's counts, no arithmetic."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode():
-        yield

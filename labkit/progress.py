@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import sys
 
-from labkit.results import _in_kernel, is_batch
+from labkit.kernel import in_kernel, is_batch
 
 
 def progress(iterable=None, total: int | None = None, desc: str = "", **kwargs):
     """Wrap an iterable in a progress bar suited to where the code runs."""
-    if _in_kernel() and not is_batch():
+    if in_kernel() and not is_batch():
         from tqdm.auto import tqdm
         return tqdm(iterable, total=total, desc=desc, **kwargs)
     from tqdm.std import tqdm

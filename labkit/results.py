@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
+
+from labkit.kernel import in_kernel
 
 MIME_TYPE = "application/vnd.labkit.record+json"
 
@@ -54,7 +55,7 @@ def record(name: str, value) -> object:
     rank = _rank()
     if rank is not None:
         payload["rank"] = rank
-    if _in_kernel():
+    if in_kernel():
         from IPython.display import display
         display({MIME_TYPE: payload, "text/plain": f"recorded {name} = {_short(value)}"}, raw=True)
     return value
@@ -90,17 +91,3 @@ def records_from_notebook(nb) -> dict[str, object]:
 def _short(value) -> str:
     text = json.dumps(value)
     return text if len(text) <= 120 else text[:117] + "..."
-
-
-def _in_kernel() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    ip = get_ipython()
-    return ip is not None and getattr(ip, "kernel", None) is not None
-
-
-def is_batch() -> bool:
-    """Tell whether this run is a batch run (make run, tests): LABKIT_BATCH=1 in the environment."""
-    return os.environ.get("LABKIT_BATCH", "") not in ("", "0")

@@ -1,15 +1,17 @@
-"""Measure training throughput: synchronised, warm-up excluded, no meter attached."""
+"""Measure training throughput: synchronised, warm-up excluded, no meter attached, interleaved when compared."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from labkit.device import synchronize
 from labkit.meter import active_meter
+from labkit.validate import check_int
 
 
 @dataclass(frozen=True)
@@ -26,21 +28,41 @@ class Throughput:
 def measure_throughput(step_fn, *, samples_per_step: int, tokens_per_step: int | None = None,
                        device: torch.device | str = "cpu", warmup_steps: int = 1, steps: int = 3) -> Throughput:
     """Time `step_fn()` over `steps` runs after `warmup_steps`, synchronising the device around each."""
+    return measure_throughputs({"step": step_fn}, samples_per_step=samples_per_step, tokens_per_step=tokens_per_step,
+                               device=device, warmup_steps=warmup_steps, steps=steps)["step"]
+
+
+def measure_throughputs(step_fns: Mapping[str, Callable[[], object]], *, samples_per_step: int,
+                        tokens_per_step: int | None = None, device: torch.device | str = "cpu",
+                        warmup_steps: int = 1, steps: int = 3) -> dict[str, Throughput]:
+    """Time several step functions in interleaved rounds (one step of each per round); return each one's Throughput.
+
+    Interleaving makes a load that drifts during the measurement slow every function alike, so
+    the ratios of the medians stay meaningful on a shared machine.
+    """
     if active_meter() is not None:
         raise RuntimeError("measure_throughput must run outside a MemoryMeter (the meter slows every op)")
-    if steps < 1 or warmup_steps < 0 or samples_per_step < 1:
-        raise ValueError("need steps >= 1, warmup_steps >= 0 and samples_per_step >= 1")
+    check_int("steps", steps, 1)
+    check_int("warmup_steps", warmup_steps, 0)
+    check_int("samples_per_step", samples_per_step, 1)
+    if not step_fns:
+        raise ValueError("step_fns is empty: give at least one step function to time")
     device = torch.device(device)
     for _ in range(warmup_steps):
-        step_fn()
-    times = []
+        for fn in step_fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in step_fns}
     for _ in range(steps):
-        synchronize(device)
-        t0 = time.perf_counter()
-        step_fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times)
-    assert step_s > 0
-    return Throughput(step_s, samples_per_step / step_s,
-                      None if tokens_per_step is None else tokens_per_step / step_s, steps, tuple(times))
+        for name, fn in step_fns.items():
+            synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - t0)
+    out = {}
+    for name, ts in times.items():
+        step_s = statistics.median(ts)
+        assert step_s > 0, (name, ts)
+        out[name] = Throughput(step_s, samples_per_step / step_s,
+                               None if tokens_per_step is None else tokens_per_step / step_s, steps, tuple(ts))
+    return out

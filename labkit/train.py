@@ -19,7 +19,7 @@ def make_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimizer
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, foreach=False)
-    raise ValueError(f"OPTIMIZER must be one of {OPTIMIZERS}, got {name!r}")
+    raise ValueError(f"optimizer name must be one of {OPTIMIZERS}, got {name!r}")
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Check notebook parameters before any work starts; errors name the parameter and the range."""
+"""Check parameters (a notebook's, a function's arguments) before any work starts; errors name the parameter and the range."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 
 class ParameterError(ValueError):
-    """A notebook parameter is out of its allowed range."""
+    """A parameter is out of its allowed range."""
 
 
 def check_int(name: str, value, lo: int, hi: int | None = None) -> int:
@@ -51,3 +51,12 @@ def check_budget(name: str, value, unit: str = "bytes") -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
         raise ParameterError(f"{name} must be None or a positive number of {unit}, got {value!r}")
     return value
+
+
+def check_device(name: str, value):
+    """Return the torch device for "auto" | "cpu" | "cuda"; raise ParameterError naming `name` otherwise."""
+    from labkit.device import resolve_device
+    try:
+        return resolve_device(value, param=name)
+    except (TypeError, ValueError) as e:
+        raise ParameterError(str(e)) from None

@@ -1,13 +1,31 @@
-"""Shared fixtures: run a notebook with papermill and read back what it recorded."""
+"""Shared fixtures: a tiny GPT and its batches, one torch thread, and two ways to run a notebook.
+
+- `execute_notebook(stem, **parameters)`: the whole notebook under papermill, as `make run` does;
+  returns its results entry (status, error, measurements).
+- `validate_parameters(stem, **parameters)`: only the cells up to the parameters cell and the
+  validation cell after it, in this process, with the parameters injected as papermill injects
+  them; returns the exception the validation raised (None when the parameters are valid).
+
+Tests that use either are marked `notebook` (`make unit` leaves them out).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
+NOTEBOOK_FIXTURES = {"execute_notebook", "validate_parameters"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that runs notebook cells with `notebook`."""
+    for item in items:
+        if NOTEBOOK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.notebook)
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +40,54 @@ def one_thread():
     torch.set_num_threads(old)
 
 
+@pytest.fixture(scope="session")
+def tiny_config():
+    """The tests' tiny GPT: 2 blocks of width 32, 2 heads, sequences up to 16 tokens, 64 tokens."""
+    import labkit
+
+    return labkit.GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+
+
+@pytest.fixture
+def tiny_gpt(tiny_config):
+    """Return make(seed=0, **overrides): the tiny GPT (config fields overridden), initialised from `seed`."""
+    import torch
+
+    import labkit
+
+    def make(seed: int = 0, **overrides):
+        torch.manual_seed(seed)
+        return labkit.GPT(dataclasses.replace(tiny_config, **overrides))
+
+    return make
+
+
+@pytest.fixture
+def tiny_batch(tiny_config):
+    """Return make(rows, seq_len=16, seed=0, padded=False, vocab_size=64): (inputs, targets) of a Markov language.
+
+    padded=True gives each row 1..seq_len real tokens (targets -100 beyond), as in notebook 01.
+    """
+    import torch
+
+    from labkit.data import MarkovTokens
+
+    def make(rows: int, seq_len: int = 16, seed: int = 0, padded: bool = False,
+             vocab_size: int = tiny_config.vocab_size):
+        data = MarkovTokens(vocab_size, seed=seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        if padded:
+            x, y, _ = data.padded_batch(rows, seq_len, generator=g)
+            return x, y
+        return data.batch(rows, seq_len, g)
+
+    return make
+
+
 @pytest.fixture
 def execute_notebook(tmp_path):
     """Return a function that runs notebooks/<stem>.ipynb with parameters and returns its results entry."""
-    from labkit.runner import run_notebook
+    from labkit.tools.runner import run_notebook
 
     def run(stem: str, timeout_s: float = 300, **parameters) -> dict:
         path = NOTEBOOKS / f"{stem}.ipynb"
@@ -33,5 +95,44 @@ def execute_notebook(tmp_path):
         entry = run_notebook(path, tmp_path, parameters, timeout_s)
         entry["path"] = tmp_path / entry["executed"]
         return entry
+
+    return run
+
+
+@pytest.fixture
+def validate_parameters(monkeypatch):
+    """Return run(stem, **parameters) -> the exception the notebook's validation cell raises, or None.
+
+    Executes, in this process, the code cells up to the one tagged `parameters`, the parameters
+    given (as papermill injects them, after that cell), and the validation cell that follows
+    (CONTRIBUTING.md: it checks every parameter before any work). Asserts nothing was recorded.
+    """
+    import nbformat
+
+    from labkit import results
+
+    monkeypatch.setenv("LABKIT_BATCH", "1")
+    monkeypatch.chdir(NOTEBOOKS)
+
+    def run(stem: str, **parameters) -> BaseException | None:
+        nb = nbformat.read(NOTEBOOKS / f"{stem}.ipynb", as_version=4)
+        cells = [c for c in nb.cells if c.cell_type == "code"]
+        tagged = [i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", [])]
+        assert len(tagged) == 1, f"{stem}: expected one cell tagged 'parameters', found {len(tagged)}"
+        i = tagged[0]
+        assert "validate." in cells[i + 1].source, f"{stem}: the cell after the parameters must validate them"
+        sources = [c.source for c in cells[:i + 1]]
+        sources.append("\n".join(f"{name} = {value!r}" for name, value in parameters.items()))
+        sources.append(cells[i + 1].source)
+        namespace = {"__name__": "__main__"}
+        results.clear()
+        try:
+            for n, source in enumerate(sources):
+                exec(compile(source, f"<{stem} cell {n}>", "exec"), namespace)
+        except Exception as e:  # what the learner would see in the cell
+            return e
+        finally:
+            assert results.recorded() == {}, "a cell before the validation recorded a measurement"
+        return None
 
     return run

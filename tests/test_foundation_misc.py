@@ -164,19 +164,24 @@ def test_check_budget():
 def test_resolve_device_on_cpu():
     assert resolve_device("auto") == torch.device("cpu")
     assert resolve_device("cpu") == torch.device("cpu")
-    with pytest.raises(ValueError, match="DEVICE"):
+    with pytest.raises(ValueError, match="device='cuda' but torch sees no CUDA device"):
         resolve_device("cuda")
-    with pytest.raises(ValueError, match="DEVICE"):
+    with pytest.raises(ValueError, match="device='cuda:1'"):
         resolve_device("cuda:1")
+    with pytest.raises(validate.ParameterError, match="DEVICE='cuda' but torch sees no CUDA device"):
+        validate.check_device("DEVICE", "cuda")
 
 
-def test_resolve_device_rejects_unknown():
+def test_resolve_device_rejects_unknown_naming_the_argument():
     with pytest.raises(ValueError) as info:
         resolve_device("tpu")
-    assert "DEVICE" in str(info.value)
+    assert str(info.value).startswith("device must be one of")
     assert all(choice in str(info.value) for choice in DEVICE_CHOICES)
-    with pytest.raises(TypeError, match="DEVICE"):
+    with pytest.raises(TypeError, match="device"):
         resolve_device(0)
+    with pytest.raises(validate.ParameterError, match=r"^DEVICE must be one of \('auto', 'cpu', 'cuda'\), got 'tpu'$"):
+        validate.check_device("DEVICE", "tpu")
+    assert validate.check_device("DEVICE", "cpu") == torch.device("cpu")
 
 
 def test_hardware_report():
@@ -203,8 +208,21 @@ def test_measure_throughput_counts_and_rates():
     assert tp.samples_per_s == pytest.approx(8 / tp.step_s)
     assert tp.tokens_per_s == pytest.approx(256 / tp.step_s)
     assert measure_throughput(step, samples_per_step=1, steps=1).tokens_per_s is None
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="steps"):
         measure_throughput(step, samples_per_step=1, steps=0)
+
+
+def test_measure_throughputs_interleaves_the_step_functions():
+    order = []
+    t = labkit.measure_throughputs({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+                                   samples_per_step=2, warmup_steps=1, steps=3)
+    assert order == ["a", "b"] * 4  # one warm-up round, then three timed rounds, one step of each per round
+    assert set(t) == {"a", "b"} and t["a"].steps == t["b"].steps == 3
+    assert t["a"].samples_per_s == pytest.approx(2 / t["a"].step_s)
+    with pytest.raises(ValueError, match="step_fns"):
+        labkit.measure_throughputs({}, samples_per_step=1)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        labkit.measure_throughputs({"a": lambda: None}, samples_per_step=1, warmup_steps=-1)
 
 
 def test_measure_throughput_refuses_inside_a_meter():
@@ -352,6 +370,19 @@ def test_live_figure_redraws():
     assert list(fig2.axes[0].lines[0].get_ydata()) == [3.0, 2.0, 1.5]
     assert fig2.axes[1].get_xscale() == "log"
     assert png_bytes(fig2).startswith(PNG_SIGNATURE)
+
+
+def test_new_figure_takes_rows_first_like_matplotlib():
+    from labkit.plots import new_figure
+
+    fig, axes = new_figure(2, 3, width_in=2.0, height_in=1.0)
+    assert axes.shape == (2, 3)
+    assert tuple(fig.get_size_inches()) == pytest.approx((6.0, 2.0))  # 3 columns of 2 in, 2 rows of 1 in
+    assert new_figure(ncols=2)[1].shape == (2,)
+
+
+def test_in_kernel_is_false_outside_jupyter():
+    assert labkit.in_kernel() is False
 
 
 # -- the running example -------------------------------------------------------------------------

@@ -67,9 +67,9 @@ def test_model_init_is_seeded(cfg):
     assert any(not torch.equal(s0[k], s1[k]) for k in s0)
 
 
-@pytest.mark.parametrize("seed", ["0", 1.0, True])
-def test_seed_must_be_an_int(seed):
-    with pytest.raises(ValueError, match="SEED"):
+@pytest.mark.parametrize("seed", ["0", 1.0, True, -1])
+def test_seed_must_be_a_non_negative_int(seed):
+    with pytest.raises(ValueError, match="seed must be an integer >= 0"):
         MarkovTokens(seed=seed)
 
 
@@ -219,3 +219,32 @@ def test_gpt_shapes_and_sequence_limit():
     _, loss = model(idx, targets)
     expected = torch.nn.functional.cross_entropy(logits[1, 4][None], torch.tensor([5]))
     assert torch.allclose(loss, expected)
+
+
+# -- stages ---------------------------------------------------------------------------------------
+
+def test_split_stages_run_the_gpt_and_share_its_parameters(tiny_gpt, tiny_batch):
+    from labkit.models import EmbedStage, GPTHeadStage, split_stages, stage_name
+
+    model = tiny_gpt(11, n_layer=3)
+    x, y = tiny_batch(2)
+    stages = split_stages(model)
+    assert [stage_name(i, s) for i, s in enumerate(stages)] == ["embedding", "block 1", "block 2", "block 3", "head"]
+    assert isinstance(stages[0], EmbedStage) and isinstance(stages[-1], GPTHeadStage)
+    assert stages[-1].head.weight is stages[0].tok_emb.weight is model.tok_emb.weight  # the tied weight, twice
+    h = x
+    for stage in stages[:-1]:
+        h = stage(h)  # (B, T, C)
+    assert torch.equal(stages[-1](h, y), model(x, y)[1])  # the same loss as the whole model
+
+
+def test_split_stages_of_an_mlp_and_errors():
+    from labkit.models import MLPHeadStage, split_stages, stage_name
+
+    torch.manual_seed(0)
+    mlp = MLP(MLPConfig(depth=2))
+    stages = split_stages(mlp)
+    assert [stage_name(i, s) for i, s in enumerate(stages)] == ["layer 0", "layer 1", "head"]
+    assert isinstance(stages[-1], MLPHeadStage)
+    with pytest.raises(TypeError, match="GPT and MLP"):
+        split_stages(torch.nn.Linear(2, 2))

@@ -1,4 +1,4 @@
-"""labkit.offload: the host tier (HostPool) and the activation-offload hooks; notebook 04 under papermill."""
+"""labkit.offload: the activation-offload hooks on the host tier; notebook 04 under papermill."""
 
 from __future__ import annotations
 
@@ -9,21 +9,24 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import labkit
-from labkit.offload import HostPool, OffloadHooks, dense_stride, saved_tensor_census, to_host
-
-CFG = labkit.GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
-B, T = 4, 16
-
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    model = labkit.GPT(CFG)
-    return model, labkit.make_optimizer("adam", model.parameters())
+from labkit.hosttier import HostPool
+from labkit.compare import max_abs_diff
+from labkit.offload import OffloadHooks
 
 
-def _batch(seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randint(CFG.vocab_size, (B, T), generator=g), torch.randint(CFG.vocab_size, (B, T), generator=g))
+@pytest.fixture
+def model_opt(tiny_gpt):
+    """Return make(seed=0): the tiny GPT and its Adam optimizer."""
+    def make(seed=0):
+        model = tiny_gpt(seed)
+        return model, labkit.make_optimizer("adam", model.parameters())
+    return make
+
+
+@pytest.fixture
+def batch(tiny_batch):
+    """A batch of 4 sequences of 16 tokens for the tiny GPT."""
+    return tiny_batch(4, seed=1)
 
 
 def _grads(model, batch, ctx=None, checkpointing=False):
@@ -50,75 +53,11 @@ def _offload_step(hooks):
     return step
 
 
-# -- HostPool --------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["memory", "disk"])
-def test_host_pool_copies_into_a_separate_buffer_with_the_same_strides(kind):
-    pool = HostPool("cpu", kind=kind)
-    t = torch.randn(6, 5).t()  # non-contiguous, dense
-    h = pool.to_host(t)
-    assert h.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
-    assert h.stride() == t.stride() == dense_stride(t)
-    assert torch.equal(h, t)
-    x = pool.to_device(h)
-    assert torch.equal(x, t) and x.stride() == t.stride()
-    assert pool.bytes_to_host == pool.bytes_to_device == t.numel() * 4
-    assert pool.live_buffers == 1 and pool.live_bytes == t.numel() * 4
-    del h
-    assert pool.live_buffers == 0 and pool.live_bytes == 0
-    assert pool.peak_bytes == t.numel() * 4
-    pool.close()
-
-
-def test_host_pool_counts_on_the_meter_host_tier_not_the_device():
-    pool = HostPool("cpu")
-    t = torch.randn(1024)
-    with labkit.MemoryMeter("cpu", budget_bytes=4096) as meter:  # t fills the budget: no room for a device copy
-        meter.track(t)
-        h = pool.to_host(t)
-        assert meter.host_current_bytes == 4096 and meter.current_bytes == 4096
-        del h
-        assert meter.host_current_bytes == 0
-    assert meter.host_peak_bytes == 4096 and meter.peak_bytes == 4096
-
-
-def test_to_host_helper_uses_the_active_meter():
-    t = torch.arange(10.0)
-    with labkit.MemoryMeter("cpu") as meter:
-        h = to_host(t)
-        assert meter.host_current_bytes == 40
-    assert torch.equal(h, t) and h.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
-
-
-def test_disk_pool_deletes_each_file_with_its_buffer_and_the_folder_on_close(tmp_path):
-    pool = HostPool("cpu", kind="disk", spill_dir=str(tmp_path))
-    a = pool.to_host(torch.randn(100))
-    b = pool.to_host(torch.randn(7, 3))
-    assert len(pool.files()) == 2
-    folder = pool.spill_dir
-    assert folder is not None and os.path.dirname(folder) == str(tmp_path)
-    del a
-    assert len(pool.files()) == 1
-    del b
-    assert pool.files() == []
-    pool.close()
-    assert not os.path.exists(folder) and pool.spill_dir is None and os.listdir(tmp_path) == []
-
-
-def test_host_pool_rejects_bad_kinds():
-    with pytest.raises(ValueError, match="kind"):
-        HostPool("cpu", kind="nvme")
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="pinned"):
-            HostPool("cpu", kind="pinned")
-    assert HostPool("cpu").kind == "memory"
-
-
 # -- OffloadHooks ----------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["memory", "disk"])
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_gradients_equal_the_plain_step_exactly(kind, prefetch):
-    model, _ = _model()
-    batch = _batch()
+def test_gradients_equal_the_plain_step_exactly(kind, prefetch, model_opt, batch):
+    model, _ = model_opt()
     plain = _grads(model, batch)
     pool = HostPool("cpu", kind=kind)
     hooks = OffloadHooks(model, pool=pool, min_bytes=1024, prefetch=prefetch).track_layers(model.blocks)
@@ -134,13 +73,12 @@ def test_gradients_equal_the_plain_step_exactly(kind, prefetch):
     pool.close()
 
 
-def test_checkpointing_with_offload_gives_the_same_gradients():
-    model, _ = _model()
-    batch = _batch()
+def test_checkpointing_with_offload_gives_the_same_gradients(model_opt, batch):
+    model, _ = model_opt()
     plain = _grads(model, batch)
     hooks = OffloadHooks(model, min_bytes=1024)
     both = _grads(model, batch, hooks, checkpointing=True)
-    assert max((a - b).abs().max().item() for a, b in zip(plain, both)) <= 1e-6
+    assert max_abs_diff(both, plain) <= 1e-6
     assert hooks.stats()["offloaded"] > 0  # the block inputs that checkpoint saves
 
 
@@ -155,22 +93,18 @@ def test_parameters_and_small_tensors_stay_on_the_device():
     assert s["offloaded"] >= 1  # x (32×64 fp32) reaches the threshold
     y.backward()
     assert lin.weight.grad is not None and x.grad is not None
-    census = saved_tensor_census(labkit.GPT(CFG), _batch())
-    assert any(c["param"] for c in census) and any(not c["param"] for c in census)
 
 
-def test_a_huge_threshold_offloads_nothing_and_changes_nothing():
-    model, opt = _model()
-    batch = _batch()
+def test_a_huge_threshold_offloads_nothing_and_changes_nothing(model_opt, batch):
+    model, opt = model_opt()
     plain = labkit.measure_step(model, opt, batch).peak_bytes
     hooks = OffloadHooks(model, min_bytes=2**40)
     same = labkit.measure_step(model, opt, batch, step_fn=_offload_step(hooks), warmup=False)
     assert same.peak_bytes == plain and hooks.stats()["offloaded"] == 0 and same.meter.host_peak_bytes == 0
 
 
-def test_offload_lowers_the_device_peak_and_fits_a_budget_the_plain_step_does_not():
-    model, opt = _model()
-    batch = _batch()
+def test_offload_lowers_the_device_peak_and_fits_a_budget_the_plain_step_does_not(model_opt, batch):
+    model, opt = model_opt()
     plain = labkit.measure_step(model, opt, batch)
     pool = HostPool("cpu")
     hooks = OffloadHooks(model, pool=pool, min_bytes=1024)
@@ -185,9 +119,8 @@ def test_offload_lowers_the_device_peak_and_fits_a_budget_the_plain_step_does_no
     assert fit.fits and fit.value.peak_bytes == off.peak_bytes
 
 
-def test_nothing_accumulates_across_steps(tmp_path):
-    model, opt = _model()
-    batch = _batch()
+def test_nothing_accumulates_across_steps(tmp_path, model_opt, batch):
+    model, opt = model_opt()
     pool = HostPool("cpu", kind="disk", spill_dir=str(tmp_path))
     hooks = OffloadHooks(model, pool=pool, min_bytes=1024)
     step = _offload_step(hooks)
@@ -203,16 +136,16 @@ def test_nothing_accumulates_across_steps(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_copy_timing_reports_a_bandwidth():
-    model, opt = _model()
+def test_copy_timing_reports_a_bandwidth(model_opt, batch):
+    model, opt = model_opt()
     hooks = OffloadHooks(model, min_bytes=1024, time_copies=True)
-    _offload_step(hooks)(model, opt, _batch())
+    _offload_step(hooks)(model, opt, batch)
     s = hooks.stats()
     assert s["copy_to_host_s"] > 0 and s["copy_to_host_bytes_per_s"] > 0
 
 
-def test_hooks_validate_their_arguments():
-    model, _ = _model()
+def test_hooks_validate_their_arguments(model_opt):
+    model, _ = model_opt()
     with pytest.raises(ValueError, match="min_bytes"):
         OffloadHooks(model, min_bytes=-1)
     with pytest.raises(ValueError, match="prefetch"):
@@ -227,10 +160,12 @@ def test_notebook_invariants_hold_for_another_seed_and_depth(execute_notebook):
     m = entry["measurements"]
     assert m["max_grad_diff"] == 0 if not torch.cuda.is_available() else m["max_grad_diff"] <= 1e-5
     assert 0 < m["device_peak_ratio_offload"] < 1
+    assert m["device_peak_ratio_offload"] == pytest.approx(m["device_peak_bytes_offload"] / m["baseline_peak_bytes"])
     assert m["bytes_offloaded_per_step"] > 0
     assert m["host_bytes_after_step"] == 0 and m["spill_files_after_step"] == 0
     assert m["host_tier"] == "disk"
-    assert isinstance(m["fits_in_budget"], bool)
+    budget = labkit.running_example(n_layer=2, batch_size=6, seq_len=32).budget_bytes
+    assert m["fits_in_budget"] == (m["device_peak_bytes_offload"] <= budget)
     assert m["step_time_ratio_offload"] > 0
     if not torch.cuda.is_available():
         assert m["device_peak_ratio_save_on_cpu"] == 1.0  # CPU: save_on_cpu moves nothing
@@ -245,10 +180,3 @@ def test_notebook_checks_hold_when_the_threshold_exceeds_every_saved_tensor(exec
     assert m["device_peak_ratio_offload"] == 1.0  # nothing moved: the hooks change nothing
     assert m["host_peak_bytes_offload"] == 0
     assert m["fits_in_budget"] is False
-
-
-def test_notebook_rejects_a_bad_parameter_before_work(execute_notebook):
-    entry = execute_notebook("04_activation_offload", HOST_TIER="ssd")
-    assert entry["status"] == "failed"
-    assert "HOST_TIER" in entry["error"]
-    assert entry["measurements"] == {}

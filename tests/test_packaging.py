@@ -197,8 +197,10 @@ def test_makefile_has_the_three_commands():
     phony = re.search(r"^\.PHONY:(.*)$", MAKEFILE.read_text(), re.M)
     assert phony and {"run", "test", "lab"} <= set(phony.group(1).split())
     test_recipe = " ".join(targets["test"])
-    assert "pytest tests" in test_recipe and "--nbval" in test_recipe
-    assert "labkit.runner" in " ".join(targets["run"])
+    assert "pytest tests" in test_recipe and "--nbval" in test_recipe and "--durations" in test_recipe
+    assert "labkit.tools.runner" in " ".join(targets["run"])
+    unit_recipe = " ".join(targets["unit"])
+    assert '-m "not notebook"' in unit_recipe and "nbval" not in unit_recipe
     assert "jupyter lab" in " ".join(targets["lab"])
 
 

@@ -11,23 +11,12 @@ import math
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import labkit
 from labkit import precision as P
+from labkit.compare import rel_diff
 from labkit.data import MarkovTokens
-
-CFG = labkit.GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
-
-
-def _model(seed=0, cfg=CFG):
-    torch.manual_seed(seed)
-    return labkit.GPT(cfg)
-
-
-def _batch(seed=0, batch_size=4, cfg=CFG):
-    g = torch.Generator().manual_seed(seed)
-    return MarkovTokens(cfg.vocab_size, seed=seed).batch(batch_size, cfg.block_size, g)
-
 
 def _flat(model):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -54,18 +43,18 @@ def test_autocast_dtypes_and_fp32_off():
         P.autocast("int8", "cpu")
 
 
-def test_fp16_compute_on_cpu_refused():
+def test_fp16_compute_on_cpu_refused(tiny_gpt, tiny_batch):
     with pytest.raises(ValueError, match="fp16 compute on CPU"):
         P.check_precision("fp16", "cpu")
-    model = _model()
+    model = tiny_gpt()
     with pytest.raises(ValueError, match="fp16"):
-        P.amp_train_step(model, labkit.make_optimizer("adam", model.parameters()), [_batch()], precision="fp16")
+        P.amp_train_step(model, labkit.make_optimizer("adam", model.parameters()), [tiny_batch(4)], precision="fp16")
 
 
 # -- amp_train_step ---------------------------------------------------------------------------------
-def test_fp32_with_scaler_equals_plain_step_bitwise():
-    batch = _batch(1)
-    a, b = _model(), _model()
+def test_fp32_with_scaler_equals_plain_step_bitwise(tiny_gpt, tiny_batch):
+    batch = tiny_batch(4, seed=1)
+    a, b = tiny_gpt(), tiny_gpt()
     g_plain = _grads_used(a, lambda m, o: labkit.train_step(m, o, batch))
     g_amp = _grads_used(b, lambda m, o: P.amp_train_step(m, o, [batch], precision="fp32",
                                                          scaler=torch.amp.GradScaler("cpu")))
@@ -73,10 +62,10 @@ def test_fp32_with_scaler_equals_plain_step_bitwise():
     assert torch.equal(_flat(a), _flat(b))
 
 
-def test_single_batch_tuple_accepted_and_loss_returned():
-    model = _model()
+def test_single_batch_tuple_accepted_and_loss_returned(tiny_gpt, tiny_batch):
+    model = tiny_gpt()
     opt = labkit.make_optimizer("adam", model.parameters())
-    batch = _batch(2)
+    batch = tiny_batch(4, seed=2)
     with torch.no_grad():
         expected = float(model(*batch)[1])
     step = P.amp_train_step(model, opt, batch, precision="fp32")
@@ -84,9 +73,9 @@ def test_single_batch_tuple_accepted_and_loss_returned():
     assert step.loss == pytest.approx(expected, rel=1e-6)
 
 
-def test_bf16_step_keeps_fp32_weights_and_grads_close_to_fp32():
-    batch = _batch(3)
-    a, b = _model(), _model()
+def test_bf16_step_keeps_fp32_weights_and_grads_close_to_fp32(tiny_gpt, tiny_batch):
+    batch = tiny_batch(4, seed=3)
+    a, b = tiny_gpt(), tiny_gpt()
     g32 = _grads_used(a, lambda m, o: P.amp_train_step(m, o, [batch], precision="fp32"))[0]
     dtypes = []
     opt = labkit.make_optimizer("adam", b.parameters())
@@ -100,30 +89,30 @@ def test_bf16_step_keeps_fp32_weights_and_grads_close_to_fp32():
 
 
 @pytest.mark.parametrize("n_micro", [2, 3])
-def test_accumulation_is_token_weighted(n_micro):
-    data = MarkovTokens(CFG.vocab_size, seed=5)
-    x, y, _ = data.padded_batch(5, CFG.block_size, min_len=1, generator=torch.Generator().manual_seed(5))
+def test_accumulation_is_token_weighted(n_micro, tiny_gpt, tiny_config):
+    data = MarkovTokens(tiny_config.vocab_size, seed=5)
+    x, y, _ = data.padded_batch(5, tiny_config.block_size, min_len=1, generator=torch.Generator().manual_seed(5))
     micro = list(zip(torch.tensor_split(x, n_micro), torch.tensor_split(y, n_micro)))
     counts = [int((mb[1] != -100).sum()) for mb in micro]
     assert len(set(counts)) > 1  # uneven token counts: a plain mean of means would be wrong
-    g_full = _grads_used(_model(), lambda m, o: labkit.train_step(m, o, (x, y)))[0]
-    g_acc = _grads_used(_model(), lambda m, o: P.amp_train_step(m, o, micro, precision="fp32"))[0]
-    assert float((g_acc - g_full).norm() / g_full.norm()) < 1e-5
+    g_full = _grads_used(tiny_gpt(), lambda m, o: labkit.train_step(m, o, (x, y)))[0]
+    g_acc = _grads_used(tiny_gpt(), lambda m, o: P.amp_train_step(m, o, micro, precision="fp32"))[0]
+    assert rel_diff(g_acc, g_full) < 1e-5
 
 
-def test_update_runs_once_per_optimizer_step():
-    x, y = _batch(6, batch_size=6)
+def test_update_runs_once_per_optimizer_step(tiny_gpt, tiny_batch):
+    x, y = tiny_batch(6, seed=6)
     micro = list(zip(torch.tensor_split(x, 3), torch.tensor_split(y, 3)))
-    model = _model()
+    model = tiny_gpt()
     opt = labkit.make_optimizer("adam", model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)  # doubles at every update
     step = P.amp_train_step(model, opt, micro, precision="fp32", scaler=scaler)
     assert step.stepped and step.scale == 2.0**11
 
 
-def test_clipping_unscales_first():
-    batch = _batch(7)
-    a, b = _model(), _model()
+def test_clipping_unscales_first(tiny_gpt, tiny_batch):
+    batch = tiny_batch(4, seed=7)
+    a, b = tiny_gpt(), tiny_gpt()
 
     def plain(m, o):
         _, loss = m(*batch)
@@ -141,66 +130,49 @@ def test_clipping_unscales_first():
     assert result["step"].grad_norm < 1e3
 
 
-def test_inf_gradients_skip_the_step_and_halve_the_scale():
-    model = _model()
+def test_inf_gradients_skip_the_step_and_halve_the_scale(tiny_gpt, tiny_batch):
+    model = tiny_gpt()
     before = _flat(model).clone()
     opt = labkit.make_optimizer("adam", model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # loss · 2^127 overflows fp32
     with P.captured_grads(opt) as seen:
-        step = P.amp_train_step(model, opt, [_batch(8)], precision="fp32", scaler=scaler)
+        step = P.amp_train_step(model, opt, [tiny_batch(4, seed=8)], precision="fp32", scaler=scaler)
     assert not step.stepped and step.scale == 2.0**126
     assert seen == []  # optimizer.step() never ran
     assert torch.equal(_flat(model), before)
     assert all(p.grad is None for p in model.parameters())  # zeroed for the next step
 
 
-def test_empty_micro_batches_refused():
-    model = _model()
+def test_empty_micro_batches_refused(tiny_gpt):
+    model = tiny_gpt()
     with pytest.raises(ValueError, match="micro-batch"):
         P.amp_train_step(model, labkit.make_optimizer("adam", model.parameters()), [], precision="fp32")
 
 
 # -- memory helpers ---------------------------------------------------------------------------------
-def test_forward_activation_bytes_bf16_between_half_and_fp32_and_fake_equals_real():
-    model, batch = _model(), _batch(9)
+def test_forward_activation_bytes_bf16_between_half_and_fp32_and_fake_equals_real(tiny_gpt, tiny_batch, tiny_config):
+    model, batch = tiny_gpt(), tiny_batch(4, seed=9)
     a32 = P.forward_activation_bytes(model, batch, "fp32")
     a16 = P.forward_activation_bytes(model, batch, "bf16")
     assert 0.5 * a32 < a16 < a32
-    with P.fake_tensors():
-        fm = labkit.GPT(CFG)
-        fb = labkit.example_batch(CFG, 4)
+    with FakeTensorMode():
+        fm = labkit.GPT(tiny_config)
+        fb = labkit.example_batch(tiny_config, 4)
         assert P.forward_activation_bytes(fm, fb, "bf16", "cpu") == a16
         assert P.forward_activation_bytes(fm, fb, "fp32", "cpu") == a32
 
 
-def test_amp_step_fn_fake_peak_equals_real_peak():
-    model = _model()
-    real = labkit.measure_step(model, labkit.make_optimizer("adam", model.parameters()), _batch(10),
+def test_amp_step_fn_fake_peak_equals_real_peak(tiny_gpt, tiny_batch, tiny_config):
+    model = tiny_gpt()
+    real = labkit.measure_step(model, labkit.make_optimizer("adam", model.parameters()), tiny_batch(4, seed=10),
                                step_fn=P.amp_step_fn("bf16"))
-    with P.fake_tensors():
-        fm = labkit.GPT(CFG)
-        fake = labkit.measure_step(fm, labkit.make_optimizer("adam", fm.parameters()), labkit.example_batch(CFG, 4),
+    with FakeTensorMode():
+        fm = labkit.GPT(tiny_config)
+        fake = labkit.measure_step(fm, labkit.make_optimizer("adam", fm.parameters()), labkit.example_batch(tiny_config, 4),
                                    step_fn=P.amp_step_fn("bf16"), device="cpu")
     assert fake.peak_bytes == real.peak_bytes
-    plain = labkit.estimate_training_memory(CFG, 4).peak_bytes
+    plain = labkit.estimate_training_memory(tiny_config, 4).peak_bytes
     assert real.peak_bytes < plain
-
-
-def test_saved_tensor_bytes_finds_the_weight_copies():
-    model, batch = _model(), _batch(11)
-
-    def fwd(dtype):
-        def run():
-            with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
-                return model(*batch)[1]
-        return run
-
-    s32 = P.saved_tensor_bytes(model, fwd(None))
-    s16 = P.saved_tensor_bytes(model, fwd(torch.bfloat16))
-    assert not any("weight copies" in k for k in s32)
-    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert s16["bf16 weight copies"] == 2 * matmul_weights  # tied head counted once
-    assert s16["bf16 activations"] > 0 and s32["fp32 activations"] > s16.get("fp32 activations", 0)
 
 
 # -- fp16 range -------------------------------------------------------------------------------------
@@ -219,15 +191,15 @@ def test_fp16_cast_stats_counts():
         P.fp16_cast_stats(v, 0.0)
 
 
-def test_collect_gradients_shapes_and_scaling():
-    model = _model()
-    batches = [_batch(12), _batch(13)]
+def test_collect_gradients_shapes_and_scaling(tiny_gpt, tiny_batch, tiny_config):
+    model = tiny_gpt()
+    batches = [tiny_batch(4, seed=12), tiny_batch(4, seed=13)]
     w0 = _flat(model).clone()
     s1 = P.collect_gradients(model, None, batches)
     assert torch.equal(_flat(model), w0)  # no optimizer: weights untouched
     n = labkit.count_params(model)
     assert s1.weights.numel() == 2 * n
-    assert s1.activations.numel() == 2 * CFG.n_layer * 4 * CFG.block_size * CFG.n_embd
+    assert s1.activations.numel() == 2 * tiny_config.n_layer * 4 * tiny_config.block_size * tiny_config.n_embd
     s2 = P.collect_gradients(model, None, batches, loss_scale=2.0**10)
     assert torch.equal(s2.weights, s1.weights * 2.0**10)  # a power-of-two scale is exact
     opt = labkit.make_optimizer("adam", model.parameters())
@@ -250,15 +222,19 @@ NB = "03_mixed_precision"
 
 def test_notebook_invariants_hold_for_other_parameters(execute_notebook):
     entry = execute_notebook(NB, SEED=3, N_LAYER=2, N_EMBD=64, N_HEAD=2, BATCH=6, SEQ_LEN=32,
-                             SWEEP_WIDTHS=[16, 32], SWEEP_BATCH=2, CURVE_STEPS=10, CURVE_N_EMBD=32, CURVE_BATCH=4,
+                             N_EMBD_SWEEP=[16, 32], SWEEP_BATCH=2, CURVE_STEPS=10, CURVE_N_EMBD=32, CURVE_BATCH=4,
                              GRAD_STEPS=2, ACCUM_STEPS=4, LOSS_SCALE=1024.0)
     assert entry["status"] == "ok", entry.get("error")
     m = entry["measurements"]
-    for name in ("activation_bytes_ratio_bf16", "throughput_ratio_bf16", "final_loss_rel_diff_bf16",
-                 "fp16_underflow_fraction_unscaled", "fp16_underflow_fraction_scaled", "fits_in_budget"):
-        assert name in m, name
+    ex = labkit.running_example(n_layer=2, n_embd=64, n_head=2, batch_size=6, seq_len=32)
+    assert m["budget_bytes"] == ex.budget_bytes and m["peak_bytes_fp32"] == ex.baseline_peak_bytes
     assert 0.5 < m["activation_bytes_ratio_bf16"] < 1.0
     assert m["peak_bytes_bf16"] < m["peak_bytes_fp32"]
+    assert 0 < m["weight_copy_bytes_per_param"] < 2  # 2 bytes per matmul weight; embeddings and norms have none
+    assert 0 <= m["bf16_lost_update_fraction"] <= 1
+    # a 2^10 loss scale lifts gradients out of fp16's subnormal range and out of underflow
+    assert m["fp16_subnormal_fraction_scaled"] < m["fp16_subnormal_fraction_unscaled"]
+    assert m["fp16_underflow_fraction_scaled"] < m["fp16_underflow_fraction_unscaled"]
     assert m["fits_in_budget"] == (m["peak_bytes_bf16"] <= m["budget_bytes"])
     assert m["throughput_ratio_bf16"] > 0
     assert m["final_loss_rel_diff_bf16"] < 0.05
@@ -271,17 +247,10 @@ def test_notebook_invariants_hold_for_other_parameters(execute_notebook):
 
 def test_notebook_runs_for_a_wide_model_on_few_tokens(execute_notebook):
     # weight copies (width²) outweigh the activations (tokens × width): the checks must still pass
-    entry = execute_notebook(NB, N_LAYER=1, N_EMBD=1024, N_HEAD=4, BATCH=2, SEQ_LEN=2, SWEEP_WIDTHS=[32],
+    entry = execute_notebook(NB, N_LAYER=1, N_EMBD=256, N_HEAD=4, BATCH=2, SEQ_LEN=2, N_EMBD_SWEEP=[32],
                              SWEEP_BATCH=1, CURVE_STEPS=5, CURVE_N_EMBD=32, CURVE_BATCH=2, GRAD_STEPS=1,
                              ACCUM_STEPS=2)
     assert entry["status"] == "ok", entry.get("error")
     m = entry["measurements"]
     assert m["activation_bytes_ratio_bf16"] > 1.0  # the copies dominate here
     assert 0.5 < m["saved_activation_ratio_bf16"] < 1.0
-
-
-def test_notebook_refuses_bad_parameter(execute_notebook):
-    entry = execute_notebook(NB, LOSS_SCALE=1000.0)
-    assert entry["status"] == "failed"
-    assert "LOSS_SCALE" in entry["error"] and "power of two" in entry["error"]
-    assert "activation_bytes_ratio_bf16" not in entry["measurements"]

@@ -1,4 +1,4 @@
-"""labkit.runner executes real notebooks with papermill and collects their records into results.json and report.html."""
+"""labkit.tools.runner executes real notebooks with papermill and collects their records into results.json and report.html."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from labkit import runner
+from labkit.tools import report, runner
 
 GOOD = "00_good"
 BAD = "01_bad"
@@ -50,19 +50,21 @@ def test_find_notebooks_filters_and_sorts(notebooks):
 
 
 def test_format_value():
-    assert runner.format_value("peak_bytes", 3 * 2**20) == "3,145,728 (3.0 MiB)"
-    assert runner.format_value("loss", 0.123456) == "0.1235"
-    assert runner.format_value("xs", list(range(500))).endswith("...")
-    assert len(runner.format_value("xs", list(range(500)))) <= runner.VALUE_CHARS
+    assert report.format_value("peak_bytes", 3 * 2**20) == "3,145,728 (3.0 MiB)"
+    assert report.format_value("loss", 0.123456) == "0.1235"
+    assert report.format_value("xs", list(range(500))).endswith("...")
+    assert len(report.format_value("xs", list(range(500)))) <= report.VALUE_CHARS
 
 
-def test_main_runs_all_and_reports(notebooks, tmp_path, capsys, monkeypatch):
+@pytest.mark.notebook
+def test_main_runs_all_and_reports(notebooks, tmp_path, capfd, monkeypatch):
     monkeypatch.delenv("LABKIT_BATCH", raising=False)
     out = tmp_path / "out"
     code = runner.main(["--notebooks", str(notebooks), "--out", str(out), "-p", "SEED", "7", "--timeout-s", "120"])
     assert code == 1
-    printed = capsys.readouterr().out
-    assert f"[1/2] {GOOD} ... ok" in printed and f"[2/2] {BAD} ... failed" in printed
+    printed = capfd.readouterr()  # the kernels' own stderr too (file descriptor 2 is inherited)
+    assert f"[1/2] {GOOD} ... ok" in printed.out and f"[2/2] {BAD} ... failed" in printed.out
+    assert "without encryption" not in printed.out + printed.err  # ipykernel's TCP warning, once per kernel
 
     results = json.loads((out / "results.json").read_text())
     assert set(results) >= {"generated_utc", "hardware", "torch", "parameters", "notebooks"}
@@ -96,13 +98,14 @@ def test_main_runs_all_and_reports(notebooks, tmp_path, capsys, monkeypatch):
     assert "LABKIT_BATCH" not in os.environ
 
 
+@pytest.mark.notebook
 def test_batch_env_reaches_the_kernel(tmp_path, monkeypatch):
     monkeypatch.delenv("LABKIT_BATCH", raising=False)
     folder = tmp_path / "nb"
     folder.mkdir()
     (folder / "data.txt").write_text("hello")
     _write(folder / "05_env.ipynb", [new_code_cell(
-        "from labkit.results import record, is_batch\n"
+        "from labkit import record, is_batch\n"
         "record('batch', is_batch())\n"
         "record('text', open('data.txt').read())"
     )])
@@ -127,6 +130,7 @@ def test_only_matching_nothing_exits_2(notebooks, tmp_path, capsys):
     assert "--only" in capsys.readouterr().err
 
 
+@pytest.mark.notebook
 def test_only_merges_into_existing_results(notebooks, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

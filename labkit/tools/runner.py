@@ -1,10 +1,11 @@
 """Run the workbook's notebooks in batch and collect their measurements (the engine of `make run`).
 
-    python -m labkit.runner [--notebooks DIR] [--out DIR] [--only PATTERN ...] [-p NAME VALUE ...]
+    python -m labkit.tools.runner [--notebooks DIR] [--out DIR] [--only PATTERN ...] [-p NAME VALUE ...]
 
 Each numbered notebook is executed with papermill (kernel "python3", LABKIT_BATCH=1, working
 directory = the notebooks folder) into OUT/notebooks/. The values each notebook `record()`s are
-gathered into OUT/results.json, and OUT/report.html shows them with the notebook's plots.
+gathered into OUT/results.json, and OUT/report.html (`labkit.tools.report`) shows them with the
+notebook's plots.
 Exit status: 0 if every notebook ran, 1 if any failed, 2 for bad command-line input.
 """
 
@@ -12,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ast
-import base64
 import contextlib
-import html
 import json
 import os
 import sys
@@ -25,7 +24,6 @@ from pathlib import Path
 
 NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
 ERROR_CHARS = 2000
-VALUE_CHARS = 300
 
 
 def find_notebooks(dir: str | Path, only: Iterable[str] = ()) -> list[Path]:
@@ -55,6 +53,33 @@ def _batch_env() -> Iterator[None]:
             os.environ["LABKIT_BATCH"] = old
 
 
+def kernel_manager_class():
+    """Return the kernel manager class for batch runs: kernels that do not talk plain TCP where that can be avoided.
+
+    ipykernel warns "Kernel is running over TCP without encryption" on every start otherwise, and
+    that warning lands between the runner's progress lines. With a pyzmq that has CurveZMQ (the
+    wheels do) and a kernelspec that declares it (ipykernel's does), jupyter_client provisions
+    Curve keys; elsewhere a POSIX machine uses IPC sockets; else plain TCP (and the warning) stays.
+    """
+    import zmq
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import default
+
+    if "transport_encryption" in AsyncKernelManager.class_trait_names() and zmq.has("curve"):
+        class CurveKernelManager(AsyncKernelManager):
+            @default("transport_encryption")
+            def _curve_when_the_kernel_supports_it(self):
+                return "auto"
+        return CurveKernelManager
+    if os.name == "posix":
+        class IPCKernelManager(AsyncKernelManager):
+            @default("transport")
+            def _ipc(self):
+                return "ipc"
+        return IPCKernelManager
+    return AsyncKernelManager
+
+
 def _error_text(exc: BaseException) -> str:
     ename = getattr(exc, "ename", None) or type(exc).__name__
     evalue = getattr(exc, "evalue", None)
@@ -62,15 +87,12 @@ def _error_text(exc: BaseException) -> str:
     return f"{ename}: {evalue}"[:ERROR_CHARS]
 
 
-def _read_notebook(path: Path):
-    import nbformat
-    return nbformat.read(path, as_version=4)
-
-
 def run_notebook(path: str | Path, out_dir: str | Path, parameters: dict, timeout_s: float) -> dict:
     """Execute one notebook into OUT/notebooks/ and return its results.json entry."""
     import papermill
+
     from labkit.results import records_from_notebook
+    from labkit.tools.report import read_notebook
 
     path = Path(path).resolve()
     out_dir = Path(out_dir)
@@ -83,7 +105,7 @@ def run_notebook(path: str | Path, out_dir: str | Path, parameters: dict, timeou
             papermill.execute_notebook(
                 str(path), str(executed), parameters=dict(parameters), kernel_name="python3",
                 cwd=str(path.parent), progress_bar=False, log_output=False,
-                execution_timeout=timeout_s,
+                execution_timeout=timeout_s, kernel_manager_class=kernel_manager_class(),
             )
         except Exception as exc:  # PapermillExecutionError, timeouts, dead kernels: keep going
             entry["status"] = "failed"
@@ -92,7 +114,7 @@ def run_notebook(path: str | Path, out_dir: str | Path, parameters: dict, timeou
     measurements: dict = {}
     if executed.exists():
         try:
-            measurements = records_from_notebook(_read_notebook(executed))
+            measurements = records_from_notebook(read_notebook(executed))
         except Exception as exc:  # an unreadable partial notebook must not hide the run's error
             entry.setdefault("error", f"could not read executed notebook: {_error_text(exc)}")
     entry["measurements"] = measurements
@@ -126,114 +148,6 @@ def write_results(entries: dict[str, dict], out_dir: str | Path, parameters: dic
     return target
 
 
-def format_value(name: str, value) -> str:
-    """Format one measurement for the report (thousands separators, MiB for *_bytes, 4 significant digits)."""
-    if isinstance(value, bool) or value is None:
-        text = json.dumps(value)
-    elif isinstance(value, int):
-        text = f"{value:,}"
-        if name.endswith("_bytes"):
-            text += f" ({value / 2**20:,.1f} MiB)"
-    elif isinstance(value, float):
-        text = f"{value:.4g}"
-        if name.endswith("_bytes"):
-            text += f" ({value / 2**20:,.1f} MiB)"
-    elif isinstance(value, str):
-        text = value
-    else:
-        text = json.dumps(value, separators=(",", ":"))
-    return text if len(text) <= VALUE_CHARS else text[: VALUE_CHARS - 3] + "..."
-
-
-def _images(executed: Path) -> list[tuple[str | None, str]]:
-    """Return (nearest preceding markdown heading, base64 PNG) for every image output, in order."""
-    if not executed.exists():
-        return []
-    try:
-        nb = _read_notebook(executed)
-    except Exception:
-        return []
-    heading, found = None, []
-    for cell in nb.cells:
-        if cell.cell_type == "markdown":
-            for line in cell.source.splitlines():
-                if line.lstrip().startswith("#"):
-                    heading = line.lstrip().lstrip("#").strip() or heading
-        for output in cell.get("outputs", []):
-            png = output.get("data", {}).get("image/png")
-            if png:
-                found.append((heading, "".join(png).replace("\n", "") if isinstance(png, list) else png.replace("\n", "")))
-    return found
-
-
-_CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222;line-height:1.45}
-h1{margin-bottom:.2em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
-table{border-collapse:collapse;margin:.8em 0}td,th{border:1px solid #ddd;padding:.3em .7em;text-align:left;vertical-align:top}
-th{background:#f4f4f4}td.num{text-align:right;font-variant-numeric:tabular-nums}
-.ok{color:#17702f;font-weight:600}.failed{color:#b00020;font-weight:600}
-pre{background:#fff4f4;border:1px solid #e8b4b4;padding:.8em;overflow-x:auto;white-space:pre-wrap}
-figure{margin:1.2em 0}figcaption{font-size:.85em;color:#555;margin-bottom:.3em}img{max-width:100%}
-.meta{color:#555}code{font-size:.95em}
-"""
-
-
-def write_report(results: dict, out_dir: str | Path) -> Path:
-    """Write OUT/report.html: a self-contained page with the measurements and plots of every notebook."""
-    out_dir = Path(out_dir)
-    esc = html.escape
-    notebooks = results.get("notebooks", {})
-    total = sum(float(e.get("wall_s", 0.0)) for e in notebooks.values())
-    params = results.get("parameters") or {}
-    parts = [
-        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-        "<title>Fit the Model: batch run report</title>", f"<style>{_CSS}</style></head><body>",
-        "<h1>Fit the Model: batch run report</h1>", '<p class="meta">',
-        f"Hardware: {esc(str(results.get('hardware', '?')))}<br>",
-        f"torch: {esc(str(results.get('torch', '?')))}<br>",
-        f"Generated (UTC): {esc(str(results.get('generated_utc', '?')))}<br>",
-        f"Total wall time: {total:,.1f} s<br>",
-        f"Parameters: {esc(json.dumps(params)) if params else 'none'}</p>",
-        "<table><tr><th>Notebook</th><th>Status</th><th>Wall s</th><th>Measurements</th></tr>",
-    ]
-    for stem, entry in notebooks.items():
-        status = str(entry.get("status", "?"))
-        parts.append(
-            f'<tr><td><a href="#{esc(stem)}">{esc(stem)}</a></td><td class="{esc(status)}">{esc(status)}</td>'
-            f'<td class="num">{float(entry.get("wall_s", 0.0)):,.1f}</td>'
-            f'<td class="num">{len(entry.get("measurements", {}))}</td></tr>'
-        )
-    parts.append("</table>")
-    for stem, entry in notebooks.items():
-        status = str(entry.get("status", "?"))
-        parts.append(f'<section id="{esc(stem)}"><h2>{esc(stem)}</h2>')
-        parts.append(
-            f'<p>Status: <span class="{esc(status)}">{esc(status)}</span> &middot; '
-            f'wall {float(entry.get("wall_s", 0.0)):,.1f} s &middot; '
-            f'executed notebook: <code>{esc(str(entry.get("executed", "")))}</code></p>'
-        )
-        if entry.get("error"):
-            parts.append(f"<pre>{esc(str(entry['error']))}</pre>")
-        measurements = entry.get("measurements", {})
-        if measurements:
-            parts.append("<table><tr><th>Measurement</th><th>Value</th></tr>")
-            for name, value in measurements.items():
-                parts.append(f'<tr><td><code>{esc(name)}</code></td><td class="num">{esc(format_value(name, value))}</td></tr>')
-            parts.append("</table>")
-        else:
-            parts.append("<p class=\"meta\">No measurements recorded.</p>")
-        if entry.get("executed"):
-            for heading, png in _images(out_dir / entry["executed"]):
-                caption = f"<figcaption>{esc(heading)}</figcaption>" if heading else ""
-                parts.append(f'<figure>{caption}<img alt="{esc(heading or stem)}" src="data:image/png;base64,{png}"></figure>')
-        parts.append("</section>")
-    parts.append("</body></html>")
-    target = out_dir / "report.html"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target.write_text("\n".join(parts) + "\n", encoding="utf-8")
-    return target
-
-
 def _parse_value(text: str):
     try:
         return ast.literal_eval(text)
@@ -242,7 +156,7 @@ def _parse_value(text: str):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m labkit.runner", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m labkit.tools.runner", description=__doc__.split("\n\n")[0])
     parser.add_argument("--notebooks", default="notebooks", help="folder of numbered notebooks (default: notebooks)")
     parser.add_argument("--out", default="build", help="output folder (default: build)")
     parser.add_argument("--only", action="append", default=[], metavar="PATTERN",
@@ -281,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{entry['status']} {entry['wall_s']:.1f} s", flush=True)
         if entry["status"] != "ok":
             print(f"    {entry.get('error', '').splitlines()[0] if entry.get('error') else ''}", flush=True)
+    from labkit.tools.report import write_report
+
     results_path = write_results(entries, out_dir, parameters, merge=bool(args.only))
     report_path = write_report(json.loads(results_path.read_text(encoding="utf-8")), out_dir)
     failed = [stem for stem, e in entries.items() if e["status"] != "ok"]

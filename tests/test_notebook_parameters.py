@@ -1,0 +1,53 @@
+"""Every chapter refuses bad parameters in its validation cell, naming the parameter, before any work.
+
+Only the cells up to the validation cell run (in this process: `validate_parameters` in
+conftest.py); the defaults of every chapter must pass.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import labkit
+from labkit.tools.runner import find_notebooks
+
+STEMS = [p.stem for p in find_notebooks(Path(__file__).resolve().parents[1] / "notebooks")]
+
+BAD = [  # (chapter, parameters, words the error must contain)
+    ("00_where_the_memory_goes", dict(BATCH=0), ["BATCH", "[1, 4096]"]),
+    ("00_where_the_memory_goes", dict(DEVICE="tpu"), ["DEVICE", "'auto', 'cpu', 'cuda'"]),
+    ("00_where_the_memory_goes", dict(BUDGET_MIB=-5), ["BUDGET_MIB", "positive"]),
+    ("00_where_the_memory_goes", dict(N_EMBD=100, N_HEAD=3), ["N_EMBD", "N_HEAD", "divisible"]),
+    ("00_where_the_memory_goes", dict(SEQ_LEN_SWEEP=[16, 32]), ["SEQ_LEN_SWEEP", ">= 3"]),
+    ("01_gradient_accumulation", dict(BATCH=8, MICRO_BATCH=8), ["MICRO_BATCH", "[1, 7]"]),
+    ("01_gradient_accumulation", dict(ACCUM_STEPS_SWEEP=[1, 5]), ["ACCUM_STEPS_SWEEP", "k=5", "cannot realise"]),
+    ("01_gradient_accumulation", dict(DEVICE="tpu"), ["DEVICE", "'auto', 'cpu', 'cuda'"]),
+    ("02_activation_checkpointing", dict(SWEEP_N_LAYER=1), ["SWEEP_N_LAYER", "[2, 64]"]),
+    ("02_activation_checkpointing", dict(SWEEP_BATCH=1, SEQ_LEN=16), ["SWEEP_BATCH × SEQ_LEN", "32 tokens"]),
+    ("03_mixed_precision", dict(LOSS_SCALE=1000.0), ["LOSS_SCALE", "power of two"]),
+    ("03_mixed_precision", dict(N_EMBD_SWEEP=[30]), ["N_EMBD_SWEEP", "N_HEAD", "divisible"]),
+    ("03_mixed_precision", dict(BATCH=4, ACCUM_STEPS=8), ["ACCUM_STEPS", "<= BATCH"]),
+    ("04_activation_offload", dict(HOST_TIER="ssd"), ["HOST_TIER", "'disk'"]),
+    ("04_activation_offload", dict(MIN_OFFLOAD_BYTES=-1), ["MIN_OFFLOAD_BYTES", "[0, "]),
+    ("05_layer_to_layer", dict(N_LAYER_SWEEP=[8, 4]), ["N_LAYER_SWEEP", "increasing"]),
+    ("05_layer_to_layer", dict(SWEEP_N_EMBD=30), ["SWEEP_N_EMBD", "divisible"]),
+]
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_defaults_are_valid(validate_parameters, stem):
+    assert validate_parameters(stem) is None
+
+
+@pytest.mark.parametrize("stem, parameters, words", BAD, ids=[f"{s[:2]}-{'-'.join(p)}" for s, p, _ in BAD])
+def test_bad_parameters_are_refused_naming_them(validate_parameters, stem, parameters, words):
+    error = validate_parameters(stem, **parameters)
+    assert isinstance(error, labkit.ParameterError), error
+    for word in words:
+        assert word in str(error), (word, str(error))
+
+
+def test_every_chapter_has_bad_parameter_cases():
+    assert sorted({stem for stem, _, _ in BAD}) == STEMS
