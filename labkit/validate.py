@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from labkit.device import resolve_device
+
 
 class ParameterError(ValueError):
     """A parameter is out of its allowed range."""
@@ -55,7 +57,6 @@ def check_budget(name: str, value, unit: str = "bytes") -> float | None:
 
 def check_device(name: str, value):
     """Return the torch device for "auto" | "cpu" | "cuda"; raise ParameterError naming `name` otherwise."""
-    from labkit.device import resolve_device
     try:
         return resolve_device(value, param=name)
     except (TypeError, ValueError) as e:
