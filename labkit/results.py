@@ -19,14 +19,14 @@ MIME_TYPE = "application/vnd.labkit.record+json"
 _RECORDS: dict[str, object] = {}
 
 
-def _jsonable(value):
+def jsonable(value):
     """Convert tensors, numpy scalars, tuples and dict keys into plain JSON values."""
     if hasattr(value, "tolist") and callable(value.tolist):  # torch.Tensor, numpy array/scalar
         value = value.tolist()
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no inf/nan
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -48,7 +48,7 @@ def record(name: str, value) -> object:
     """Record one named measurement of this notebook; return the JSON-able value."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"record name must be an identifier like 'peak_bytes', got {name!r}")
-    value = _jsonable(value)
+    value = jsonable(value)
     json.dumps(value)  # sanity: must serialise
     _RECORDS[name] = value
     payload = {"name": name, "value": value}

@@ -49,8 +49,8 @@ def test_record_recorded_clear(clean_records):
     assert labkit.recorded() == {}
 
 
-def test_jsonable_conversions():
-    j = results._jsonable
+def testjsonable_conversions():
+    j = results.jsonable
     assert j(torch.tensor([1, 2])) == [1, 2]
     assert j(torch.tensor(1.5)) == 1.5
     assert j(np.float32(0.5)) == 0.5 and type(j(np.float32(0.5))) is float
@@ -65,7 +65,7 @@ def test_jsonable_conversions():
 
 
 @pytest.mark.parametrize("value", [object(), {1, 2}, b"bytes", [1, object()]])
-def test_jsonable_rejects_objects(value, clean_records):
+def testjsonable_rejects_objects(value, clean_records):
     with pytest.raises(TypeError, match="JSON"):
         labkit.record("x", value)
     assert "x" not in labkit.recorded()

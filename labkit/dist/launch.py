@@ -1,0 +1,224 @@
+"""Launch a rank script on N local processes from a notebook cell and bring back what each rank produced.
+
+    results = labkit.dist.launch("06_pipeline_ranks.py", nproc=2, params={"microbatches": 4})
+    results[1].value, results[1].records, results[1].meters, results[1].spans
+
+Built on torch's own process launcher (`torch.distributed.elastic.multiprocessing.start_processes`,
+the engine under torchrun): each rank is `python <script> --name value ...` in its own process
+group, its output captured. The launcher hosts the group's TCPStore on a free loopback port (two
+notebooks at once never collide) and the ranks join it as torchrun's workers join its agent's
+store (`TORCHELASTIC_USE_AGENT_STORE`), so the same script also runs under
+`torchrun --nproc-per-node N script.py --name value ...`.
+
+Failure is a result, not a hang. A rank that raises reports its traceback; a rank killed by a
+signal is reported with the signal; either way the other ranks are stopped at once. A group
+that does not finish within `timeout_s` is stopped too; interrupting the cell (KeyboardInterrupt)
+stops every rank before the interrupt goes on. With `check=True` (the default) any of these raises
+`RankFailure`, whose message names each rank and what happened to it; `.results` keeps what the
+ranks reported. No rank outlives the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from labkit.dist.rank import DEVICE_ENV, PARENT_ENV, RESULT_DIR_ENV, TIMEOUT_ENV
+from labkit.validate import ParameterError, check_choice, check_float, check_int
+
+DEVICES = ("auto", "cpu", "cuda")
+OUTPUT_CHARS = 20_000  # the tail of each rank's stdout/stderr kept in its result
+
+
+@dataclass
+class RankResult:
+    """What one rank produced, as plain data."""
+
+    rank: int  # the rank's index in the group
+    value: object = None  # what main returned (JSON-able); None when it failed
+    records: dict = field(default_factory=dict)  # what the rank labkit.record()ed
+    meters: dict = field(default_factory=dict)  # meter summaries by name (labkit.dist.meter)
+    spans: list = field(default_factory=list)  # [label, start_s, end_s] on the rank's clock (0: start barrier)
+    device: str = ""  # the rank's compute device
+    stdout: str = ""  # what the rank printed (the last OUTPUT_CHARS characters)
+    stderr: str = ""  # what it wrote to stderr (idem)
+    exitcode: int | None = None  # its exit status (negative: killed by that signal; None: not known)
+    error: str | None = None  # its traceback, or how it died or was stopped; None when it finished
+
+    @property
+    def ok(self) -> bool:
+        """Tell whether the rank finished and reported."""
+        return self.error is None
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks failed, died, hung past the timeout or were stopped; `.results` has what they reported."""
+
+    def __init__(self, message: str, results: list[RankResult]):
+        super().__init__(message)
+        self.results = results
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port on `host` that was free a moment ago (for a torchrun rendezvous endpoint)."""
+    import socket
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _device(device: str, nproc: int) -> str:
+    check_choice("device", device, DEVICES)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and gpus < nproc:
+        raise ParameterError(f"device='cuda' needs one GPU per rank: nproc={nproc} ranks, {gpus} GPUs visible")
+    if device == "auto":
+        return "cuda" if gpus >= nproc else "cpu"
+    return device
+
+
+def _cli(params: dict) -> list[str]:
+    """Turn {"microbatches": 4, "schedule": "1F1B"} into ["--microbatches", "4", "--schedule", "'1F1B'"]."""
+    out = []
+    for name, value in params.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ParameterError(f"params: names must be identifiers, got {name!r}")
+        json.dumps(value)  # plain data only: the rank reads it back as a Python literal
+        out += [f"--{name}", repr(value)]
+    return out
+
+
+def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = None, device: str = "auto",
+           timeout_s: float = 120.0, check: bool = True, echo: bool = True,
+           threads_per_rank: int | None = None) -> list[RankResult]:
+    """Run `script` on `nproc` local ranks and return their results in rank order (see the module docstring).
+
+    device "auto": one GPU per rank when there are enough, else CPU (gloo). echo prints each rank's
+    output after the run, prefixed with its rank. threads_per_rank: torch threads of each rank
+    (default: the machine's cores shared out, at least one).
+    """
+    check_int("nproc", nproc, 1, 64)
+    check_float("timeout_s", timeout_s, 0.0, 24 * 3600.0, lo_open=True)
+    script = Path(script)
+    if not script.is_file():
+        raise ParameterError(f"script: no such file {str(script)!r}")
+    dev = _device(device, nproc)
+    cli = _cli(params or {})
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
+    check_int("threads_per_rank", threads, 1)
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+
+    workdir = tempfile.mkdtemp(prefix="labkit-launch-")
+    results_dir = os.path.join(workdir, "results")
+    os.mkdir(results_dir)
+    store = TCPStore("127.0.0.1", 0, nproc, True, wait_for_workers=False)  # port 0: the OS picks a free one
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(nproc),
+              "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+              "TORCHELASTIC_RUN_ID": "labkit", RESULT_DIR_ENV: results_dir, PARENT_ENV: str(os.getpid()),
+              DEVICE_ENV: dev, TIMEOUT_ENV: str(timeout_s), "OMP_NUM_THREADS": str(threads),
+              "PYTHONUNBUFFERED": "1"}
+    if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        common["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks talk over loopback only
+    envs = {r: {**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)}
+    args = {r: ("-u", str(script), *cli) for r in range(nproc)}
+    quiet = logging.getLogger("torch.distributed.elastic")
+    level, quiet.level = quiet.level, logging.CRITICAL  # its "sending SIGTERM" lines are our report's job
+    timed_out = False
+    context = None
+    try:
+        with _own_signal_handlers():
+            context = start_processes("labkit", sys.executable, args, envs,
+                                      DefaultLogsSpecs(log_dir=os.path.join(workdir, "logs"), redirects=Std.ALL))
+        deadline = time.monotonic() + timeout_s
+        run = None
+        while run is None and time.monotonic() < deadline:
+            run = context.wait(timeout=min(0.5, max(deadline - time.monotonic(), 0.01)), period=0.05)
+        timed_out = run is None
+        if timed_out:
+            context.close(death_sig=signal.SIGTERM, timeout=5)
+        results = _collect(context, nproc, results_dir, timed_out, timeout_s)
+    finally:  # also on KeyboardInterrupt: every rank is stopped before the interrupt goes on
+        if context is not None:
+            context.close(death_sig=signal.SIGTERM, timeout=5)
+        quiet.setLevel(level)
+        del store
+        shutil.rmtree(workdir, ignore_errors=True)
+    if echo:
+        for r in results:
+            for stream in (r.stdout, r.stderr if r.ok else ""):
+                for line in stream.splitlines():
+                    print(f"[rank {r.rank}] {line}")
+    failed = [r for r in results if not r.ok]
+    if failed and check:
+        raise RankFailure("\n".join(f"rank {r.rank}: {r.error}" for r in failed), results)
+    return results
+
+
+@contextlib.contextmanager
+def _own_signal_handlers():
+    """Keep this process's signal handlers: torch's launcher replaces SIGINT's (and others) for good.
+
+    In a notebook kernel SIGINT must stay KeyboardInterrupt (the interrupt button); the ranks are
+    stopped by `launch`'s own clean-up, and die with this process if it is killed.
+    """
+    names = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+    main = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names if hasattr(signal, n))}
+    try:
+        yield
+    finally:
+        if main:
+            for sig, handler in saved.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
+
+
+def _tail(path: str | None) -> str:
+    if not path or not os.path.exists(path):
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()[-OUTPUT_CHARS:]
+
+
+def _collect(context, nproc: int, results_dir: str, timed_out: bool, timeout_s: float) -> list[RankResult]:
+    """Read each rank's report and exit status into RankResults, naming what happened to each."""
+    handlers = getattr(context, "subprocess_handlers", {})
+    out = []
+    for r in range(nproc):
+        path = os.path.join(results_dir, f"rank{r}.json")
+        report = json.loads(Path(path).read_text(encoding="utf-8")) if os.path.exists(path) else {}
+        out.append(RankResult(rank=r, value=report.get("value"), records=report.get("records", {}),
+                              meters=report.get("meters", {}), spans=report.get("spans", []),
+                              device=report.get("device", ""), stdout=_tail(context.stdouts.get(r)),
+                              stderr=_tail(context.stderrs.get(r)),
+                              exitcode=handlers[r].proc.poll() if r in handlers else None,
+                              error=report.get("error") if report else "no report"))
+    if timed_out:
+        for res in out:
+            if res.error == "no report":
+                res.error = f"did not finish within timeout_s={timeout_s:g} s: stopped"
+        return out
+    stopped_by_us = -signal.SIGTERM
+    for res in out:  # a rank that died on its own: a signal it did not get from us, or a bad exit status
+        if res.error == "no report" and res.exitcode not in (None, 0, stopped_by_us):
+            res.error = (f"died from signal {signal.Signals(-res.exitcode).name}" if res.exitcode < 0
+                         else f"exited with status {res.exitcode} without a report")
+    failed = ", ".join(f"rank {o.rank}" for o in out if o.error not in (None, "no report")) or "another rank"
+    for res in out:
+        if res.error == "no report":
+            res.error = f"stopped because {failed} failed"
+    return out

@@ -1,0 +1,183 @@
+"""Inside a rank: join the process group from the environment, run the rank's code, report what it produced.
+
+A rank script (a notebook writes one with `%%writefile`; any script will do) ends with
+
+    if __name__ == "__main__":
+        labkit.dist.run(main)
+
+`run` is the same under `labkit.dist.launch` (from a notebook cell) and under `torchrun`: it reads
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, joins the group with gloo on CPU or
+NCCL on CUDA (one GPU per rank, `LOCAL_RANK` picks it), and calls `main(**parameters)`, the
+parameters being the command line's `--name value` pairs (`--microbatches 4 --schedule 1F1B`:
+values read as Python literals where they parse, else as strings).
+
+What a rank produces travels back to the launcher as plain data (JSON, one file per rank):
+main's return value, what it `labkit.record()`ed, the summaries of the meters opened with
+`meter(name)`, and the labelled `span`s it timed, on a clock that starts at the same barrier on
+every rank. Under torchrun (no launcher) each rank prints that summary on one line instead.
+
+If main raises, the rank writes its traceback into its report and exits with status 1; the
+launcher then stops the other ranks. A rank started by the launcher also dies with it (Linux:
+the parent-death signal; elsewhere a thread that watches the parent).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from labkit.meter import MemoryMeter
+from labkit.results import jsonable, recorded
+
+RESULT_DIR_ENV = "LABKIT_RESULT_DIR"  # where a launched rank writes rank<r>.json
+PARENT_ENV = "LABKIT_PARENT_PID"  # the launcher's pid: a launched rank dies with it
+DEVICE_ENV = "LABKIT_DEVICE"  # "cpu" or "cuda", chosen by the launcher ("auto" under torchrun)
+TIMEOUT_ENV = "LABKIT_TIMEOUT_S"  # collectives give up after this many seconds
+
+_state = {"t0": None, "spans": [], "meters": {}}
+
+
+def rank() -> int:
+    """Return this process's rank in the group (0 outside a group)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    """Return the number of ranks in the group (1 outside a group)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def device() -> torch.device:
+    """Return this rank's compute device: its own GPU (LOCAL_RANK) under NCCL, else the CPU."""
+    choice = os.environ.get(DEVICE_ENV, "auto")
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def now_s() -> float:
+    """Return seconds since the start barrier on this rank's clock (the clock spans use)."""
+    t0 = _state["t0"] if _state["t0"] is not None else time.perf_counter()
+    return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def span(label: str):
+    """Time the block as a labelled span of this rank's timeline (device synchronised at both ends)."""
+    dev = device()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    start = now_s()
+    try:
+        yield
+    finally:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        _state["spans"].append((label, start, now_s()))
+
+
+def add_span(label: str, start_s: float, end_s: float) -> None:
+    """Add a span measured elsewhere (seconds on this rank's clock, see now_s)."""
+    _state["spans"].append((label, float(start_s), float(end_s)))
+
+
+@contextlib.contextmanager
+def meter(name: str, budget_bytes: int | None = None):
+    """Open a MemoryMeter on this rank's device; its summary goes back to the launcher under `name`."""
+    m = MemoryMeter(device(), budget_bytes=budget_bytes, timeline=False)
+    try:
+        with m:
+            yield m
+    finally:
+        _state["meters"][name] = m.summary()
+
+
+def parse_args(argv: list[str]) -> dict:
+    """Read `--name value` pairs into a dict (values as Python literals where they parse, else strings)."""
+    out, i = {}, 0
+    while i < len(argv):
+        key = argv[i]
+        if not key.startswith("--") or i + 1 >= len(argv):
+            raise SystemExit(f"expected --name value pairs, got {argv[i:]!r}")
+        try:
+            value = ast.literal_eval(argv[i + 1])
+        except (ValueError, SyntaxError):
+            value = argv[i + 1]
+        out[key[2:].replace("-", "_")] = value
+        i += 2
+    return out
+
+
+def _die_with_parent() -> None:
+    """End this process when the launcher that started it ends (no rank outlives its cell)."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+    parent = int(parent)
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    else:
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent:  # the launcher died before the signal was armed
+        os._exit(1)
+
+
+def run(main) -> None:
+    """Join the group, call main(**command-line parameters), report the results, leave the group."""
+    _die_with_parent()
+    params = parse_args(sys.argv[1:])
+    dev = device()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, 1800)))
+    report: dict = {"rank": int(os.environ.get("RANK", 0)), "device": str(dev)}
+    ok = False
+    try:
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timeout)
+        dist.barrier()
+        _state["t0"] = time.perf_counter()
+        report["value"] = jsonable(main(**params))
+        ok = True
+    except BaseException:  # noqa: BLE001 - everything, KeyboardInterrupt included, is reported
+        report["error"] = traceback.format_exc()
+    report.update(records=jsonable(recorded()), meters=jsonable(_state["meters"]),
+                  spans=[list(s) for s in _state["spans"]])
+    _write(report)
+    if ok:
+        dist.destroy_process_group()
+    else:
+        sys.stderr.write(report["error"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown: the report is written, and C++ threads of the process group
+    # (gloo's, a device mesh's) can abort a normal exit. After a failure the launcher stops the
+    # other ranks; a clean teardown could wait on them forever.
+    os._exit(0 if ok else 1)
+
+
+def _write(report: dict) -> None:
+    folder = os.environ.get(RESULT_DIR_ENV)
+    if folder:
+        path = os.path.join(folder, f"rank{report['rank']}.json")
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(report, f)
+        os.replace(path + ".tmp", path)  # complete or absent, never half-written
+    else:  # under torchrun: one line per rank
+        shown = {k: v for k, v in report.items() if k != "spans"}
+        print(f"[rank {report['rank']}] {json.dumps(shown)[:2000]}", flush=True)

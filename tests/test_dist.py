@@ -1,0 +1,207 @@
+"""labkit.dist: rank code on N local processes, results back as plain data, and failure as a result.
+
+Every test checks that no rank process is left behind: each rank writes its pid to a marker file,
+and the test asserts those processes are gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import labkit
+import labkit.dist as ld
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RANKS = textwrap.dedent('''
+    import os, signal, time
+    import torch, torch.distributed as dist
+    import labkit, labkit.dist as ld
+
+    def main(mode="ok", marker="", scale=1.0):
+        r = ld.rank()
+        if marker:
+            with open(f"{marker}.{r}", "w") as f:
+                f.write(str(os.getpid()))
+        print(f"hello from rank {r} of {ld.world_size()}")
+        if mode == "raise" and r == 1:
+            raise ValueError("rank 1 breaks on purpose")
+        if mode == "hang" and r == 1:
+            time.sleep(3600)
+        if mode == "kill" and r == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "wait":
+            time.sleep(3600)
+        with ld.span("all_reduce"), ld.meter("sum"):
+            x = torch.full((256,), float(r + 1) * scale)
+            dist.all_reduce(x)  # the other ranks wait here for a rank that failed
+        labkit.record("total", float(x[0]))
+        return {"rank": r, "sum": float(x.sum()), "device": str(ld.device())}
+
+    if __name__ == "__main__":
+        ld.run(main)
+''')
+
+
+@pytest.fixture
+def ranks_script(tmp_path):
+    path = tmp_path / "ranks.py"
+    path.write_text(RANKS)
+    return path
+
+
+def _pids(marker) -> list[int]:
+    folder, stem = os.path.dirname(marker), os.path.basename(marker)
+    return [int(open(os.path.join(folder, f)).read()) for f in os.listdir(folder) if f.startswith(stem + ".")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead but not yet reaped
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _assert_none_left(marker, expected: int):
+    pids = _pids(marker)
+    assert len(pids) == expected, pids
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
+
+
+def test_values_records_meters_spans_and_output_come_back(ranks_script, tmp_path, capsys):
+    marker = str(tmp_path / "m")
+    results = ld.launch(ranks_script, 2, params={"marker": marker, "scale": 0.5}, device="cpu")
+    assert [r.rank for r in results] == [0, 1] and all(r.ok and r.exitcode == 0 for r in results)
+    expected_sum = 256 * (0.5 + 1.0)  # (1 + 2) × 0.5 in each of 256 elements
+    for r in results:
+        assert r.value == {"rank": r.rank, "sum": expected_sum, "device": "cpu"}
+        assert r.records == {"total": 1.5}
+        assert r.meters["sum"]["peak_bytes"] >= 256 * 4  # the tensor the rank reduced
+        (label, start, end), = r.spans
+        assert label == "all_reduce" and 0 <= start < end
+        assert f"hello from rank {r.rank} of 2" in r.stdout
+    assert "[rank 1] hello from rank 1 of 2" in capsys.readouterr().out  # echoed into the cell
+    _assert_none_left(marker, 2)
+
+
+def test_a_rank_that_raises_shows_its_rank_and_traceback(ranks_script, tmp_path):
+    marker = str(tmp_path / "m")
+    start = time.monotonic()
+    with pytest.raises(ld.RankFailure) as info:
+        ld.launch(ranks_script, 2, params={"mode": "raise", "marker": marker}, timeout_s=60, echo=False)
+    assert time.monotonic() - start < 30  # ended by the failure, not by the timeout
+    text = str(info.value)
+    assert "rank 1: Traceback" in text and "ValueError: rank 1 breaks on purpose" in text
+    assert "rank 0: stopped because rank 1 failed" in text
+    r0, r1 = info.value.results
+    assert r1.exitcode == 1 and "breaks on purpose" in r1.error and r0.value is None
+    _assert_none_left(marker, 2)
+
+
+def test_a_hung_rank_ends_the_group_at_the_timeout(ranks_script, tmp_path):
+    marker = str(tmp_path / "m")
+    start = time.monotonic()
+    results = ld.launch(ranks_script, 2, params={"mode": "hang", "marker": marker}, timeout_s=5, check=False,
+                        echo=False)
+    assert 5 <= time.monotonic() - start < 20
+    assert all("did not finish within timeout_s=5 s" in r.error for r in results)
+    _assert_none_left(marker, 2)
+
+
+def test_a_rank_killed_by_a_signal_ends_the_group(ranks_script, tmp_path):
+    marker = str(tmp_path / "m")
+    with pytest.raises(ld.RankFailure) as info:
+        ld.launch(ranks_script, 2, params={"mode": "kill", "marker": marker}, timeout_s=60, echo=False)
+    r0, r1 = info.value.results
+    assert r1.error == "died from signal SIGKILL" and r1.exitcode == -signal.SIGKILL
+    assert r0.error is not None  # its all_reduce lost its peer: an error or a stop, never a hang
+    _assert_none_left(marker, 2)
+
+
+DRIVER = textwrap.dedent('''
+    import sys, labkit.dist as ld
+    ld.launch(sys.argv[1], 2, params={"mode": "wait", "marker": sys.argv[2]}, timeout_s=120, echo=False)
+''')
+
+
+def _start_driver(ranks_script, marker):
+    """Run a launch in another Python (as a notebook kernel runs a cell); return it once both ranks run."""
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(ranks_script), marker],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(_pids(marker)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(_pids(marker)) == 2, driver.communicate(timeout=5)
+    return driver
+
+
+def test_interrupting_the_cell_stops_every_rank(ranks_script, tmp_path):
+    marker = str(tmp_path / "m")
+    driver = _start_driver(ranks_script, marker)
+    driver.send_signal(signal.SIGINT)  # what JupyterLab's interrupt button sends the kernel
+    _, err = driver.communicate(timeout=30)
+    assert driver.returncode != 0 and "KeyboardInterrupt" in err
+    _assert_none_left(marker, 2)
+
+
+def test_ranks_die_with_a_launcher_that_is_killed(ranks_script, tmp_path):
+    marker = str(tmp_path / "m")
+    driver = _start_driver(ranks_script, marker)
+    driver.kill()  # a dead kernel gets no chance to clean up: the ranks must notice by themselves
+    driver.communicate(timeout=30)
+    _assert_none_left(marker, 2)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(nproc=0), ["nproc", "[1, 64]"]),
+    (dict(device="tpu"), ["device", "'auto', 'cpu', 'cuda'"]),
+    (dict(timeout_s=0), ["timeout_s"]),
+    (dict(params={"bad name": 1}), ["params", "identifiers"]),
+    (dict(params={"x": object()}), ["JSON"]),
+])
+def test_bad_input_fails_before_any_process_starts(ranks_script, tmp_path, kwargs, words):
+    marker = str(tmp_path / "m")
+    kwargs = {"nproc": 2, **kwargs, "params": {"marker": marker, **kwargs.get("params", {})}}
+    with pytest.raises((labkit.ParameterError, TypeError)) as info:
+        ld.launch(ranks_script, **kwargs)
+    assert all(word in str(info.value) for word in words), str(info.value)
+    assert _pids(marker) == []
+
+
+def test_a_missing_script_and_cuda_without_gpus_are_refused(ranks_script, tmp_path):
+    with pytest.raises(labkit.ParameterError, match="script"):
+        ld.launch(tmp_path / "missing.py", 2)
+    import torch
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(labkit.ParameterError, match="one GPU per rank"):
+            ld.launch(ranks_script, 2, device="cuda")
+
+
+def test_two_launches_at_once_do_not_collide(ranks_script, tmp_path):
+    """Each launch hosts its rendezvous store on a port the OS picked: two notebooks never meet."""
+    code = "import sys, labkit.dist as ld; print(ld.launch(sys.argv[1], 2, echo=False)[0].value['sum'])"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(ranks_script)], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert [float(o.strip()) for o in outs] == [256 * 3.0, 256 * 3.0]
+
+
+def test_parse_args_reads_literals_and_strings():
+    from labkit.dist.rank import parse_args
+    assert parse_args(["--microbatches", "4", "--schedule", "1F1B", "--sizes", "[1, 2]", "--name", "'x'"]) == {
+        "microbatches": 4, "schedule": "1F1B", "sizes": [1, 2], "name": "x"}
+    with pytest.raises(SystemExit):
+        parse_args(["--lonely"])
