@@ -32,6 +32,7 @@ class GPTConfig:
     norm: str = "layer"  # "layer" (LayerNorm) or "rms" (RMSNorm)
     pos: str = "learned"  # "learned" position table or "rope" rotary embeddings
     attn: str = "manual"  # "manual" (softmax(QK^T)V, T×T scores kept) or "sdpa" (fused kernel)
+    fused_qkv: bool = True  # one Linear for q, k and v (GPT-2) or three (llama; tensor parallelism splits them by head)
     tie_weights: bool = True  # share token embedding and output head (GPT-2: True, llama: False)
 
     def __post_init__(self):
@@ -112,15 +113,22 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        if cfg.fused_qkv:
+            self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        else:
+            self.q, self.k, self.v = (nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias) for _ in range(3))
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):  # (B, T, C)
-        B, T, C = x.shape
-        H = self.cfg.n_head
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 × (B, T, C)
-        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        B, T, _ = x.shape
+        D = self.cfg.n_embd // self.cfg.n_head  # head width
+        if self.cfg.fused_qkv:
+            q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 × (B, T, C)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)  # 3 × (B, T, C), or (B, T, C/K) on K tensor-parallel ranks
+        H = q.size(-1) // D  # the heads this process computes: n_head, or n_head/K under tensor parallelism
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         if self.cfg.pos == "rope":
             q, k = _rope(q, T), _rope(k, T)
         if self.cfg.attn == "sdpa":
@@ -131,7 +139,7 @@ class CausalSelfAttention(nn.Module):
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
             y = self.drop(att) @ v  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, C)
         return self.drop(self.proj(y))
 
 
@@ -282,14 +290,15 @@ class EmbedStage(nn.Module):
 
 
 class GPTHeadStage(nn.Module):
-    """Final norm, output head (tied to the token embedding when the GPT ties them) and loss."""
+    """Final norm, output head (tied to the token embedding when the GPT ties them), and the loss given targets."""
 
     def __init__(self, gpt: GPT):
         super().__init__()
         self.norm, self.head = gpt.norm, gpt.head
 
-    def forward(self, x, targets):  # x: (B, T, C), targets: (B, T)
-        return token_loss(self.head(self.norm(x)), targets)  # logits (B, T, V) -> ()
+    def forward(self, x, targets=None):  # x: (B, T, C), targets: (B, T)
+        logits = self.head(self.norm(x))  # (B, T, V)
+        return logits if targets is None else token_loss(logits, targets)  # () with targets
 
 
 class MLPHeadStage(nn.Module):
@@ -314,6 +323,29 @@ def split_stages(model: nn.Module) -> list[nn.Module]:
     if isinstance(model, MLP):
         return [*model.layers, MLPHeadStage(model)]
     raise TypeError(f"split_stages supports labkit GPT and MLP models, got {type(model).__name__}")
+
+
+def partition(model: nn.Module, parts: int) -> list[nn.Sequential]:
+    """Group the model's stages into `parts` contiguous pieces, one per pipeline rank: blocks shared out evenly.
+
+    A GPT's first piece starts with the embedding (token ids in), its last ends with the head
+    (logits out, no loss: the pipeline schedule applies the loss); an MLP's last piece ends with
+    its classifier head. Pieces share the model's parameter objects.
+    """
+    stages = split_stages(model)
+    body = stages[1:-1] if isinstance(model, GPT) else stages[:-1]
+    from labkit.checkpointing import segment_sizes
+    sizes = segment_sizes(len(body), check_int("parts", parts, 1, len(body)))
+    pieces, start = [], 0
+    for i, size in enumerate(sizes):
+        piece = list(body[start:start + size])
+        start += size
+        if i == 0 and isinstance(model, GPT):
+            piece.insert(0, stages[0])
+        if i == len(sizes) - 1:
+            piece.append(stages[-1] if isinstance(model, GPT) else stages[-1].head)
+        pieces.append(nn.Sequential(*piece))
+    return pieces
 
 
 def stage_name(i: int, stage: nn.Module) -> str:

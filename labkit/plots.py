@@ -130,3 +130,33 @@ class LiveFigure:
             else:
                 self._handle.update(img)
         return fig
+
+
+ACTION_COLORS = {"F": "#4c72b0", "B": "#c44e52", "W": "#dd8452"}  # forward, backward, weight-only backward
+
+
+def plot_gantt(spans_by_rank: dict, ax=None, title: str = "Timeline by rank", unit: str = "ms",
+               label_actions: bool = True):
+    """Draw each rank's spans as bars on its own row: forward blue, backward red, anything else grey.
+
+    `spans_by_rank` maps a rank (or stage) to (label, start, end) tuples; times in seconds, drawn
+    from the earliest start. Labels starting with F, B or W are pipeline actions (labkit.pipeline).
+    """
+    if ax is None:
+        fig, ax = new_figure()
+    scale = {"s": 1.0, "ms": 1e3}[unit]
+    starts = [a for spans in spans_by_rank.values() for _, a, _ in spans]
+    t0 = min(starts) if starts else 0.0
+    ranks = sorted(spans_by_rank)
+    for row, rank in enumerate(ranks):
+        for label, a, b in spans_by_rank[rank]:
+            color = ACTION_COLORS.get(str(label)[:1], "#8c8c8c")
+            ax.barh(row, (b - a) * scale, left=(a - t0) * scale, height=0.6, color=color, edgecolor="white", lw=0.5)
+            if label_actions and (b - a) * scale > 0:
+                ax.text((a - t0 + (b - a) / 2) * scale, row, str(label).split("/")[0], ha="center", va="center",
+                        fontsize=6, color="white", clip_on=True)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" if isinstance(r, int) else str(r) for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_title(title)
+    return ax

@@ -21,6 +21,48 @@ NOTEBOOKS = ROOT / "notebooks"
 NOTEBOOK_FIXTURES = {"execute_notebook", "validate_parameters"}
 
 
+def pytest_configure(config):
+    """Tag every process this test session starts (ranks, kernels) through an inherited variable."""
+    if not hasattr(config, "workerinput"):  # the controller, before any worker starts
+        import os
+        import uuid
+        os.environ.setdefault("LABKIT_TEST_SESSION", uuid.uuid4().hex)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if a process it started (a rank, a kernel, a worker) is still alive at the end."""
+    import os
+    import time
+    if hasattr(session.config, "workerinput") or not os.path.isdir("/proc"):
+        return
+    tag = f"LABKIT_TEST_SESSION={os.environ.get('LABKIT_TEST_SESSION')}".encode()
+    deadline = time.monotonic() + 10  # processes stopped a moment ago may still be exiting
+    while True:
+        left = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            if int(pid) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if tag not in f.read().split(b"\0"):
+                        continue
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().split(")")[-1].split()[0] == "Z":
+                        continue  # exited, waiting to be reaped
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read().replace(b"\0", b" ").decode(errors="replace")
+                left.append(f"{pid}: {command[:200]}")
+            except OSError:
+                continue
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if left:
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+            "processes started by the tests are still running:\n  " + "\n  ".join(left), red=True)
+        session.exitstatus = 1
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark every test that runs notebook cells with `notebook`."""
     for item in items:

@@ -103,20 +103,22 @@ def test_a_rank_that_raises_shows_its_rank_and_traceback(ranks_script, tmp_path)
         ld.launch(ranks_script, 2, params={"mode": "raise", "marker": marker}, timeout_s=60, echo=False)
     assert time.monotonic() - start < 30  # ended by the failure, not by the timeout
     text = str(info.value)
-    assert "rank 1: Traceback" in text and "ValueError: rank 1 breaks on purpose" in text
-    assert "rank 0: stopped because rank 1 failed" in text
+    assert text.startswith("rank 1 failed first: Traceback") and "ValueError: rank 1 breaks on purpose" in text
+    assert "\nrank 0 (after rank 1): " in text  # stopped, or its all_reduce lost its peer: either way named
+    assert info.value.first.rank == 1
     r0, r1 = info.value.results
-    assert r1.exitcode == 1 and "breaks on purpose" in r1.error and r0.value is None
+    assert r1.exitcode == 1 and "breaks on purpose" in r1.error and r0.value is None and r0.error
     _assert_none_left(marker, 2)
 
 
 def test_a_hung_rank_ends_the_group_at_the_timeout(ranks_script, tmp_path):
     marker = str(tmp_path / "m")
     start = time.monotonic()
-    results = ld.launch(ranks_script, 2, params={"mode": "hang", "marker": marker}, timeout_s=5, check=False,
-                        echo=False)
+    with pytest.raises(ld.RankFailure) as info:
+        ld.launch(ranks_script, 2, params={"mode": "hang", "marker": marker}, timeout_s=5, echo=False)
     assert 5 <= time.monotonic() - start < 20
-    assert all("did not finish within timeout_s=5 s" in r.error for r in results)
+    assert all("did not finish within timeout_s=5 s" in r.error for r in info.value.results)
+    assert str(info.value).splitlines()[0] == "rank 0: did not finish within timeout_s=5 s: stopped"
     _assert_none_left(marker, 2)
 
 
@@ -126,6 +128,7 @@ def test_a_rank_killed_by_a_signal_ends_the_group(ranks_script, tmp_path):
         ld.launch(ranks_script, 2, params={"mode": "kill", "marker": marker}, timeout_s=60, echo=False)
     r0, r1 = info.value.results
     assert r1.error == "died from signal SIGKILL" and r1.exitcode == -signal.SIGKILL
+    assert info.value.first is r1 and str(info.value).startswith("rank 1 failed first: died from signal SIGKILL")
     assert r0.error is not None  # its all_reduce lost its peer: an error or a stop, never a hang
     _assert_none_left(marker, 2)
 
@@ -205,3 +208,25 @@ def test_parse_args_reads_literals_and_strings():
         "microbatches": 4, "schedule": "1F1B", "sizes": [1, 2], "name": "x"}
     with pytest.raises(SystemExit):
         parse_args(["--lonely"])
+
+
+def test_writefiles_writes_the_rank_scripts_of_a_notebook_as_running_it_would(tmp_path):
+    """The scripts a terminal user runs with torchrun are the notebook's %%writefile cells, byte for byte."""
+    import shutil
+
+    import nbformat
+
+    from labkit.tools.writefiles import write, written_files
+
+    src = __import__("pathlib").Path(__file__).resolve().parents[1] / "notebooks" / "06_model_and_pipeline_parallel.ipynb"
+    nb = nbformat.read(src, as_version=4)
+    files = dict(written_files(nb))
+    assert {"06_model_parallel_ranks.py", "06_tensor_parallel_ranks.py", "06_pipeline_ranks.py"} <= set(files)
+    assert all("ld.run(main)" in text for text in files.values())
+    copy = tmp_path / src.name
+    shutil.copy(src, copy)
+    paths = write(copy)
+    assert sorted(p.name for p in paths) == sorted(files)
+    for p in paths:
+        compile(p.read_text(), str(p), "exec")  # valid Python
+        assert p.read_text() == files[p.name]

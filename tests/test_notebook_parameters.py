@@ -33,6 +33,12 @@ BAD = [  # (chapter, parameters, words the error must contain)
     ("04_activation_offload", dict(MIN_OFFLOAD_BYTES=-1), ["MIN_OFFLOAD_BYTES", "[0, "]),
     ("05_layer_to_layer", dict(N_LAYER_SWEEP=[8, 4]), ["N_LAYER_SWEEP", "increasing"]),
     ("05_layer_to_layer", dict(SWEEP_N_EMBD=30), ["SWEEP_N_EMBD", "divisible"]),
+    ("06_model_and_pipeline_parallel", dict(N_RANKS=5), ["N_RANKS", "[2, 4]"]),  # more ranks than blocks
+    ("06_model_and_pipeline_parallel", dict(N_RANKS=1), ["N_RANKS", "[2, 4]"]),
+    ("06_model_and_pipeline_parallel", dict(N_HEAD=4, N_RANKS=3, N_LAYER=6), ["N_HEAD", "N_RANKS", "divisible"]),
+    ("06_model_and_pipeline_parallel", dict(MICROBATCH_SWEEP=[1, 3]), ["BATCH", "MICROBATCH_SWEEP", "divisible"]),
+    ("06_model_and_pipeline_parallel", dict(MEMORY_RANKS=4, MICROBATCH_SWEEP=[1, 2]), ["MEMORY_RANKS", "1F1B"]),
+    ("06_model_and_pipeline_parallel", dict(DEVICE="tpu"), ["DEVICE", "'auto', 'cpu', 'cuda'"]),
 ]
 
 

@@ -56,6 +56,7 @@ class RankResult:
     stderr: str = ""  # what it wrote to stderr (idem)
     exitcode: int | None = None  # its exit status (negative: killed by that signal; None: not known)
     error: str | None = None  # its traceback, or how it died or was stopped; None when it finished
+    failed_at: float | None = None  # when it raised (time.time()), to tell the first failure from its echoes
 
     @property
     def ok(self) -> bool:
@@ -64,11 +65,32 @@ class RankResult:
 
 
 class RankFailure(RuntimeError):
-    """One or more ranks failed, died, hung past the timeout or were stopped; `.results` has what they reported."""
+    """One or more ranks failed, died, hung past the timeout or were stopped; `.results` has what they reported.
 
-    def __init__(self, message: str, results: list[RankResult]):
+    `.first` is the rank that failed first: when one rank raises or dies, the ranks waiting on it
+    often fail a moment later on the broken connection (gloo's "Connection reset by peer").
+    """
+
+    def __init__(self, message: str, results: list[RankResult], first: RankResult):
         super().__init__(message)
         self.results = results
+        self.first = first
+
+
+def _failure(results: list[RankResult]) -> RankFailure:
+    """Build the RankFailure: the first failure with its whole traceback, then one line for each other rank."""
+    failed = [r for r in results if not r.ok]
+    died = [r for r in failed if r.error.startswith(("died from", "exited with"))]
+    raised = sorted((r for r in failed if r.failed_at is not None), key=lambda r: r.failed_at)
+    if not died and not raised:  # nobody failed on its own: the group timed out
+        return RankFailure("\n".join(f"rank {r.rank}: {r.error}" for r in failed), results, failed[0])
+    first = (died or raised)[0]
+    lines = [f"rank {first.rank} failed first: {first.error.rstrip()}"]
+    for r in failed:
+        if r is not first:
+            last = r.error.strip().splitlines()[-1] if r.error.strip() else r.error
+            lines.append(f"rank {r.rank} (after rank {first.rank}): {last}")
+    return RankFailure("\n".join(lines), results, first)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -162,9 +184,8 @@ def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = N
             for stream in (r.stdout, r.stderr if r.ok else ""):
                 for line in stream.splitlines():
                     print(f"[rank {r.rank}] {line}")
-    failed = [r for r in results if not r.ok]
-    if failed and check:
-        raise RankFailure("\n".join(f"rank {r.rank}: {r.error}" for r in failed), results)
+    if check and any(not r.ok for r in results):
+        raise _failure(results)
     return results
 
 
@@ -206,7 +227,7 @@ def _collect(context, nproc: int, results_dir: str, timed_out: bool, timeout_s: 
                               device=report.get("device", ""), stdout=_tail(context.stdouts.get(r)),
                               stderr=_tail(context.stderrs.get(r)),
                               exitcode=handlers[r].proc.poll() if r in handlers else None,
-                              error=report.get("error") if report else "no report"))
+                              error=report.get("error") if report else "no report", failed_at=report.get("failed_at")))
     if timed_out:
         for res in out:
             if res.error == "no report":

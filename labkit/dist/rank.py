@@ -156,6 +156,7 @@ def run(main) -> None:
         ok = True
     except BaseException:  # noqa: BLE001 - everything, KeyboardInterrupt included, is reported
         report["error"] = traceback.format_exc()
+        report["failed_at"] = time.time()  # the launcher names the rank that failed first
     report.update(records=jsonable(recorded()), meters=jsonable(_state["meters"]),
                   spans=[list(s) for s in _state["spans"]])
     _write(report)

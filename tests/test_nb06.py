@@ -1,0 +1,34 @@
+"""Notebook 06 under papermill with another seed, depth and micro-batch sweep: the recorded invariants hold."""
+
+import pytest
+
+import labkit
+
+STEM = "06_model_and_pipeline_parallel"
+
+
+def test_notebook_06_invariants_with_other_parameters(execute_notebook):
+    entry = execute_notebook(STEM, SEED=3, N_LAYER=2, BATCH=8, SEQ_LEN=32, MICROBATCH_SWEEP=[1, 2, 8],
+                             MEMORY_RANKS=0, TIMED_STEPS=1)
+    assert entry["status"] == "ok", entry.get("error")
+    m = entry["measurements"]
+    for name in ("max_rel_grad_diff_model_parallel", "max_rel_grad_diff_tensor_parallel", "max_rel_grad_diff_pipeline"):
+        assert 0 <= m[name] <= 1e-5, (name, m[name])
+    assert 0 < m["utilisation_model_parallel"] < 1
+    ex = labkit.running_example(n_layer=2, batch_size=8, seq_len=32)
+    peaks = m["peak_bytes_by_rank_model_parallel"]
+    assert m["fits_in_budget_per_rank"] == all(p <= ex.budget_bytes for p in peaks.values())
+    assert all(p < ex.baseline_peak_bytes for p in peaks.values())
+    assert 0.5 < m["param_bytes_per_rank_ratio_tensor_parallel"] < 1  # embeddings, norms and head stay whole
+    # six all-reduces of a (B, T, C) fp32 activation per block: 2 forward, 4 backward (q, k, v, up)
+    assert m["comm_bytes_per_step_tensor_parallel"] == 2 * 6 * 8 * 32 * 128 * 4
+    theory = {int(k): v for k, v in m["bubble_fraction_theory_by_microbatches"].items()}
+    assert theory == pytest.approx({1: 0.5, 2: 1 / 3, 8: 1 / 9})
+    measured = m["bubble_fraction_measured_by_microbatches"]
+    assert sorted(int(k) for k in measured["GPipe"]) == [1, 2, 8]
+    assert sorted(int(k) for k in measured["1F1B"]) == [2, 8]  # 1F1B needs M >= K
+    assert all(0 <= v < 1 for schedule in measured.values() for v in schedule.values())
+    gpipe = {int(k): v for k, v in m["stage_peak_bytes_gpipe_by_microbatches"].items()}
+    one_f = {int(k): v for k, v in m["stage_peak_bytes_1f1b_by_microbatches"].items()}
+    assert all(a < g for a, g in zip(one_f[8], gpipe[8]))  # 1F1B holds fewer micro-batches than GPipe
+    assert all(a8 < a2 for a2, a8 in zip(one_f[2], one_f[8]))  # and fewer bytes as M grows at a fixed batch

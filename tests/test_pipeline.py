@@ -1,0 +1,79 @@
+"""labkit.pipeline: the ideal GPipe and 1F1B schedules, their bubble, and bubbles measured from spans."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit.pipeline import (actions_within, bubble_theory, ideal_schedule, measured_bubble, stage_order)
+from labkit.plots import plot_gantt
+
+
+def test_stage_orders_of_gpipe_and_1f1b():
+    assert stage_order("GPipe", 0, 2, 3) == ["F0", "F1", "F2", "B0", "B1", "B2"]
+    assert stage_order("1F1B", 0, 2, 4) == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    assert stage_order("1F1B", 1, 2, 4) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+    assert stage_order("1F1B", 0, 4, 2) == ["F0", "F1", "B0", "B1"]  # fewer micro-batches than stages
+    with pytest.raises(ValueError, match="schedule"):
+        stage_order("zigzag", 0, 2, 2)
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+@pytest.mark.parametrize("stages, microbatches", [(2, 1), (2, 4), (4, 8), (3, 5)])
+def test_ideal_schedules_have_gpipes_bubble(schedule, stages, microbatches):
+    plan = ideal_schedule(schedule, stages, microbatches, t_f=1.0, t_b=2.0)
+    assert sorted(plan) == list(range(stages))
+    for s, actions in plan.items():
+        assert [label for label, _, _ in actions] == stage_order(schedule, s, stages, microbatches)
+        assert all(b > a for _, a, b in actions)
+        assert all(actions[i][2] <= actions[i + 1][1] for i in range(len(actions) - 1))  # one action at a time
+    measured = measured_bubble(plan)
+    assert measured["makespan_s"] == pytest.approx((microbatches + stages - 1) * 3.0)
+    assert measured["bubble_fraction"] == pytest.approx(bubble_theory(stages, microbatches))
+
+
+def test_1f1b_holds_at_most_k_micro_batches_gpipe_all_of_them():
+    def most_in_flight(actions):
+        live = peak = 0
+        for label, _, _ in actions:
+            live += 1 if label[0] == "F" else -1
+            peak = max(peak, live)
+        return peak
+    K, M = 4, 8
+    assert [most_in_flight(ideal_schedule("GPipe", K, M)[s]) for s in range(K)] == [M] * K
+    assert [most_in_flight(ideal_schedule("1F1B", K, M)[s]) for s in range(K)] == [K - s for s in range(K)]
+
+
+def test_an_uneven_pipeline_idles_more_than_the_formula():
+    even = measured_bubble(ideal_schedule("1F1B", 2, 8, t_f=[1.0, 1.0], t_b=[2.0, 2.0]))["bubble_fraction"]
+    uneven = measured_bubble(ideal_schedule("1F1B", 2, 8, t_f=[1.0, 2.0], t_b=[2.0, 4.0]))["bubble_fraction"]
+    assert even == pytest.approx(bubble_theory(2, 8)) and uneven > even
+    with pytest.raises(ValueError, match="one time per stage"):
+        ideal_schedule("GPipe", 3, 2, t_f=[1.0, 1.0])
+
+
+def test_bubble_theory_and_its_interleaved_form():
+    assert bubble_theory(2, 1) == 0.5
+    assert bubble_theory(4, 12) == pytest.approx(3 / 15)
+    assert bubble_theory(2, 4, virtual_stages=2) == pytest.approx(1 / 9)
+    assert bubble_theory(1, 7) == 0.0
+    with pytest.raises(ValueError, match="microbatches"):
+        bubble_theory(2, 0)
+
+
+def test_actions_within_a_window_and_the_measured_bubble():
+    spans = [("step A", 0.0, 1.0), ("F0", 0.1, 0.2), ("B0", 0.5, 0.7), ("step B", 2.0, 3.0), ("F0", 2.1, 2.2)]
+    assert actions_within(spans, "step A") == [("F0", 0.1, 0.2), ("B0", 0.5, 0.7)]
+    with pytest.raises(ValueError, match="one span"):
+        actions_within(spans, "step C")
+    m = measured_bubble({0: [("F0", 0.0, 1.0)], 1: [("F0", 1.0, 2.0)]})
+    assert m["makespan_s"] == 2.0 and m["busy_s"] == {0: 1.0, 1: 1.0} and m["bubble_fraction"] == 0.5
+    with pytest.raises(ValueError):
+        measured_bubble({0: []})
+
+
+def test_plot_gantt_draws_a_row_per_rank():
+    ax = plot_gantt(ideal_schedule("1F1B", 2, 4))
+    assert len(ax.patches) == 16  # 2 stages × (4 forwards + 4 backwards)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
+    colors = {p.get_facecolor()[:3] for p in ax.patches}
+    assert len(colors) == 2  # forward and backward
