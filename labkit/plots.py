@@ -136,7 +136,7 @@ ACTION_COLORS = {"F": "#4c72b0", "B": "#c44e52", "W": "#dd8452"}  # forward, bac
 
 
 def plot_gantt(spans_by_rank: dict, ax=None, title: str = "Timeline by rank", unit: str = "ms",
-               label_actions: bool = True):
+               label_actions: bool = True, xlabel: str | None = None):
     """Draw each rank's spans as bars on its own row: forward blue, backward red, anything else grey.
 
     `spans_by_rank` maps a rank (or stage) to (label, start, end) tuples; times in seconds, drawn
@@ -157,6 +157,6 @@ def plot_gantt(spans_by_rank: dict, ax=None, title: str = "Timeline by rank", un
                         fontsize=6, color="white", clip_on=True)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" if isinstance(r, int) else str(r) for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel(f"time ({unit})")
+    ax.set_xlabel(xlabel or f"time ({unit})")
     ax.set_title(title)
     return ax

@@ -170,6 +170,8 @@ def test_ranks_die_with_a_launcher_that_is_killed(ranks_script, tmp_path):
 @pytest.mark.parametrize("kwargs, words", [
     (dict(nproc=0), ["nproc", "[1, 64]"]),
     (dict(device="tpu"), ["device", "'auto', 'cpu', 'cuda'"]),
+    (dict(backend="mpi"), ["backend", "'auto', 'gloo', 'nccl'"]),
+    (dict(device="cpu", backend="nccl"), ["backend='nccl'", "CUDA"]),
     (dict(timeout_s=0), ["timeout_s"]),
     (dict(params={"bad name": 1}), ["params", "identifiers"]),
     (dict(params={"x": object()}), ["JSON"]),

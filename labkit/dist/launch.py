@@ -35,10 +35,11 @@ from pathlib import Path
 
 import torch
 
-from labkit.dist.rank import DEVICE_ENV, PARENT_ENV, RESULT_DIR_ENV, TIMEOUT_ENV
+from labkit.dist.rank import BACKEND_ENV, DEVICE_ENV, PARENT_ENV, RESULT_DIR_ENV, TIMEOUT_ENV
 from labkit.validate import ParameterError, check_choice, check_float, check_int
 
 DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "gloo", "nccl")  # auto: NCCL with a GPU per rank, gloo on CPU
 OUTPUT_CHARS = 20_000  # the tail of each rank's stdout/stderr kept in its result
 
 
@@ -123,20 +124,26 @@ def _cli(params: dict) -> list[str]:
 
 
 def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = None, device: str = "auto",
-           timeout_s: float = 120.0, check: bool = True, echo: bool = True,
+           backend: str = "auto", timeout_s: float = 120.0, check: bool = True, echo: bool = True,
            threads_per_rank: int | None = None) -> list[RankResult]:
     """Run `script` on `nproc` local ranks and return their results in rank order (see the module docstring).
 
-    device "auto": one GPU per rank when there are enough, else CPU (gloo). echo prints each rank's
-    output after the run, prefixed with its rank. threads_per_rank: torch threads of each rank
-    (default: the machine's cores shared out, at least one).
+    device "auto": one GPU per rank when there are enough, else CPU. backend "auto": NCCL on GPUs,
+    gloo on CPU (gloo also runs on GPUs). echo prints each rank's output after the run, prefixed
+    with its rank. threads_per_rank: torch threads of each rank (default: the machine's cores
+    shared out, at least one).
     """
     check_int("nproc", nproc, 1, 64)
     check_float("timeout_s", timeout_s, 0.0, 24 * 3600.0, lo_open=True)
+    check_choice("backend", backend, BACKENDS)
     script = Path(script)
     if not script.is_file():
         raise ParameterError(f"script: no such file {str(script)!r}")
     dev = _device(device, nproc)
+    if backend == "auto":
+        backend = "nccl" if dev == "cuda" else "gloo"
+    if backend == "nccl" and dev != "cuda":
+        raise ParameterError(f"backend='nccl' needs CUDA devices; the ranks run on {dev}: use backend 'gloo'")
     cli = _cli(params or {})
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     check_int("threads_per_rank", threads, 1)
@@ -151,7 +158,7 @@ def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = N
     common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(nproc),
               "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
               "TORCHELASTIC_RUN_ID": "labkit", RESULT_DIR_ENV: results_dir, PARENT_ENV: str(os.getpid()),
-              DEVICE_ENV: dev, TIMEOUT_ENV: str(timeout_s), "OMP_NUM_THREADS": str(threads),
+              DEVICE_ENV: dev, BACKEND_ENV: backend, TIMEOUT_ENV: str(timeout_s), "OMP_NUM_THREADS": str(threads),
               "PYTHONUNBUFFERED": "1"}
     if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
         common["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks talk over loopback only

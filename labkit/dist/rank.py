@@ -44,6 +44,7 @@ RESULT_DIR_ENV = "LABKIT_RESULT_DIR"  # where a launched rank writes rank<r>.jso
 PARENT_ENV = "LABKIT_PARENT_PID"  # the launcher's pid: a launched rank dies with it
 DEVICE_ENV = "LABKIT_DEVICE"  # "cpu" or "cuda", chosen by the launcher ("auto" under torchrun)
 TIMEOUT_ENV = "LABKIT_TIMEOUT_S"  # collectives give up after this many seconds
+BACKEND_ENV = "LABKIT_BACKEND"  # "gloo" or "nccl", chosen by the launcher (by the device under torchrun)
 
 _state = {"t0": None, "spans": [], "meters": {}}
 
@@ -149,7 +150,8 @@ def run(main) -> None:
     report: dict = {"rank": int(os.environ.get("RANK", 0)), "device": str(dev)}
     ok = False
     try:
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timeout)
+        backend = os.environ.get(BACKEND_ENV) or ("nccl" if dev.type == "cuda" else "gloo")
+        dist.init_process_group(backend, timeout=timeout)
         dist.barrier()
         _state["t0"] = time.perf_counter()
         report["value"] = jsonable(main(**params))
