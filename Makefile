@@ -9,6 +9,8 @@ STAMP  := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation -e '.[deepspeed]' \
+		|| echo "DeepSpeed did not install: the test of the DeepSpeed configs will be skipped"
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install labkit with its dependencies

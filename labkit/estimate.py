@@ -1,4 +1,17 @@
-"""Estimate a training step's memory without allocating it: the same step on fake tensors."""
+"""Estimate a training step's memory without allocating it: the same step on fake tensors.
+
+One process, or one rank of data parallelism over `world_size` ranks (each with `batch_size`
+samples) with a ZeRO stage (notebook 07):
+
+    stage None/0   DDP: a full replica, plus DDP's gradient buckets (as many bytes as the gradients)
+    stage 1        optimizer state sharded (torch's ZeroRedundancyOptimizer beside DDP)
+    stage 2, 3     FSDP2's fully_shard with reshard_after_forward False (parameters stay gathered from
+                   forward to backward) or True, run for real on fake tensors with a fake process group
+                   of `world_size` ranks: rank 0's view, nothing allocated, nothing sent
+
+Stages 0 and 1 are the one-process step with those two corrections (DDP cannot run on fake
+tensors); notebook 07 checks every stage against ranks measured by the meter.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +21,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from labkit.models import GPTConfig, MLPConfig, build_model
-from labkit.train import make_optimizer, measure_step
+from labkit.train import make_optimizer, measure_step, train_step
 from labkit.validate import check_int
 
 
@@ -16,11 +29,14 @@ from labkit.validate import check_int
 class MemoryEstimate:
     """The estimated peak of one training step and its split by category."""
 
-    peak_bytes: int  # most bytes live at once during a steady-state step
+    peak_bytes: int  # most bytes live at once during a steady-state step (of one rank)
     split: dict  # bytes at the peak: parameters, gradients, optimizer_state, activations
     n_params: int  # parameters of the model
-    batch_size: int  # samples per step
+    batch_size: int  # samples per step (per rank)
     seq_len: int | None  # tokens per sample (GPT) or None (MLP)
+    world_size: int = 1  # data-parallel ranks
+    zero_stage: int | None = None  # None: one process (world_size 1) or DDP
+    states: dict | None = None  # bytes by category right after the optimizer step (the model states at rest)
 
     @property
     def bytes_per_param_static(self) -> float:
@@ -41,11 +57,42 @@ def example_batch(cfg: GPTConfig | MLPConfig, batch_size: int, seq_len: int | No
 
 
 def estimate_training_memory(cfg: GPTConfig | MLPConfig, batch_size: int, seq_len: int | None = None,
-                             optimizer: str = "adam") -> MemoryEstimate:
-    """Estimate the peak bytes of one steady-state training step on fake tensors (nothing allocated)."""
+                             optimizer: str = "adam", world_size: int = 1,
+                             zero_stage: int | None = None) -> MemoryEstimate:
+    """Estimate the peak bytes of one steady-state training step (of one rank) on fake tensors, nothing allocated."""
     check_int("batch_size", batch_size, 1)
     if isinstance(cfg, GPTConfig) and seq_len is not None:
         check_int("seq_len", seq_len, 1, cfg.block_size)
+    check_int("world_size", world_size, 1)
+    if zero_stage is not None:
+        check_int("zero_stage", zero_stage, 0, 3)
+        if world_size == 1:
+            raise ValueError("zero_stage needs world_size > 1: one process has nothing to shard")
+    T = (cfg.block_size if seq_len is None else seq_len) if isinstance(cfg, GPTConfig) else None
+    if zero_stage in (2, 3):
+        peak, split, states, n = _fsdp_step(cfg, batch_size, seq_len, optimizer, world_size, zero_stage == 3)
+        return MemoryEstimate(peak, split, n, batch_size, T, world_size, zero_stage, states)
+    peak, split, states, n = _one_process_step(cfg, batch_size, seq_len, optimizer)
+    if world_size > 1:  # DDP keeps its gradient buckets: as many bytes as the gradients, the whole step
+        buckets = states["gradients"]
+        peak, split["activations"], states["activations"] = peak + buckets, split["activations"] + buckets, buckets
+        if zero_stage == 1:  # ZeroRedundancyOptimizer: each rank keeps the state of 1/N of the parameters
+            kept = states["optimizer_state"] // world_size
+            peak -= states["optimizer_state"] - kept
+            split["optimizer_state"] -= states["optimizer_state"] - kept
+            states["optimizer_state"] = kept
+    return MemoryEstimate(peak, split, n, batch_size, T, world_size, zero_stage if world_size > 1 else None, states)
+
+
+_ONE_PROCESS: dict = {}  # (config, batch, seq_len, optimizer) -> the last one-process estimate, reused
+
+
+def _one_process_step(cfg, batch_size: int, seq_len: int | None, optimizer: str):
+    """Run one steady-state step on fake tensors; return peak, split at the peak, states at rest, n (cached)."""
+    key = (repr(cfg), batch_size, seq_len, optimizer)
+    if key in _ONE_PROCESS:
+        peak, split, states, n = _ONE_PROCESS[key]
+        return peak, dict(split), dict(states), n
     with FakeTensorMode():
         model = build_model(cfg)
         opt = make_optimizer(optimizer, model.parameters())
@@ -55,6 +102,49 @@ def estimate_training_memory(cfg: GPTConfig | MLPConfig, batch_size: int, seq_le
         opt.step()
         opt.zero_grad(set_to_none=True)
         step = measure_step(model, opt, batch, device="cpu", warmup=False)
-    n = sum(p.numel() for p in model.parameters())
-    T = (cfg.block_size if seq_len is None else seq_len) if isinstance(cfg, GPTConfig) else None
-    return MemoryEstimate(step.peak_bytes, step.split, n, batch_size, T)
+        states = {"parameters": sum(t.nbytes for t in list(model.parameters()) + list(model.buffers())),
+                  "gradients": sum(p.nbytes for p in model.parameters() if p.requires_grad),
+                  "optimizer_state": sum(t.nbytes for st in opt.state.values() for t in st.values()
+                                         if isinstance(t, torch.Tensor)),
+                  "activations": 0}
+        n = sum(p.numel() for p in model.parameters())
+    _ONE_PROCESS.clear()  # keep one: a sweep over ranks and stages asks for the same step again and again
+    _ONE_PROCESS[key] = (step.peak_bytes, dict(step.split), dict(states), n)
+    return step.peak_bytes, dict(step.split), states, n
+
+
+def _fsdp_step(cfg, batch_size: int, seq_len: int | None, optimizer: str, world_size: int, reshard: bool):
+    """Run rank 0 of an FSDP2 step on fake tensors with a fake process group; return peak, split, states, n."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from labkit.meter import MemoryMeter
+
+    if dist.is_initialized():
+        raise RuntimeError("estimating a sharded step needs a process without a process group (it makes a fake one)")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))  # outside fake mode: the mesh reads real rank lists
+        with torch.device("meta"):  # shard on meta tensors: FSDP2 splits every parameter N ways, cheap only here
+            model = build_model(cfg)
+        for block in getattr(model, "blocks", getattr(model, "layers", [])):
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        with FakeTensorMode(allow_non_fake_inputs=True):  # the meta shards become fake cpu ones: FSDP2's meta init
+            model.to_empty(device="cpu")
+            opt = make_optimizer(optimizer, model.parameters())
+            batch = example_batch(cfg, batch_size, seq_len)
+            train_step(model, opt, batch)  # warm-up: the optimizer state exists from here on
+            with MemoryMeter("cpu", timeline=False) as meter:
+                meter.track(model, opt, *batch)
+                _, loss = model(*batch)
+                loss.backward()
+                opt.step()
+                states = meter.current_split()
+                opt.zero_grad(set_to_none=True)
+            n = sum(p.numel() for p in model.parameters())  # DTensor.numel(): the global count
+        return meter.peak_bytes, meter.peak_split(), states, n
+    finally:
+        dist.destroy_process_group()

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 """Categories of `peak_split`; "activations" holds activations and everything else (inputs, temporaries)."""
@@ -41,6 +41,21 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 PHASES = ("forward", "backward", "optimizer", "other")
 
 _ACTIVE = threading.local()
+_RESIZE = torch.UntypedStorage.resize_  # the storage method FSDP2 frees and re-allocates its gathered parameters with
+_open_meters = [0]  # meters open in this process: while any is, storage resizes are reported to them
+
+
+def _resize_and_count(storage, size):
+    """UntypedStorage.resize_ while a meter is open: resize, then let the thread's meter count the new size.
+
+    `storage.resize_(n)` is a method call, not an operator, so no dispatch mode sees it; FSDP2 frees
+    each gathered parameter that way after use and grows it back before the next all-gather.
+    """
+    out = _RESIZE(storage, size)
+    meter = getattr(_ACTIVE, "meter", None)
+    if meter is not None:
+        meter._storage_resized(storage)
+    return out
 
 
 class OutOfMemory(torch.OutOfMemoryError):
@@ -89,6 +104,28 @@ def _storage(t: torch.Tensor):
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def _inner(t: torch.Tensor) -> list[torch.Tensor]:
+    """Return the tensors that hold a tensor's memory: itself, or a wrapper subclass's inner tensors.
+
+    A DTensor (FSDP2's sharded parameters, tensor parallelism) is a wrapper whose own storage
+    has the global size; the memory this process holds is its local shard, `_local_tensor`.
+    """
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    out = []
+    for name in names:
+        inner = getattr(t, name, None)
+        if isinstance(inner, torch.Tensor):
+            out.extend(_inner(inner))
+    return out
+
+
+def _storage_ids(t: torch.Tensor) -> list[int]:
+    """Return the ids of the storages that hold a tensor's memory (see _inner)."""
+    return [id(st) for st in map(_storage, _inner(t)) if st is not None]
 
 
 @dataclass(frozen=True)
@@ -151,10 +188,7 @@ class MemoryMeter(TorchDispatchMode):
         if getattr(_ACTIVE, "meter", None) is not None:
             raise RuntimeError("another MemoryMeter is already active in this thread")
         self._used = True
-        self._open = True
-        _ACTIVE.meter = self
-        self._t0 = time.perf_counter()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # before the meter is active: a failure here leaves nothing set
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             if self.budget_bytes is not None:
@@ -162,6 +196,12 @@ class MemoryMeter(TorchDispatchMode):
                 base = torch.cuda.memory_allocated(self.device)
                 torch.cuda.set_per_process_memory_fraction(min(1.0, (base + self.budget_bytes) / total), self.device)
                 self._cuda_fraction_set = True
+        self._open = True
+        _ACTIVE.meter = self
+        if _open_meters[0] == 0:
+            torch.UntypedStorage.resize_ = _resize_and_count
+        _open_meters[0] += 1
+        self._t0 = time.perf_counter()
         return super().__enter__()
 
     def __exit__(self, exc_type, exc, tb):
@@ -170,6 +210,9 @@ class MemoryMeter(TorchDispatchMode):
         finally:
             self._open = False
             _ACTIVE.meter = None
+            _open_meters[0] -= 1
+            if _open_meters[0] == 0:
+                torch.UntypedStorage.resize_ = _RESIZE
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
@@ -238,13 +281,14 @@ class MemoryMeter(TorchDispatchMode):
 
     def mark_host(self, t: torch.Tensor) -> torch.Tensor:
         """Move a tensor's storage from the device count to the host count; return the tensor."""
-        st = t.untyped_storage()
-        rec = self._records.get(id(st))
-        if rec is None:
-            with self.host_tier():
-                self._see(t)
-        elif not rec.host:
-            self._renew(st, rec, rec.nbytes, host=True, check_budget=False)
+        for inner in _inner(t):
+            st = inner.untyped_storage()
+            rec = self._records.get(id(st))
+            if rec is None:
+                with self.host_tier():
+                    self._see(inner)
+            elif not rec.host:
+                self._renew(st, rec, rec.nbytes, host=True, check_budget=False)
         return t
 
     def reset_peak(self) -> None:
@@ -364,15 +408,17 @@ class MemoryMeter(TorchDispatchMode):
         if category not in CATEGORIES:
             raise ValueError(f"category must be one of {CATEGORIES}, got {category!r}")
         self._see(t, check_budget=False)
-        rec = self._records.get(id(t.untyped_storage()))
-        if rec is not None:
-            rec.category = category
+        for key in _storage_ids(t):
+            rec = self._records.get(key)
+            if rec is not None:
+                rec.category = category
         return t
 
     def _set_category(self, t, category):
-        rec = self._records.get(id(t.untyped_storage()))
-        if rec is not None and rec.category != "parameters":
-            rec.category = category
+        for key in _storage_ids(t):
+            rec = self._records.get(key)
+            if rec is not None and rec.category != "parameters":
+                rec.category = category
 
     def _classify(self) -> None:
         """Give live storages of tracked parameters, gradients and optimizer state their category."""
@@ -381,9 +427,10 @@ class MemoryMeter(TorchDispatchMode):
             if m is None:
                 continue
             for t in list(m.parameters()) + list(m.buffers()):
-                rec = self._records.get(id(t.untyped_storage()))
-                if rec is not None:
-                    rec.category = "parameters"
+                for key in _storage_ids(t):
+                    rec = self._records.get(key)
+                    if rec is not None:
+                        rec.category = "parameters"
                 if t.grad is not None:
                     self._set_category(t.grad, "gradients")
         for ref in self._tracked_optimizers:
@@ -394,6 +441,10 @@ class MemoryMeter(TorchDispatchMode):
 
     def _see(self, t: torch.Tensor, check_budget: bool = True) -> None:
         if not self._open:
+            return
+        if is_traceable_wrapper_subclass(t):  # count the memory it holds, not its global-size wrapper
+            for inner in _inner(t):
+                self._see(inner, check_budget)
             return
         dev = t.device.type
         if dev != self.device.type and dev != "cpu" and dev != "meta":
@@ -415,6 +466,12 @@ class MemoryMeter(TorchDispatchMode):
         rec = _Record(st.nbytes(), host, self._seq)
         self._acquire(rec, check_budget=check_budget)
         self._register(st, rec)
+
+    def _storage_resized(self, st) -> None:
+        """Count a storage that was resized outside any operator at its new size (see _resize_and_count)."""
+        rec = self._records.get(id(st))
+        if rec is not None and st.nbytes() != rec.nbytes:
+            self._renew(st, rec, st.nbytes(), host=rec.host, check_budget=True)
 
     def _register(self, st, rec: _Record) -> None:
         """Make `rec` the live record of storage `st`; its weakref releases the bytes when `st` dies."""

@@ -71,19 +71,24 @@ def plot_timeline(source: MemoryMeter | list[TimelinePoint], ax=None, budget_byt
 
 
 def plot_memory_bars(splits: dict[str, dict[str, int]], ax=None, budget_bytes: int | None = None,
-                     title: str = "Memory at the peak, by category"):
-    """Plot stacked bars (MiB) of peak bytes by category, one bar per label."""
+                     title: str = "Memory at the peak, by category", unit: float = MiB, ylabel: str = "MiB",
+                     names: dict[str, str] | None = None):
+    """Plot stacked bars of bytes by category (in MiB, or bytes / `unit` labelled `ylabel`), one bar per label.
+
+    `names` renames categories in the legend, e.g. {"activations": "other"} for memory at rest.
+    """
+    names = names or {}
     if ax is None:
         fig, ax = new_figure()
     labels = list(splits)
     bottom = [0.0] * len(labels)
     for cat in CATEGORIES:
-        vals = [splits[k].get(cat, 0) / MiB for k in labels]
-        ax.bar(labels, vals, bottom=bottom, color=CATEGORY_COLORS[cat], label=cat.replace("_", " "))
+        vals = [splits[k].get(cat, 0) / unit for k in labels]
+        ax.bar(labels, vals, bottom=bottom, color=CATEGORY_COLORS[cat], label=names.get(cat, cat.replace("_", " ")))
         bottom = [b + v for b, v in zip(bottom, vals)]
     if budget_bytes:
-        ax.axhline(budget_bytes / MiB, color="black", ls="--", lw=1, label="budget")
-    ax.set_ylabel("MiB")
+        ax.axhline(budget_bytes / unit, color="black", ls="--", lw=1, label="budget")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=7)
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)

@@ -8,8 +8,10 @@ A `TorchDispatchMode`: the c10d operators (`dist.all_reduce`, `dist.send`, ...) 
 collectives that DTensor uses go through PyTorch's dispatcher, so the mode sees each call and
 its tensors. Bytes are the payload one rank hands over: the input tensors' bytes (for all_gather,
 this rank's shard; for reduce_scatter, its whole input). What travels on the wire depends on the
-algorithm: a ring all-reduce sends 2(K-1)/K of the payload per rank. Collectives issued from C++
-without the dispatcher (DDP's bucketed all-reduce) are not seen.
+algorithm: `wire_bytes(K)` gives what each rank sends with ring algorithms on K ranks (an
+all-reduce sends 2(K-1)/K of its payload, an all-gather K-1 times its shard). Collectives issued
+from C++ without the dispatcher are not seen (DDP's built-in all-reduce: give DDP a Python comm
+hook, as notebook 07 does, and they are).
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ class CommCounter(TorchDispatchMode):
     def total_bytes(self) -> int:
         """Return the bytes handed to every kind of call together."""
         return sum(self.bytes.values())
+
+    def wire_bytes(self, world_size: int) -> float:
+        """Return the bytes this rank sends with ring algorithms on `world_size` ranks (receiving counts nothing)."""
+        n = world_size
+        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "reduce_scatter": (n - 1) / n,
+                  "broadcast": (n - 1) / n, "scatter": (n - 1) / n, "all_to_all": (n - 1) / n, "send": 1.0,
+                  "recv": 0.0}
+        return sum(factor[kind] * nbytes for kind, nbytes in self.bytes.items())
 
 
 def _nbytes(t) -> int:

@@ -1,0 +1,85 @@
+"""ZeRO on paper: model-state bytes per parameter per rank, communication per step, and DeepSpeed configs.
+
+Reference for notebook 07 (Rajbhandari et al., SC'20). Ψ parameters, N data-parallel ranks.
+
+    model_state_bytes_per_param(stage, N)                 # fp32 Adam: {"parameters": 4, "gradients": 4/N, ...}
+    model_state_bytes_per_param(stage, N, **MIXED_ADAM)   # the paper's mixed-precision Adam: 2 + 2 + 12
+    comm_elements_per_param(stage)                        # 2 (stages 0-2) or 3 (stage 3), times Ψ per step
+    deepspeed_config(stage=3, micro_batch=8, ...)         # the same setting as a DeepSpeed JSON config
+
+The paper's stages: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters; a
+stage keeps everything it does not shard on every rank. Its volumes are per rank and step, in
+elements, for large N: an all-reduce moves 2Ψ (a reduce-scatter and an all-gather of Ψ each),
+stage 3 one more all-gather of Ψ (parameters again for the backward). On N ranks a ring moves
+(N-1)/N of those (`ring_factor`).
+"""
+
+from __future__ import annotations
+
+from labkit.validate import check_choice, check_int
+
+STAGES = (0, 1, 2, 3)
+FP32_ADAM = {"param_bytes": 4, "grad_bytes": 4, "state_bytes": 8}  # weights, gradients, Adam's two moments
+MIXED_ADAM = {"param_bytes": 2, "grad_bytes": 2, "state_bytes": 12}  # fp16 weights and gradients; fp32 master, m, v
+
+
+def model_state_bytes_per_param(stage: int, world_size: int, param_bytes: int = 4, grad_bytes: int = 4,
+                                state_bytes: int = 8) -> dict[str, float]:
+    """Return the paper's model-state bytes per parameter on one rank, by category, for a ZeRO stage."""
+    check_choice("stage", stage, STAGES)
+    n = check_int("world_size", world_size, 1)
+    return {"parameters": param_bytes / (n if stage >= 3 else 1),
+            "gradients": grad_bytes / (n if stage >= 2 else 1),
+            "optimizer_state": state_bytes / (n if stage >= 1 else 1)}
+
+
+def comm_elements_per_param(stage: int) -> int:
+    """Return the paper's communication per rank and step in units of Ψ: 2 for DDP and stages 1-2, 3 for stage 3."""
+    check_choice("stage", stage, STAGES)
+    return 3 if stage == 3 else 2
+
+
+def ring_factor(world_size: int) -> float:
+    """Return (N - 1)/N: the share of a collective's volume each rank sends on a ring of N ranks."""
+    n = check_int("world_size", world_size, 1)
+    return (n - 1) / n
+
+
+def deepspeed_config(stage: int, micro_batch: int, world_size: int = 1, accumulation_steps: int = 1,
+                     precision: str = "fp32", offload_optimizer: bool = False, offload_params: bool = False,
+                     activation_checkpointing: bool = False, lr: float = 1e-3) -> dict:
+    """Return the DeepSpeed config (a dict to dump as JSON) for one of notebook 07's settings.
+
+    Checkpointing: DeepSpeed's `activation_checkpointing` section configures
+    `deepspeed.checkpointing.checkpoint`, which the model code must still call; there is no
+    `"gradient_checkpointing": true` key (Hugging Face models have `gradient_checkpointing_enable()`).
+    """
+    check_choice("stage", stage, STAGES)
+    check_int("micro_batch", micro_batch, 1)
+    check_int("world_size", world_size, 1)
+    check_int("accumulation_steps", accumulation_steps, 1)
+    check_choice("precision", precision, ("fp32", "bf16", "fp16"))
+    if offload_params and stage != 3:
+        raise ValueError("offload_params needs stage 3: only stage 3 shards (and so can offload) the parameters")
+    if offload_optimizer and stage == 0:
+        raise ValueError("offload_optimizer needs a ZeRO stage >= 1")
+    zero: dict = {"stage": stage}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_batch_size": micro_batch * accumulation_steps * world_size,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": accumulation_steps,
+        "optimizer": {"type": "Adam", "params": {"lr": lr}},
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
+    }
+    if activation_checkpointing:
+        config["activation_checkpointing"] = {"partition_activations": False,  # splits checkpoints across
+                                              "cpu_checkpointing": False,  # *model*-parallel ranks only
+                                              "contiguous_memory_optimization": False,
+                                              "synchronize_checkpoint_boundary": False, "profile": False}
+    return config
