@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from labkit.meter import MemoryMeter
 from labkit.models import GPTConfig, MLPConfig, build_model
-from labkit.train import make_optimizer, measure_step, train_step
+from labkit.train import make_optimizer, train_step
 from labkit.validate import check_int
 
 
@@ -36,7 +37,8 @@ class MemoryEstimate:
     seq_len: int | None  # tokens per sample (GPT) or None (MLP)
     world_size: int = 1  # data-parallel ranks
     zero_stage: int | None = None  # None: one process (world_size 1) or DDP
-    states: dict | None = None  # bytes by category right after the optimizer step (the model states at rest)
+    states: dict | None = None  # bytes right after the optimizer step: the model states at rest by category, and
+    #                             under "activations" what the step still holds (batch, logits, loss, DDP's buckets)
 
     @property
     def bytes_per_param_static(self) -> float:
@@ -75,7 +77,8 @@ def estimate_training_memory(cfg: GPTConfig | MLPConfig, batch_size: int, seq_le
     peak, split, states, n = _one_process_step(cfg, batch_size, seq_len, optimizer)
     if world_size > 1:  # DDP keeps its gradient buckets: as many bytes as the gradients, the whole step
         buckets = states["gradients"]
-        peak, split["activations"], states["activations"] = peak + buckets, split["activations"] + buckets, buckets
+        peak, split["activations"], states["activations"] = (peak + buckets, split["activations"] + buckets,
+                                                             states["activations"] + buckets)
         if zero_stage == 1:  # ZeroRedundancyOptimizer: each rank keeps the state of 1/N of the parameters
             kept = states["optimizer_state"] // world_size
             peak -= states["optimizer_state"] - kept
@@ -101,16 +104,11 @@ def _one_process_step(cfg, batch_size: int, seq_len: int | None, optimizer: str)
             p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        step = measure_step(model, opt, batch, device="cpu", warmup=False)
-        states = {"parameters": sum(t.nbytes for t in list(model.parameters()) + list(model.buffers())),
-                  "gradients": sum(p.nbytes for p in model.parameters() if p.requires_grad),
-                  "optimizer_state": sum(t.nbytes for st in opt.state.values() for t in st.values()
-                                         if isinstance(t, torch.Tensor)),
-                  "activations": 0}
+        peak, split, states = _metered_step(model, opt, batch)
         n = sum(p.numel() for p in model.parameters())
     _ONE_PROCESS.clear()  # keep one: a sweep over ranks and stages asks for the same step again and again
-    _ONE_PROCESS[key] = (step.peak_bytes, dict(step.split), dict(states), n)
-    return step.peak_bytes, dict(step.split), states, n
+    _ONE_PROCESS[key] = (peak, dict(split), dict(states), n)
+    return peak, split, states, n
 
 
 def _fsdp_step(cfg, batch_size: int, seq_len: int | None, optimizer: str, world_size: int, reshard: bool):
@@ -119,8 +117,6 @@ def _fsdp_step(cfg, batch_size: int, seq_len: int | None, optimizer: str, world_
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    from labkit.meter import MemoryMeter
 
     if dist.is_initialized():
         raise RuntimeError("estimating a sharded step needs a process without a process group (it makes a fake one)")
@@ -137,14 +133,20 @@ def _fsdp_step(cfg, batch_size: int, seq_len: int | None, optimizer: str, world_
             opt = make_optimizer(optimizer, model.parameters())
             batch = example_batch(cfg, batch_size, seq_len)
             train_step(model, opt, batch)  # warm-up: the optimizer state exists from here on
-            with MemoryMeter("cpu", timeline=False) as meter:
-                meter.track(model, opt, *batch)
-                _, loss = model(*batch)
-                loss.backward()
-                opt.step()
-                states = meter.current_split()
-                opt.zero_grad(set_to_none=True)
+            peak, split, states = _metered_step(model, opt, batch)
             n = sum(p.numel() for p in model.parameters())  # DTensor.numel(): the global count
-        return meter.peak_bytes, meter.peak_split(), states, n
+        return peak, split, states, n
     finally:
         dist.destroy_process_group()
+
+
+def _metered_step(model, opt, batch):
+    """Run one metered step (as train_step); return its peak, the split at the peak and the bytes right after the update."""
+    with MemoryMeter("cpu", timeline=False) as meter:
+        meter.track(model, opt, *batch)
+        _, loss = model(*batch)
+        loss.backward()
+        opt.step()
+        states = meter.current_split()  # parameters, gradients, optimizer state and what the step still holds
+        opt.zero_grad(set_to_none=True)
+    return meter.peak_bytes, meter.peak_split(), states

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import labkit
-from labkit.meter import MemoryMeter, OutOfMemory, active_meter, try_fit
+from labkit.meter import _RESIZE, MemoryMeter, OutOfMemory, active_meter, try_fit
 
 F32 = 4  # bytes per float32 element
 
@@ -543,3 +543,48 @@ def test_the_meter_costs_at_most_1_3_times_the_dispatch_floor():
         if ratios[-1] <= 1.3:
             break
     assert min(ratios) <= 1.3, ratios
+
+
+def test_storage_resize_outside_any_operator_is_counted():
+    """FSDP2 frees a gathered parameter with `storage.resize_(0)` (no operator): the meter must see it."""
+    with MemoryMeter(device="cpu") as m:
+        a = torch.empty(1000)
+        a.untyped_storage().resize_(0)
+        assert m.current_bytes == 0
+        a.untyped_storage().resize_(2000 * F32)
+        assert (m.current_bytes, m.peak_bytes) == (8000, 8000)
+        del a
+        assert m.current_bytes == 0
+    b = torch.empty(10)
+    b.untyped_storage().resize_(0)  # with no meter open the storage method is torch's own again
+    assert torch.UntypedStorage.resize_ is _RESIZE
+
+
+@pytest.fixture
+def fake_world_of_4():
+    """A fake process group of 4 ranks in this process (nothing is sent), for DTensors with real local shards."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (4,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_tensors_count_their_local_shard(fake_world_of_4):
+    """A DTensor's wrapper has the global size; the meter counts the shard this rank holds."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    with MemoryMeter(device="cpu") as m:
+        weight = torch.nn.Parameter(DTensor.from_local(torch.randn(10, 8), fake_world_of_4, [Shard(0)]))
+        assert weight.shape == (40, 8) and m.current_bytes == 10 * 8 * F32
+        module = torch.nn.ParameterList([weight])  # the meter holds tracked modules weakly: keep it alive
+        m.track(module)
+        weight.grad = DTensor.from_local(torch.ones(10, 8), fake_world_of_4, [Shard(0)])
+        split = m.current_split()
+        assert (split["parameters"], split["gradients"]) == (320, 320)
+        del weight, module
+        assert m.current_bytes == 0

@@ -39,6 +39,13 @@ BAD = [  # (chapter, parameters, words the error must contain)
     ("06_model_and_pipeline_parallel", dict(MICROBATCH_SWEEP=[1, 3]), ["BATCH", "MICROBATCH_SWEEP", "divisible"]),
     ("06_model_and_pipeline_parallel", dict(MEMORY_RANKS=4, MICROBATCH_SWEEP=[1, 2]), ["MEMORY_RANKS", "1F1B"]),
     ("06_model_and_pipeline_parallel", dict(DEVICE="tpu"), ["DEVICE", "'auto', 'cpu', 'cuda'"]),
+    ("07_sharded_data_parallel", dict(N_RANKS=1), ["N_RANKS", "[2, 16]"]),
+    ("07_sharded_data_parallel", dict(BATCH=10, N_RANKS=4), ["BATCH", "N_RANKS", "divisible"]),
+    ("07_sharded_data_parallel", dict(MEMORY_RANKS=3), ["BATCH", "MEMORY_RANKS", "divisible"]),
+    ("07_sharded_data_parallel", dict(ESTIMATE_RANKS=[8, 1]), ["ESTIMATE_RANKS", "[2, 4096]"]),
+    ("07_sharded_data_parallel", dict(ESTIMATE_RANKS=64), ["ESTIMATE_RANKS", "list"]),
+    ("07_sharded_data_parallel", dict(N_HEAD=3), ["N_HEAD", "divisible"]),
+    ("07_sharded_data_parallel", dict(DEVICE="tpu"), ["DEVICE", "'auto', 'cpu', 'cuda'"]),
 ]
 
 

@@ -1,0 +1,113 @@
+"""labkit.zero: ZeRO's per-rank formulas, its communication volumes, and DeepSpeed configs that DeepSpeed accepts."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit import zero
+from labkit.validate import ParameterError
+
+
+def _total(stage, n, **kinds):
+    return sum(zero.model_state_bytes_per_param(stage, n, **kinds).values())
+
+
+@pytest.mark.parametrize("stage, want", [(0, (4, 4, 8)), (1, (4, 4, 2)), (2, (4, 1, 2)), (3, (1, 1, 2))])
+def test_fp32_adam_per_rank_on_four_ranks(stage, want):
+    got = zero.model_state_bytes_per_param(stage, 4)
+    assert (got["parameters"], got["gradients"], got["optimizer_state"]) == want
+
+
+def test_the_papers_figure_1():
+    """7.5B parameters of mixed-precision Adam on 64 ranks: 120, 31.4, 16.6, 1.9 GB (Rajbhandari et al., Fig. 1)."""
+    gb = {s: round(7.5e9 * _total(s, 64, **zero.MIXED_ADAM) / 1e9, 1) for s in zero.STAGES}
+    assert gb == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+
+
+def test_one_rank_keeps_everything_and_stages_only_shrink():
+    for s in zero.STAGES:
+        assert _total(s, 1) == 16
+    for n in (2, 8, 512):
+        totals = [_total(s, n) for s in zero.STAGES]
+        assert totals == sorted(totals, reverse=True) and totals[0] == 16
+        assert _total(3, n) == pytest.approx(16 / n)
+
+
+def test_communication_and_ring_factor():
+    assert [zero.comm_elements_per_param(s) for s in zero.STAGES] == [2, 2, 2, 3]
+    assert zero.ring_factor(1) == 0 and zero.ring_factor(4) == 0.75
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: zero.model_state_bytes_per_param(4, 2), "stage"),
+    (lambda: zero.model_state_bytes_per_param(1, 0), "world_size"),
+    (lambda: zero.ring_factor(0), "world_size"),
+    (lambda: zero.deepspeed_config(2, 0), "micro_batch"),
+    (lambda: zero.deepspeed_config(2, 4, precision="fp8"), "precision"),
+])
+def test_bad_input_names_the_parameter(call, name):
+    with pytest.raises((ParameterError, ValueError), match=name):
+        call()
+
+
+def test_offload_needs_a_stage_that_shards_it():
+    with pytest.raises(ValueError, match="offload_params needs stage 3"):
+        zero.deepspeed_config(2, 4, offload_params=True)
+    with pytest.raises(ValueError, match="offload_optimizer needs a ZeRO stage"):
+        zero.deepspeed_config(0, 4, offload_optimizer=True)
+
+
+def test_config_batch_arithmetic_and_sections():
+    cfg = zero.deepspeed_config(3, 4, world_size=8, accumulation_steps=2, precision="bf16", offload_optimizer=True,
+                                offload_params=True, activation_checkpointing=True)
+    assert cfg["train_batch_size"] == 4 * 2 * 8
+    assert cfg["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                        "offload_param": {"device": "cpu", "pin_memory": True}}
+    assert cfg["bf16"] == {"enabled": True} and cfg["fp16"] == {"enabled": False}
+    assert "gradient_checkpointing" not in cfg and "activation_checkpointing" in cfg
+    assert "activation_checkpointing" not in zero.deepspeed_config(1, 4)
+
+
+SETTINGS = [dict(stage=s, micro_batch=8) for s in zero.STAGES] + [
+    dict(stage=3, micro_batch=8, precision="bf16", offload_optimizer=True, offload_params=True,
+         activation_checkpointing=True),
+    dict(stage=2, micro_batch=2, accumulation_steps=4, precision="fp16", offload_optimizer=True),
+]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_deepspeed_accepts_every_generated_config(settings):
+    """DeepSpeed's own config parser reads each config back to the same settings (one process: world size 1)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (make setup installs it)")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    cfg = zero.deepspeed_config(**settings)
+    parsed = DeepSpeedConfig(cfg)  # checks the batch arithmetic and every section's keys and values
+    assert parsed.zero_optimization_stage == settings["stage"]
+    assert parsed.train_micro_batch_size_per_gpu == settings["micro_batch"]
+    assert parsed.gradient_accumulation_steps == settings.get("accumulation_steps", 1)
+    assert parsed.bfloat16_config.enabled == (settings.get("precision") == "bf16")
+    assert parsed.float16_config.enabled == (settings.get("precision") == "fp16")
+    offload = parsed.zero_config.offload_optimizer
+    assert (offload is not None and offload.device == "cpu") == settings.get("offload_optimizer", False)
+    offload = parsed.zero_config.offload_param
+    assert (offload is not None and offload.device == "cpu") == settings.get("offload_params", False)
+
+
+def test_deepspeed_sections_refuse_unknown_keys_but_the_top_level_does_not():
+    """The seeds' `"gradient_checkpointing": true` is refused inside a section and silently ignored at the top."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (make setup installs it)")
+    from deepspeed.runtime.activation_checkpointing.config import ACT_CHKPT_DEFAULT
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    cfg = zero.deepspeed_config(3, 8, world_size=2, precision="bf16", offload_optimizer=True, offload_params=True,
+                                activation_checkpointing=True)
+    DeepSpeedZeroConfig(**cfg["zero_optimization"])  # the multi-rank config's sections, checked one by one
+    DeepSpeedBF16Config(**cfg["bf16"])
+    assert set(cfg["activation_checkpointing"]) <= set(ACT_CHKPT_DEFAULT)
+    with pytest.raises(Exception, match="(?i)extra"):
+        DeepSpeedZeroConfig(stage=3, gradient_checkpointing=True)
+    ignored = DeepSpeedConfig(zero.deepspeed_config(3, 8) | {"gradient_checkpointing": True})
+    assert ignored.zero_optimization_stage == 3  # accepted: the key does nothing, and nothing says so
