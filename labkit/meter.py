@@ -75,6 +75,34 @@ class OutOfMemory(torch.OutOfMemoryError):
         return (OutOfMemory, (self.requested_bytes, self.in_use_bytes, self.budget_bytes))
 
 
+def live_tensor_bytes(device: str | torch.device | None = None, collect: bool = True) -> int:
+    """Return the bytes of every tensor alive in this process (each storage once; optionally one device type's).
+
+    A leak check between repetitions (trials, steps): garbage is collected first (unless the
+    caller just did), so only tensors something still refers to are counted.
+    """
+    import gc
+    import warnings
+
+    if collect:
+        gc.collect()
+    kind = torch.device(device).type if device is not None else None
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance on some of gc's objects (deprecated torch aliases) warns
+        warnings.simplefilter("ignore")
+        objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objs:
+        if isinstance(obj, FakeTensor) or obj.is_meta:
+            continue
+        for t in _inner(obj):
+            if kind is not None and t.device.type != kind:
+                continue
+            st = _storage(t)
+            if st is not None:
+                seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
 def format_bytes(n: float) -> str:
     """Format a byte count with a binary unit (B, KiB, MiB, GiB, TiB)."""
     n = float(n)
@@ -584,8 +612,8 @@ def try_fit(fn, *args, **kwargs) -> FitResult:
         return FitResult(True, fn(*args, **kwargs))
     except torch.OutOfMemoryError as e:
         err = e.with_traceback(None)  # the traceback's frames hold the step's tensors
-        del e
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return FitResult(False, None, err)
+        err.__context__ = err.__cause__ = None  # and so do those of the exceptions it was chained to
+    gc.collect()  # outside the except block: the exception being handled no longer pins anything
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return FitResult(False, None, err)

@@ -29,6 +29,7 @@ import time
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from labkit.hosttier import HostPool, to_device, to_host
 from labkit.validate import check_int
@@ -69,7 +70,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self.prefetch = self.cuda if prefetch == "auto" else bool(prefetch)
         self.time_copies = time_copies
         self.side_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._param_ptrs: set[int] = set()
+        self._param_storages: set[int] = set()
         self._active = False
         self._layer = 0  # the layer whose forward runs now
         self._layers: dict[int, list] = {}  # layer -> weakrefs to its Saved
@@ -129,7 +130,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self._fetched = set()
         self._triggered = set()
         if self.model is not None:
-            self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+            self._param_storages = {p.untyped_storage()._cdata for p in self.model.parameters()}  # storages, fake ones too
         self._active = True
         return super().__enter__()
 
@@ -140,11 +141,11 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     # -- the hooks ---------------------------------------------------------------------------
     def keep(self, t: torch.Tensor) -> str | None:
         """Return why `t` stays on the device ("params", "small", "other"), or None to offload it."""
-        if t.layout != torch.strided or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        if t.layout != torch.strided or type(t) not in (torch.Tensor, FakeTensor) and not isinstance(t, torch.nn.Parameter):
             return "other"
         if t.device != self.device or t.device.type == "meta":
             return "other"
-        if isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() in self._param_ptrs:
+        if isinstance(t, torch.nn.Parameter) or t.untyped_storage()._cdata in self._param_storages:
             return "params"
         if t.numel() * t.element_size() < self.min_bytes:
             return "small"
@@ -156,7 +157,8 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         if why is not None:
             self._stats[f"kept_{why}"] += 1
             self._stats["bytes_kept"] += t.numel() * t.element_size()
-            return t
+            return t.detach()  # not t: an op's saved output would hold its own grad_fn, a cycle only backward
+            #                    breaks; a step that fails before its backward would leak its whole graph
         if self.cuda:
             self.side_stream.wait_stream(torch.cuda.current_stream(self.device))  # t has been computed
             start = self._event()

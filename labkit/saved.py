@@ -107,7 +107,8 @@ def saved_tensor_census(model: torch.nn.Module, fn: Callable[[], object]) -> Cen
             kind = "activation"
         seen.append(SavedTensor(t.numel() * t.element_size(), tuple(t.shape), t.dtype, kind,
                                 (st.data_ptr(), st.nbytes()), st.nbytes()))
-        return t
+        return t.detach()  # not t: a saved output holding its own grad_fn is a cycle gc cannot see (a leak
+        #                    when no backward runs); the detached alias shares the storage and breaks it
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = fn()  # everything it saved stays alive (distinct storages) until the census is taken

@@ -136,6 +136,28 @@ def test_nothing_accumulates_across_steps(tmp_path, model_opt, batch):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_step_that_runs_out_of_memory_leaks_nothing(model_opt, batch):
+    """A budget refusal in the middle of a step leaves no graph behind: kept tensors are saved detached.
+
+    Returning the saved tensor itself from `pack` makes a cycle (an op's saved output holds its own
+    grad_fn) that only backward breaks; the failed step's whole graph would stay alive.
+    """
+    from labkit.meter import live_tensor_bytes
+
+    model, opt = model_opt()
+    hooks = OffloadHooks(model, min_bytes=1 << 30)  # offload nothing: every saved tensor is a kept one
+    labkit.train_step(model, opt, batch)
+    peak = labkit.measure_step(model, opt, batch, step_fn=_offload_step(hooks)).peak_bytes
+    before = live_tensor_bytes()
+    for _ in range(3):
+        fit = labkit.try_fit(labkit.measure_step, model, opt, batch, step_fn=_offload_step(hooks),
+                             budget_bytes=int(peak * 0.9), warmup=False)
+        assert not fit.fits
+        model.zero_grad(set_to_none=True)  # what the failed backward accumulated is legitimately there
+    assert live_tensor_bytes() == before
+    assert hooks.pool.live_bytes == 0
+
+
 def test_copy_timing_reports_a_bandwidth(model_opt, batch):
     model, opt = model_opt()
     hooks = OffloadHooks(model, min_bytes=1024, time_copies=True)

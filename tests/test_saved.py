@@ -57,3 +57,17 @@ def test_autocast_weight_copies_are_their_own_kind(tiny_gpt, tiny_batch):
 def test_short_dtype_names():
     assert [short_dtype_name(d) for d in (torch.float32, torch.bfloat16, torch.float16)] == ["fp32", "bf16", "fp16"]
     assert short_dtype_name(torch.uint8) == "uint8"
+
+
+def test_a_census_leaves_nothing_behind(tiny_gpt, tiny_batch):
+    """The census runs a forward and no backward: its graph must be freed (saved outputs are kept detached)."""
+    from labkit.meter import live_tensor_bytes
+
+    model, batch = tiny_gpt(0), tiny_batch(4, seed=1)
+    saved_tensor_census(model, lambda: model(*batch))
+    before = live_tensor_bytes()
+    for _ in range(3):
+        census = saved_tensor_census(model, lambda: model(*batch))
+        assert len(census) > 0
+        del census
+    assert live_tensor_bytes() == before
