@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation -e '.[deepspeed]' \
 		|| echo "DeepSpeed did not install: the test of the DeepSpeed configs will be skipped"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[engines]' \
+		|| echo "The engines extra did not install: Hyperopt, Ray Tune, Katib and PostgreSQL tests will be skipped"
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install labkit with its dependencies

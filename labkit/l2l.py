@@ -79,7 +79,9 @@ class L2LTrainer:
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
             raise ValueError("L2L recomputes each layer's forward in backward, so BatchNorm running statistics "
                              "would update twice (pytorch #96136); use a model without BatchNorm")
-        self.model = model.to("cpu")
+        if any(t.device.type != "cpu" for t in list(model.parameters()) + list(model.buffers())):
+            model = model.to("cpu")  # (only when needed: fake tensors, for estimates, cannot be swapped in place)
+        self.model = model
         if self.device.type == "cuda":  # pinned pages: asynchronous copies that overlap compute
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 t.data = t.data.pin_memory()

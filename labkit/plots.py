@@ -40,6 +40,31 @@ def show(fig: Figure) -> None:
         display(Image(png_bytes(fig)))
 
 
+def show_pyplot(draw, width_in: float = 6.0, height_in: float = 3.2, after=None) -> Figure:
+    """Run `draw()`, a pyplot-based plot that returns its Axes (Optuna's), show the figure as a PNG, close it.
+
+    Optuna's matplotlib plots switch pyplot to the "ggplot" style for good; rcParams are restored
+    here, so later figures keep their look. `after(ax)` may add to the plot (a budget line).
+    """
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    with matplotlib.rc_context():
+        ax = draw()
+        first = ax.flat[0] if hasattr(ax, "flat") else ax
+        if after is not None:
+            after(first)
+        fig = first.figure
+        fig.set_size_inches(width_in, height_in)
+        if in_kernel():
+            from IPython.display import Image, display
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")  # no label cut off, whatever its layout
+            display(Image(buf.getvalue()))
+    plt.close(fig)  # else the inline backend shows it a second time at the end of the cell
+    return fig
+
+
 def plot_timeline(source: MemoryMeter | list[TimelinePoint], ax=None, budget_bytes: int | None = None,
                   title: str = "Device memory during the step", label: str | None = None):
     """Plot device MiB against allocation events, coloured by phase; mark the peak and budget."""

@@ -80,7 +80,10 @@ def amp_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mic
     device = next(model.parameters()).device
     check_precision(precision, device)
     if len(micro_batches) == 1:
-        weights = [1.0]  # no count needed (also works on fake tensors)
+        weights = [1.0]  # no count needed
+    elif any(isinstance(b[-1], FakeTensor) for b in micro_batches):  # fake tensors carry no values: weigh by size
+        total = sum(b[-1].numel() for b in micro_batches)
+        weights = [b[-1].numel() / total for b in micro_batches]
     else:
         counts = [count_tokens(b[-1]) for b in micro_batches]
         total = sum(counts)

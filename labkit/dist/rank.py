@@ -27,9 +27,7 @@ import ast
 import contextlib
 import json
 import os
-import signal
 import sys
-import threading
 import time
 import traceback
 from datetime import timedelta
@@ -37,11 +35,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from labkit.children import PARENT_ENV, die_with_parent
 from labkit.meter import MemoryMeter
 from labkit.results import jsonable, recorded
 
 RESULT_DIR_ENV = "LABKIT_RESULT_DIR"  # where a launched rank writes rank<r>.json
-PARENT_ENV = "LABKIT_PARENT_PID"  # the launcher's pid: a launched rank dies with it
 DEVICE_ENV = "LABKIT_DEVICE"  # "cpu" or "cuda", chosen by the launcher ("auto" under torchrun)
 TIMEOUT_ENV = "LABKIT_TIMEOUT_S"  # collectives give up after this many seconds
 BACKEND_ENV = "LABKIT_BACKEND"  # "gloo" or "nccl", chosen by the launcher (by the device under torchrun)
@@ -120,28 +118,9 @@ def parse_args(argv: list[str]) -> dict:
     return out
 
 
-def _die_with_parent() -> None:
-    """End this process when the launcher that started it ends (no rank outlives its cell)."""
-    parent = os.environ.get(PARENT_ENV)
-    if not parent:
-        return
-    parent = int(parent)
-    if sys.platform.startswith("linux"):
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    else:
-        def watch():
-            while os.getppid() == parent:
-                time.sleep(0.5)
-            os._exit(1)
-        threading.Thread(target=watch, daemon=True).start()
-    if os.getppid() != parent:  # the launcher died before the signal was armed
-        os._exit(1)
-
-
 def run(main) -> None:
     """Join the group, call main(**command-line parameters), report the results, leave the group."""
-    _die_with_parent()
+    die_with_parent()
     params = parse_args(sys.argv[1:])
     dev = device()
     if dev.type == "cuda":

@@ -1,0 +1,91 @@
+"""Child processes that never outlive the cell that started them: rank groups (labkit.dist), search workers.
+
+    with ChildProcesses() as kids:                    # leaving the block (an error, an interrupt) stops them
+        kids.start([sys.executable, "-m", "labkit.tools.search", "worker", ...])
+        kids.wait(timeout_s=600)                      # exit codes
+
+A child started here gets the parent's pid in LABKIT_PARENT_PID; calling `die_with_parent()`
+first thing makes it die with the parent even when the parent is killed outright (Linux:
+PR_SET_PDEATHSIG; elsewhere a watcher thread).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+PARENT_ENV = "LABKIT_PARENT_PID"  # the starting process's pid: a child that calls die_with_parent dies with it
+
+
+def die_with_parent() -> None:
+    """End this process when the process named by LABKIT_PARENT_PID ends (call it first thing in a child)."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+    parent = int(parent)
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    else:
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+class ChildProcesses:
+    """Start commands as child processes; on leaving the `with` block every one still running is stopped."""
+
+    def __init__(self, stop_timeout_s: float = 5.0):
+        self.procs: list[subprocess.Popen] = []
+        self.stop_timeout_s = stop_timeout_s
+
+    def start(self, argv: list[str], env: dict | None = None, log_path=None) -> subprocess.Popen:
+        """Start one child (stdout and stderr to `log_path`, else discarded); return its Popen."""
+        full_env = dict(os.environ if env is None else env)
+        full_env[PARENT_ENV] = str(os.getpid())
+        out = open(log_path, "w") if log_path is not None else subprocess.DEVNULL
+        try:
+            proc = subprocess.Popen(argv, env=full_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        finally:
+            if log_path is not None:
+                out.close()  # the child has its own copy
+        self.procs.append(proc)
+        return proc
+
+    def wait(self, timeout_s: float) -> list[int]:
+        """Wait for every child to end; return their exit codes (TimeoutError, children stopped, after timeout_s)."""
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.stop()
+                raise TimeoutError(f"child processes still running after {timeout_s} s: stopped") from None
+        return [p.returncode for p in self.procs]
+
+    def stop(self) -> None:
+        """Stop every child still running: SIGTERM, then SIGKILL after `stop_timeout_s`."""
+        alive = [p for p in self.procs if p.poll() is None]
+        for p in alive:
+            p.terminate()
+        deadline = time.monotonic() + self.stop_timeout_s
+        for p in alive:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def __enter__(self) -> "ChildProcesses":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

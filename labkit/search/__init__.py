@@ -1,0 +1,15 @@
+"""The workbook's search (notebook 08): one search space, trials predicted then trained under the budget, Optuna studies.
+
+    from labkit import search
+    config = search.StudyConfig(budget_bytes=ex.budget_bytes)
+    search.train(params, config)                    # one trial (labkit.search.trial)
+    space = config.space()                          # the chapters' knobs (labkit.search.space)
+"""
+
+from labkit.search.space import Param, active, check_params, suggest, workbook_space
+from labkit.search.trial import (STATUSES, SettingStep, StudyConfig, TrialResult, chapter_settings, confirm_oom,
+                                 predict_peak_bytes, time_setting, train, untrained_loss, validation_batch)
+
+__all__ = ["Param", "STATUSES", "SettingStep", "StudyConfig", "TrialResult", "active", "chapter_settings",
+           "check_params", "confirm_oom", "predict_peak_bytes", "suggest", "time_setting", "train", "untrained_loss",
+           "validation_batch", "workbook_space"]

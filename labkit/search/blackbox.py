@@ -1,0 +1,47 @@
+"""A black-box objective: each trial executes a chapter notebook with papermill and reads back what it recorded.
+
+Reference for notebook 08. The notebook's code is not changed or imported: its `parameters` cell
+takes the trial's values, and the trial's value is one of its `labkit.record` measurements.
+
+    fn = notebook_objective("04_activation_offload.ipynb", space, value="bytes_offloaded_per_step",
+                            feasible="fits_in_budget", fixed={"TIMED_STEPS": 1}, out_dir="build/blackbox")
+    study.optimize(fn, n_trials=3)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from labkit.search.space import Param, suggest
+
+
+def notebook_objective(notebook: str | Path, space: list[Param], value: str, out_dir: str | Path,
+                       feasible: str | None = None, fixed: dict | None = None, timeout_s: float = 300):
+    """Return an Optuna objective that runs `notebook` with the trial's parameters and returns its record `value`.
+
+    `feasible` names a boolean record: False sets the trial's constraint to 1 (infeasible).
+    A notebook that fails fails the trial, with the notebook's own error.
+    """
+    from labkit.tools.runner import run_notebook  # the same papermill runner as `make run`
+
+    notebook = Path(notebook)
+    if not notebook.exists():
+        raise FileNotFoundError(f"notebook {notebook} does not exist")
+    fixed = dict(fixed or {})
+
+    def objective(trial):
+        params = suggest(trial, space)
+        entry = run_notebook(notebook, Path(out_dir) / f"trial-{trial.number}", {**fixed, **params}, timeout_s)
+        trial.set_user_attr("wall_s", entry["wall_s"])
+        if entry["status"] != "ok":
+            raise RuntimeError(f"{notebook.name} failed: {entry.get('error', '')}")
+        records = entry["measurements"]
+        missing = [k for k in (value, feasible) if k is not None and k not in records]
+        if missing:
+            raise KeyError(f"{notebook.name} recorded no {missing}; it recorded {sorted(records)}")
+        if feasible is not None:
+            trial.set_user_attr(feasible, bool(records[feasible]))
+            trial.set_constraint(feasible, 0.0 if records[feasible] else 1.0)
+        return float(records[value])
+
+    return objective

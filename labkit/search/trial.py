@@ -1,0 +1,393 @@
+"""One trial of the workbook's search: a setting of the chapters' knobs, predicted, then trained under the budget.
+
+Reference for notebook 08. Everything a trial needs is plain data, so that a worker process (or a
+Katib pod) can run it from the study's stored settings:
+
+    config = StudyConfig(budget_bytes=ex.budget_bytes)          # shared by every trial of a study
+    params = {"technique": "checkpoint", "segments": 2, "precision": "fp32", "micro_batch": 8, "lr": 3e-3}
+    predict_peak_bytes(params, config)     # the same step on fake tensors: seconds, nothing allocated
+    result = train(params, config)         # predicted not to fit: skipped; else trained under the budget
+    result.status, result.val_loss, result.peak_bytes, result.tokens_per_s
+
+The step is built from the chapters' tested references: micro-batches and autocast
+(`precision.amp_train_step`: 01, 03), checkpointed blocks (`checkpointing.checkpoint_blocks`: 02),
+offload hooks (`offload.OffloadHooks`: 04), the layer-to-layer trainer (`l2l.L2LTrainer`: 05).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from labkit.accumulation import split_batch
+from labkit.checkpointing import checkpoint_blocks
+from labkit.data import MarkovTokens
+from labkit.device import device_memory_bytes, resolve_device, synchronize
+from labkit.estimate import example_batch
+from labkit.l2l import L2LTrainer
+from labkit.meter import MemoryMeter, OutOfMemory
+from labkit.models import GPT, GPTConfig
+from labkit.offload import OffloadHooks
+from labkit.precision import amp_train_step, check_precision
+from labkit.search.space import check_params, workbook_space
+from labkit.train import make_optimizer
+from labkit.validate import check_int
+
+STATUSES = ("ok", "predicted_oom", "oom", "pruned")
+"""ok: trained; predicted_oom: the estimate said it does not fit, nothing ran; oom: the budget
+refused an allocation during training; pruned: stopped early by the study's pruner."""
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """What every trial of a study shares: the model, the data, the budget and how long each trial trains."""
+
+    budget_bytes: int  # the simulated device's memory: a setting whose step needs more does not fit
+    n_layer: int = 4  # transformer blocks (the running example's shape by default)
+    n_embd: int = 128  # model width
+    n_head: int = 4  # attention heads
+    vocab_size: int = 256  # tokens of the synthetic language
+    batch: int = 16  # samples per optimizer step, however it is split into micro-batches
+    seq_len: int = 64  # tokens per sample
+    train_steps: int = 8  # optimizer steps per trial: every trial trains on the same batch * seq_len * train_steps tokens
+    eval_every: int = 2  # validation loss every this many steps (what a pruner sees)
+    eval_batch: int = 32  # held-out samples of the validation loss (the same for every trial)
+    metered_steps: int = 2  # steps run under the meter and the budget (a steady step is the second); the rest are timed
+    timed_steps: int = 3  # steps timed for the speed objective (after one warm-up step)
+    seed: int = 0  # weights and data: every trial starts from the same model and sees the same batches
+    device: str = "cpu"  # "cpu" or "cuda" (never "auto": a stored study must mean the same thing on every worker)
+    precisions: tuple = ("fp32", "bf16")  # the precisions searched (fp16 only on CUDA; bf16 where the CPU is fast at it)
+
+    def __post_init__(self):
+        check_int("budget_bytes", self.budget_bytes, 1)
+        for name in ("n_layer", "n_embd", "n_head", "vocab_size", "batch", "seq_len", "train_steps", "eval_every",
+                     "eval_batch", "metered_steps", "timed_steps"):
+            check_int(name, getattr(self, name), 1)
+        check_int("seed", self.seed, 0)
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.metered_steps > self.train_steps:
+            raise ValueError(f"metered_steps ({self.metered_steps}) must be <= train_steps ({self.train_steps})")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        object.__setattr__(self, "precisions", tuple(self.precisions))  # (a stored study gives a list)
+        if not self.precisions or any(p not in ("fp32", "bf16", "fp16") for p in self.precisions):
+            raise ValueError(f"precisions must be a non-empty subset of ('fp32', 'bf16', 'fp16'), got {self.precisions}")
+        if "fp16" in self.precisions and self.device != "cuda":
+            raise ValueError("fp16 is searched only on CUDA: fp16 compute on a CPU runs on slow generic kernels")
+
+    @property
+    def gpt(self) -> GPTConfig:
+        """Return the model's config."""
+        return dataclasses.replace(GPTConfig(), n_layer=self.n_layer, n_embd=self.n_embd, n_head=self.n_head,
+                                   vocab_size=self.vocab_size, block_size=self.seq_len)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Return the tokens of one optimizer step."""
+        return self.batch * self.seq_len
+
+    def space(self, precisions: tuple | None = None):
+        """Return the workbook's search space for this model and batch."""
+        return workbook_space(self.n_layer, self.batch, precisions=precisions or self.precisions)
+
+    def to_dict(self) -> dict:
+        """Return the config as plain data (what a study stores for its workers)."""
+        d = dataclasses.asdict(self)
+        d["precisions"] = list(self.precisions)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StudyConfig":
+        """Rebuild a config from `to_dict`'s output."""
+        return cls(**d)
+
+
+@dataclass
+class TrialResult:
+    """What one trial measured."""
+
+    params: dict  # the setting
+    status: str  # one of STATUSES
+    predicted_peak_bytes: int  # the fake-tensor estimate of one steady step
+    fits_predicted: bool  # predicted_peak_bytes <= the budget
+    peak_bytes: int | None = None  # measured over the metered steps (None when nothing ran)
+    val_loss: float | None = None  # after the last step run (the untrained model's when nothing ran)
+    val_losses: list = field(default_factory=list)  # [(optimizer steps done, validation loss), ...]
+    steps_run: int = 0  # optimizer steps trained
+    step_s: float | None = None  # median seconds per step of the unmetered steps
+    tokens_per_s: float | None = None  # tokens per second from step_s
+    error: str = ""  # the budget's message for an "oom"
+
+    @property
+    def fits(self) -> bool:
+        """Return True when the setting ran its metered steps within the budget."""
+        return self.status in ("ok", "pruned")
+
+
+# -- building a setting's step ------------------------------------------------------------------------
+def check_setting(params: dict, config: StudyConfig) -> dict:
+    """Return `params` if it is a point of `config`'s search space (fp16 also on CPU is refused)."""
+    check_params(params, config.space(precisions=("fp32", "bf16", "fp16")))
+    if "precision" in params:
+        check_precision(params["precision"], config.device)
+    return params
+
+
+class SettingStep:
+    """A model, its optimizer and the step of one setting, built the way the chapters build them."""
+
+    def __init__(self, params: dict, config: StudyConfig, device: torch.device | str):
+        check_setting(params, config)
+        self.params, self.config, self.device = params, config, torch.device(device)
+        self.technique = params["technique"]
+        torch.manual_seed(config.seed)  # every setting starts from the same weights
+        model = GPT(config.gpt)
+        if self.technique == "l2l":  # 05: the master copy and Adam live on the host
+            self.l2l = L2LTrainer(model, self.device, lr=params["lr"])
+            self.model = self.l2l.model
+            return
+        self.model = model if self.device.type == "cpu" else model.to(self.device)  # (fake tensors cannot move)
+        if self.technique == "checkpoint":  # 02: s segments, every one recomputed in backward
+            checkpoint_blocks(self.model, params["segments"], checkpoint_last=True)
+        self.optimizer = make_optimizer("adam", self.model.parameters(), lr=params["lr"])
+        self.hooks = OffloadHooks(self.model).track_layers(self.model.blocks) if self.technique == "offload" else None
+        self.micro_batch = params["micro_batch"]  # 01: batch / micro_batch accumulation steps
+        self.precision = params["precision"]  # 03
+
+    def step(self, batch) -> None:
+        """Run one optimizer step on `batch` = (inputs, targets)."""
+        if self.technique == "l2l":
+            self.l2l.step(batch)
+            return
+        with self.hooks if self.hooks is not None else contextlib.nullcontext():  # 04: saved tensors to the host
+            amp_train_step(self.model, self.optimizer, split_batch(batch, self.micro_batch), precision=self.precision)
+
+    def create_optimizer_state(self) -> None:
+        """Create Adam's state without a forward pass (zero gradients, one update): a steady step's bytes."""
+        opt = self.l2l.optimizer if self.technique == "l2l" else self.optimizer
+        params = [p for group in opt.param_groups for p in group["params"]]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def attach(self, meter: MemoryMeter) -> None:
+        """Let `meter` count this setting's parameters, gradients and optimizer state by category."""
+        if self.technique == "l2l":
+            self.l2l.attach(meter)
+        else:
+            meter.track(self.model, self.optimizer)
+
+    @torch.no_grad()
+    def val_loss(self, batch) -> float:
+        """Return the model's fp32 loss on a held-out batch."""
+        x, y = batch
+        dev = next(self.model.parameters()).device  # L2L: the host master copy
+        return float(self.model(x.to(dev), y.to(dev))[1])
+
+
+# -- prediction ---------------------------------------------------------------------------------------
+_PREDICTED: dict = {}  # memory key -> predicted peak bytes (the learning rate changes no byte)
+
+
+def _memory_key(params: dict, config: StudyConfig) -> tuple:
+    shape = tuple(v for k, v in config.to_dict().items() if k in ("n_layer", "n_embd", "n_head", "vocab_size",
+                                                                    "batch", "seq_len", "device"))
+    return shape + tuple(sorted((k, v) for k, v in params.items() if k != "lr"))
+
+
+def predict_peak_bytes(params: dict, config: StudyConfig) -> int:
+    """Return the peak bytes of one steady step of the setting, run on fake tensors (cached by setting)."""
+    check_setting(params, config)
+    key = _memory_key(params, config)
+    if key not in _PREDICTED:
+        with FakeTensorMode():  # (on "cpu": fake CUDA autograd aborts a CPU-only build; the bytes are the same)
+            step = SettingStep(params, config, "cpu")
+            batch = example_batch(config.gpt, config.batch, config.seq_len)
+            step.create_optimizer_state()  # as after a first step, at half the cost of running one
+            with MemoryMeter("cpu", timeline=False) as meter:
+                step.attach(meter)
+                meter.track(*batch)
+                step.step(batch)
+        _PREDICTED[key] = meter.peak_bytes
+    return _PREDICTED[key]
+
+
+# -- training -----------------------------------------------------------------------------------------
+def _batches(config: StudyConfig, device):
+    """Return an endless iterator over the training batches every trial sees, in the same order."""
+    data = MarkovTokens(config.vocab_size, seed=config.seed)  # now: its transition tables are not the step's bytes
+    gen = torch.Generator().manual_seed(config.seed)
+
+    def batches():
+        while True:
+            yield tuple(t.to(device) for t in data.batch(config.batch, config.seq_len, generator=gen))
+    return batches()
+
+
+def validation_batch(config: StudyConfig, device="cpu"):
+    """Return the held-out batch every trial is evaluated on."""
+    data = MarkovTokens(config.vocab_size, seed=config.seed)
+    gen = torch.Generator().manual_seed(config.seed + 1_000_003)
+    return tuple(t.to(device) for t in data.batch(config.eval_batch, config.seq_len, generator=gen))
+
+
+_UNTRAINED: dict = {}
+
+
+def untrained_loss(config: StudyConfig) -> float:
+    """Return the validation loss of the untrained model: the value of a setting that trained nothing."""
+    key = json.dumps(config.to_dict(), sort_keys=True)
+    if key not in _UNTRAINED:
+        torch.manual_seed(config.seed)
+        with torch.no_grad():
+            _UNTRAINED[key] = float(GPT(config.gpt)(*validation_batch(config))[1])
+    return _UNTRAINED[key]
+
+
+def train(params: dict, config: StudyConfig, report=None) -> TrialResult:
+    """Predict the setting's peak; if it fits, train it under the budget and return what it measured.
+
+    `report(result)` is called after each validation with the result so far (`steps_run`,
+    `val_loss`, `peak_bytes`); a pruner raises from it. The
+    first `metered_steps` steps run under a MemoryMeter with the budget (a real OutOfMemory gives
+    status "oom"); the others are timed, outside the meter.
+    """
+    predicted = predict_peak_bytes(params, config)
+    result = TrialResult(params, "predicted_oom", predicted, predicted <= config.budget_bytes)
+    if not result.fits_predicted:
+        result.val_loss = untrained_loss(config)
+        return result
+    device = resolve_device(config.device, "config.device")
+    step = SettingStep(params, config, device)
+    batches = _batches(config, device)
+    val = validation_batch(config, device)
+    times = []
+    result.status = "ok"
+    try:
+        result.peak_bytes = 0
+        for _ in range(config.metered_steps):  # one meter per step: the batch is drawn outside it (the data's
+            batch = next(batches)             # lookup tables are not the step's bytes)
+            with MemoryMeter(device, budget_bytes=config.budget_bytes, timeline=False) as meter:
+                step.attach(meter)
+                meter.track(*batch)
+                step.step(batch)
+            del batch
+            result.steps_run += 1
+            result.peak_bytes = max(result.peak_bytes, meter.peak_bytes)
+        if result.steps_run % config.eval_every == 0:
+            _validate(step, val, result, report)
+        while result.steps_run < config.train_steps:
+            batch = next(batches)
+            synchronize(device)
+            t0 = time.perf_counter()
+            step.step(batch)
+            synchronize(device)
+            times.append(time.perf_counter() - t0)
+            result.steps_run += 1
+            if result.steps_run % config.eval_every == 0 or result.steps_run == config.train_steps:
+                _validate(step, val, result, report)
+    except torch.OutOfMemoryError as e:  # the budget's OutOfMemory, or a real device's
+        result.status, result.error = "oom", str(e).splitlines()[0]
+        if isinstance(e, OutOfMemory):
+            result.peak_bytes = e.requested_bytes + e.in_use_bytes  # what the step asked for when refused
+        result.val_loss = untrained_loss(config)
+    if times:
+        result.step_s = statistics.median(times)
+        result.tokens_per_s = config.tokens_per_step / result.step_s
+    return result
+
+
+def _validate(step: SettingStep, val, result: TrialResult, report) -> None:
+    loss = step.val_loss(val)
+    if not math.isfinite(loss):
+        loss = untrained_loss(step.config)  # a diverged setting is no better than no training
+    result.val_loss = loss
+    result.val_losses.append((result.steps_run, loss))
+    if report is not None:
+        report(result)
+
+
+def confirm_oom(params: dict, config: StudyConfig) -> bool:
+    """Run one step of a setting under the budget; return True if the budget refused it (an OutOfMemory).
+
+    What `train` never does for a setting predicted not to fit: check that it really does not.
+    """
+    device = resolve_device(config.device, "config.device")
+    step = SettingStep(params, config, device)
+    batches = _batches(config, device)
+    step.step(next(batches))  # warm-up outside the budget: the steady step is the one that must not fit
+    batch = next(batches)
+    try:
+        with MemoryMeter(device, budget_bytes=config.budget_bytes, timeline=False) as meter:
+            step.attach(meter)
+            meter.track(*batch)
+            step.step(batch)
+    except torch.OutOfMemoryError:
+        return True
+    return False
+
+
+def time_setting(params: dict, config: StudyConfig) -> TrialResult:
+    """Time the setting's step (median of `timed_steps` after a warm-up) without a budget; peak = the prediction.
+
+    For the speed-against-memory study: every setting is a point, including those beyond the
+    budget. On a real device a setting predicted beyond its capacity is not run (status predicted_oom).
+    """
+    predicted = predict_peak_bytes(params, config)
+    result = TrialResult(params, "ok", predicted, predicted <= config.budget_bytes, peak_bytes=predicted)
+    device = resolve_device(config.device, "config.device")
+    capacity = device_memory_bytes(device)
+    if capacity is not None and predicted > capacity:
+        result.status = "predicted_oom"
+        return result
+    step = SettingStep(params, config, device)
+    batches = _batches(config, device)
+    step.step(next(batches))
+    times = []
+    for _ in range(config.timed_steps):
+        batch = next(batches)
+        synchronize(device)
+        t0 = time.perf_counter()
+        step.step(batch)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    result.steps_run = 1 + config.timed_steps
+    result.step_s = statistics.median(times)
+    result.tokens_per_s = config.tokens_per_step / result.step_s
+    return result
+
+
+# -- the chapters' own settings ------------------------------------------------------------------------
+def chapter_settings(config: StudyConfig, lr: float = 1e-3) -> dict[str, dict]:
+    """Return each single-device chapter's fitting setting (01–05), as that chapter trains it (Adam, lr 1e-3).
+
+    01: the fewest accumulation steps whose micro-batch fits (predicted); 02: every block
+    checkpointed; 03: bf16 autocast; 04: saved activations offloaded; 05: layer to layer.
+    """
+    choices = next(p.choices for p in config.space() if p.name == "micro_batch")  # largest first
+    micro = [m for m in choices
+             if predict_peak_bytes(_plain(config, m, lr), config) <= config.budget_bytes]
+    out = {}
+    if micro:
+        out["01 gradient accumulation"] = _plain(config, micro[0], lr)
+    out["02 activation checkpointing"] = {"technique": "checkpoint", "segments": config.n_layer, "precision": "fp32",
+                                          "micro_batch": config.batch, "lr": lr}
+    out["03 mixed precision (bf16)"] = {"technique": "none", "precision": "bf16", "micro_batch": config.batch, "lr": lr}
+    out["04 activation offload"] = {"technique": "offload", "precision": "fp32", "micro_batch": config.batch, "lr": lr}
+    out["05 layer to layer"] = {"technique": "l2l", "lr": lr}
+    return out
+
+
+def _plain(config: StudyConfig, micro_batch: int, lr: float) -> dict:
+    return {"technique": "none", "precision": "fp32", "micro_batch": micro_batch, "lr": lr}
+

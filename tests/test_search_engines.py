@@ -1,0 +1,95 @@
+"""The same search on other engines: Hyperopt and Ray Tune run it for real; Katib's Experiment is read back by
+Katib's own API models; the command-line worker and trial entry points."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from labkit import search
+from labkit.search import engines
+from labkit.search.space import TECHNIQUES, check_params
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SHAPE = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, batch=8, seq_len=16, train_steps=4, eval_every=2,
+             eval_batch=8)
+
+
+@pytest.fixture(scope="module")
+def config():
+    plain = {"technique": "none", "precision": "fp32", "micro_batch": 8, "lr": 1e-3}
+    peak = search.predict_peak_bytes(plain, search.StudyConfig(budget_bytes=1, **SHAPE))
+    return search.StudyConfig(budget_bytes=int(peak * 0.9), **SHAPE)  # the plain step does not fit
+
+
+def _check_run(run, config, n):
+    assert len(run.values) == len(run.fits) == len(run.params) == n
+    for params, value, fits in zip(run.params, run.values, run.fits):
+        check_params(params, config.space())
+        assert fits == (search.predict_peak_bytes(params, config) <= config.budget_bytes)
+        if not fits:
+            assert value == search.untrained_loss(config)
+    best = run.best_so_far()
+    assert all(a >= b for a, b in zip(best, best[1:]) if a == a and b == b)  # never gets worse (nan until a fit)
+    assert run.best_value == min(v for v, ok in zip(run.values, run.fits) if ok)
+
+
+def test_hyperopt_runs_the_same_trials(config):
+    pytest.importorskip("hyperopt", reason="Hyperopt is not installed (the engines extra)")
+    run = engines.run_hyperopt(config, n_trials=6, seed=0)
+    _check_run(run, config, 6)
+    again = engines.run_hyperopt(config, n_trials=6, seed=0)
+    assert again.params == run.params  # seeded
+
+
+def test_ray_tune_runs_the_same_trials(config, tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed (the engines extra)")
+    run = engines.run_ray(config, n_trials=3, seed=0, num_cpus=2, storage_path=str(tmp_path))
+    _check_run(run, config, 3)
+    assert run.engine == "ray" and run.wall_s > 0
+
+
+def test_katib_experiment_is_read_back_unchanged_by_katibs_models(config):
+    katib = pytest.importorskip("kubeflow_katib_api.models", reason="kubeflow-katib-api is not installed")
+    doc = engines.katib_experiment(config, image="registry.example/fit:1", max_trials=12, parallel=3)
+    assert katib.V1beta1Experiment.from_dict(doc).to_dict() == doc  # every key and type is one Katib knows
+    spec = doc["spec"]
+    assert spec["objective"]["type"] in ("minimize", "maximize") and spec["objective"]["objectiveMetricName"] == "val_loss"
+    assert spec["algorithm"]["algorithmName"] in engines.KATIB_ALGORITHMS
+    assert spec["metricsCollectorSpec"]["collector"]["kind"] == "StdOut"
+    assert {p["parameterType"] for p in spec["parameters"]} <= {"double", "int", "categorical", "discrete"}
+    assert [p["name"] for p in spec["parameters"]] == [p["name"] for p in spec["trialTemplate"]["trialParameters"]]
+    template = spec["trialTemplate"]["trialSpec"]["spec"]["template"]
+    assert katib.IoK8sApiCoreV1PodTemplateSpec.from_dict(template).to_dict() == template  # a valid pod template
+    command = template["spec"]["containers"][0]["command"]
+    for p in spec["parameters"]:
+        assert "${trialParameters." + p["name"] + "}" in command  # every parameter reaches the trial
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        engines.katib_experiment(config, algorithm="bohb")
+
+
+def test_katib_trial_command_prints_the_metrics_katib_collects(config):
+    """What a Katib pod runs: inactive parameters are given too (Katib draws them all) and dropped."""
+    argv = [sys.executable, "-m", "labkit.tools.search", "trial", "--config", json.dumps(config.to_dict()),
+            "--technique", "l2l", "--segments", "2", "--precision", "bf16", "--micro_batch", "4", "--lr", "0.001"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split("=", 1) for line in out.stdout.split() if "=" in line)
+    assert lines["status"] == "ok" and lines["fits"] == "1"
+    assert float(lines["val_loss"]) < search.untrained_loss(config)
+    assert int(lines["peak_bytes"]) == search.predict_peak_bytes({"technique": "l2l", "lr": 1e-3}, config)
+
+
+def test_katib_command_prints_yaml():
+    yaml = pytest.importorskip("yaml")
+    out = subprocess.run([sys.executable, "-m", "labkit.tools.search", "katib", "--budget-bytes", "38797312"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    doc = yaml.safe_load(out.stdout)
+    assert doc["kind"] == "Experiment"
+    assert doc["spec"]["parameters"][0]["feasibleSpace"]["list"] == list(TECHNIQUES)

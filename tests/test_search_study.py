@@ -1,0 +1,135 @@
+"""labkit.search.study: stored settings, the objectives, constraints, retries and the count of lost trials."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+from optuna.storages import RetryHeartbeatStaleTrialCallback
+from optuna.trial import TrialState
+
+from labkit import search
+from labkit.search import study as studies
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SHAPE = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, batch=8, seq_len=16, train_steps=4, eval_every=2,
+             eval_batch=8, timed_steps=2)
+FITS = {"technique": "l2l", "lr": 1e-3}
+DOES_NOT_FIT = {"technique": "none", "precision": "fp32", "micro_batch": 8, "lr": 1e-3}
+
+
+@pytest.fixture(scope="module")
+def config():
+    plain = search.predict_peak_bytes(DOES_NOT_FIT, search.StudyConfig(budget_bytes=1, **SHAPE))
+    return search.StudyConfig(budget_bytes=int(plain * 0.9), **SHAPE)
+
+
+@pytest.fixture
+def storage(tmp_path):
+    return studies.make_storage(studies.storage_url(tmp_path / "s.db"), heartbeat_s=1, grace_s=2)
+
+
+def test_a_study_stores_what_a_worker_needs(config, storage):
+    study = studies.create_study("s", storage, config, "loss", sampler="random", pruner="none", seed=3)
+    again = studies.load_study("s", storage, worker=1)
+    assert studies.settings_of(again) == (config, "loss")
+    assert isinstance(again.sampler, optuna.samplers.RandomSampler)
+    assert isinstance(again.pruner, optuna.pruners.NopPruner)
+    assert studies.create_study("s", storage, config, "loss", sampler="random", pruner="none", seed=3)  # resumes
+    with pytest.raises(ValueError, match="exists with other settings"):
+        studies.create_study("s", storage, config, "loss", sampler="tpe", pruner="none", seed=3)
+    assert study.study_name == "s"
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda c, s: studies.create_study("x", s, c, "speed"), "objective must be one of"),
+    (lambda c, s: studies.create_study("x", s, c, "loss", sampler="grid"), "sampler must be one of"),
+    (lambda c, s: studies.create_study("x", s, c, "loss", pruner="patient"), "pruner must be one of"),
+    (lambda c, s: studies.create_study("x", s, c, "loss", sampler="replay"), "at least one setting"),
+])
+def test_bad_names_are_refused_before_anything_is_stored(call, words, config, storage):
+    with pytest.raises(ValueError, match=words):
+        call(config, storage)
+    assert "x" not in optuna.get_all_study_names(storage)
+
+
+def test_the_loss_objective_sets_the_budget_constraint(config, storage):
+    study = studies.create_study("c", storage, config, "loss", sampler="tpe", pruner="none")
+    fn = studies.objective(study)
+    fits, not_fits = optuna.trial.FixedTrial(FITS), optuna.trial.FixedTrial(DOES_NOT_FIT)
+    assert fn(fits) < search.untrained_loss(config)
+    assert fits.constraints["peak_over_budget_bytes"] <= 0 and fits.user_attrs["status"] == "ok"
+    assert fn(not_fits) == search.untrained_loss(config)  # not trained
+    assert not_fits.constraints["peak_over_budget_bytes"] > 0 and not_fits.user_attrs["status"] == "predicted_oom"
+    assert not_fits.user_attrs["steps_run"] == 0
+
+
+def test_best_trial_is_the_best_that_fits(config, storage):
+    """An infeasible trial with a lower value must not be the best: Optuna reads the constraints."""
+    study = studies.create_study("b", storage, config, "loss", sampler="random", pruner="none")
+    for params in (FITS, DOES_NOT_FIT):
+        study.enqueue_trial(params)
+    studies.optimize(study, 2)
+    fitting, skipped = study.trials
+    assert study.best_trial.number == fitting.number
+    dist = {k: v for k, v in fitting.distributions.items()}
+    cheat = optuna.trial.create_trial(params=FITS, distributions=dist, value=0.0,
+                                      constraints={"peak_over_budget_bytes": 1.0})
+    study.add_trial(cheat)  # a better value that does not fit
+    assert study.best_trial.number == fitting.number
+    assert studies.feasible(fitting) and not studies.feasible(skipped)
+
+
+def test_pruned_trials_record_their_steps(config, storage):
+    study = studies.create_study("p", storage, config, "loss", sampler="random", pruner="median", startup_trials=1)
+    study.enqueue_trial(FITS)
+    study.enqueue_trial(dict(FITS, lr=1e-4))  # learns less: pruned after half the steps
+    studies.optimize(study, 2)
+    first, second = study.trials
+    assert first.state == TrialState.COMPLETE and second.state == TrialState.PRUNED
+    assert second.user_attrs["steps_run"] == config.train_steps // 2 < first.user_attrs["steps_run"]
+    assert second.user_attrs["peak_bytes"] == second.user_attrs["predicted_peak_bytes"]
+
+
+def test_speed_memory_objective_gives_two_values(config, storage):
+    study = studies.create_study("m", storage, config, "speed_memory", sampler="nsga2", pruner="none")
+    study.enqueue_trial(FITS)
+    study.enqueue_trial(DOES_NOT_FIT)
+    studies.optimize(study, 2)
+    small, big = study.trials
+    assert small.values[0] > 0 and small.values[1] == search.predict_peak_bytes(FITS, config)
+    assert big.values[1] > config.budget_bytes and big.user_attrs["fits"] is False  # timed all the same
+    assert {t.number for t in study.best_trials} <= {small.number, big.number}
+
+
+def test_replay_gives_trial_i_setting_i(config, storage):
+    settings = [FITS, dict(FITS, lr=2e-3), dict(FITS, lr=3e-3)]
+    study = studies.create_study("r", storage, config, "loss", sampler="replay", pruner="none", replay=settings)
+    studies.optimize(studies.load_study("r", storage), 4)
+    assert [t.params for t in study.trials] == settings + settings[:1]
+
+
+def test_optimize_stops_at_the_total(config, storage):
+    study = studies.create_study("t", storage, config, "loss", sampler="replay", pruner="none", replay=[FITS])
+    assert studies.optimize(study, 10, total_trials=3) == 3
+    assert studies.optimize(study, 10, total_trials=3) == 0  # resumed: nothing left to do
+    assert len(study.trials) == 3
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_lost_trials_counts_failures_no_retry_completed(config, storage):
+    study = studies.create_study("l", storage, config, "loss", sampler="random", pruner="none")
+    dist = optuna.distributions.FloatDistribution(1e-4, 3e-2, log=True)
+    study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL, params={"lr": 1e-3}, distributions={"lr": dist}))
+    assert studies.lost_trials(study) == [0]
+    # what RetryHeartbeatStaleTrialCallback enqueues: the same params, marked with the failed trial's number
+    study.add_trial(optuna.trial.create_trial(params={"lr": 1e-3}, distributions={"lr": dist}, value=1.0,
+                                              system_attrs={"failed_trial": 0, "retry_history": [0]}))
+    assert RetryHeartbeatStaleTrialCallback.retried_trial_number(study.trials[1]) == 0
+    assert studies.lost_trials(study) == []
+
+
+def test_default_build_dir_is_the_repositorys(tmp_path):
+    d = studies.default_build_dir()
+    assert d.is_dir() and d.parts[-2:] == ("build", "search") and (d.parent.parent / "pyproject.toml").exists()
+    assert studies.storage_url(tmp_path / "a" / "b.db").startswith("sqlite:///") and (tmp_path / "a").is_dir()

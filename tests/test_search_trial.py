@@ -1,0 +1,149 @@
+"""labkit.search.trial: a setting predicted on fake tensors, then trained under the budget, with every outcome."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit import search
+from labkit.meter import live_tensor_bytes
+from labkit.search.trial import SettingStep
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PLAIN = {"technique": "none", "precision": "fp32", "lr": 1e-3}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny study: 2 blocks of width 32, 8 samples of 16 tokens, a budget of 90% of the plain step's peak.
+
+    (Its parameters and Adam state weigh more than its activations: 90% is what each chapter's setting fits.)
+    """
+    shape = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, batch=8, seq_len=16, train_steps=4, eval_every=2,
+                 eval_batch=8, timed_steps=2)
+    plain_peak = search.predict_peak_bytes(dict(PLAIN, micro_batch=8), search.StudyConfig(budget_bytes=1, **shape))
+    return search.StudyConfig(budget_bytes=int(plain_peak * 0.9), **shape)
+
+
+SETTINGS = [
+    dict(PLAIN, micro_batch=2),
+    {"technique": "checkpoint", "segments": 2, "precision": "fp32", "micro_batch": 8, "lr": 1e-3},
+    {"technique": "checkpoint", "segments": 2, "precision": "bf16", "micro_batch": 4, "lr": 1e-3},
+    {"technique": "offload", "precision": "fp32", "micro_batch": 8, "lr": 1e-3},
+    {"technique": "l2l", "lr": 1e-3},
+]
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: "-".join(str(v) for v in p.values()))
+def test_prediction_equals_the_trained_peak(params, tiny):
+    result = search.train(params, tiny)
+    print(result)
+    assert result.status == "ok" and result.fits_predicted
+    assert result.peak_bytes == result.predicted_peak_bytes  # the same step on fake tensors: to the byte
+    assert result.steps_run == tiny.train_steps
+    assert [s for s, _ in result.val_losses] == [2, 4]
+    assert result.val_loss < search.untrained_loss(tiny)  # it learned something
+    assert result.tokens_per_s > 0
+
+
+def test_the_memory_techniques_learn_the_same_thing(tiny):
+    """Checkpointing, offload, micro-batches and L2L compute the same gradients: the same loss to rounding."""
+    losses = [search.train(p, tiny).val_loss for p in SETTINGS if p.get("precision", "fp32") == "fp32"]
+    assert max(losses) - min(losses) < 1e-4, losses
+
+
+def test_a_setting_predicted_not_to_fit_is_not_trained(tiny, monkeypatch):
+    monkeypatch.setattr(SettingStep, "step", lambda *a: pytest.fail("a setting predicted not to fit was trained"))
+    result = search.train(dict(PLAIN, micro_batch=8), tiny)
+    assert (result.status, result.fits_predicted, result.steps_run) == ("predicted_oom", False, 0)
+    assert result.predicted_peak_bytes > tiny.budget_bytes
+    assert result.val_loss == search.untrained_loss(tiny) and not result.fits
+
+
+def test_a_wrong_prediction_ends_in_oom_not_a_crash(tiny, monkeypatch):
+    """If the estimate says "fits" and the step does not, the budget refuses it: status "oom", a result."""
+    monkeypatch.setattr(search.trial, "predict_peak_bytes", lambda params, config: 1)
+    result = search.train(dict(PLAIN, micro_batch=8), tiny)
+    assert result.status == "oom" and not result.fits
+    assert "budget exceeded" in result.error and result.peak_bytes > tiny.budget_bytes
+    assert result.val_loss == search.untrained_loss(tiny)
+    assert search.confirm_oom(dict(PLAIN, micro_batch=8), tiny)
+    assert not search.confirm_oom(SETTINGS[0], tiny)
+
+
+def test_report_can_stop_a_trial(tiny):
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def report(progress):
+        seen.append((progress.steps_run, progress.val_loss, progress.peak_bytes))
+        raise Stop
+
+    with pytest.raises(Stop):
+        search.train(SETTINGS[1], tiny, report=report)
+    assert len(seen) == 1 and seen[0][0] == 2 and seen[0][2] == search.predict_peak_bytes(SETTINGS[1], tiny)
+
+
+def test_time_setting_times_without_a_budget(tiny):
+    result = search.time_setting(dict(PLAIN, micro_batch=8), tiny)  # does not fit, still timed: a point of the front
+    assert result.status == "ok" and not result.fits_predicted
+    assert result.peak_bytes == result.predicted_peak_bytes and result.tokens_per_s > 0
+
+
+def test_chapter_settings_all_fit(tiny):
+    chapters = search.chapter_settings(tiny)
+    assert list(chapters) == ["01 gradient accumulation", "02 activation checkpointing", "03 mixed precision (bf16)",
+                              "04 activation offload", "05 layer to layer"]
+    for params in chapters.values():
+        search.check_params(params, tiny.space())
+        assert search.predict_peak_bytes(params, tiny) <= tiny.budget_bytes
+    micro = chapters["01 gradient accumulation"]["micro_batch"]
+    assert search.predict_peak_bytes(dict(PLAIN, micro_batch=micro * 2), tiny) > tiny.budget_bytes  # the fewest steps
+
+
+def test_memory_is_freed_between_trials(tiny):
+    """50 trials in one process: the bytes held by live tensors do not grow from trial to trial."""
+    at_start = []
+    for i in range(50):
+        if i % 10 == 0:  # (a census of every live object takes a fifth of a second)
+            at_start.append(live_tensor_bytes())
+        params = dict(SETTINGS[i % len(SETTINGS)], lr=1e-3 * (1 + i / 50))
+        search.train(params, tiny)
+    at_start.append(live_tensor_bytes())
+    print(at_start)
+    assert at_start[-1] <= at_start[1], f"live tensor bytes grew from {at_start[1]} to {at_start[-1]} over 50 trials"
+
+
+def test_live_tensor_bytes_counts_each_storage_once():
+    before = live_tensor_bytes()
+    a = torch.empty(1000)
+    views = [a[:10], a.view(10, 100)]
+    assert live_tensor_bytes() - before == 4000
+    del a, views
+    assert live_tensor_bytes() == before
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(budget_bytes=0), "budget_bytes"),
+    (dict(budget_bytes=10, n_embd=30, n_head=4), "divisible"),
+    (dict(budget_bytes=10, metered_steps=9), "metered_steps"),
+    (dict(budget_bytes=10, device="auto"), "device"),
+    (dict(budget_bytes=10, precisions=("fp32", "fp16")), "fp16 is searched only on CUDA"),
+    (dict(budget_bytes=10, precisions=()), "precisions"),
+])
+def test_bad_study_configs_are_refused(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        search.StudyConfig(**kwargs)
+
+
+def test_config_round_trips_through_plain_data(tiny):
+    assert search.StudyConfig.from_dict(tiny.to_dict()) == tiny
+    assert tiny.to_dict()["precisions"] == ["fp32", "bf16"]  # JSON-ready
+
+
+def test_fp16_compute_is_refused_on_a_cpu(tiny):
+    with pytest.raises(ValueError, match="fp16 compute on CPU"):
+        search.train(dict(PLAIN, precision="fp16", micro_batch=8), tiny)
