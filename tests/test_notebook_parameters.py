@@ -46,6 +46,14 @@ BAD = [  # (chapter, parameters, words the error must contain)
     ("07_sharded_data_parallel", dict(ESTIMATE_RANKS=64), ["ESTIMATE_RANKS", "list"]),
     ("07_sharded_data_parallel", dict(N_HEAD=3), ["N_HEAD", "divisible"]),
     ("07_sharded_data_parallel", dict(DEVICE="tpu"), ["DEVICE", "'auto', 'cpu', 'cuda'"]),
+    ("08_memory_aware_search", dict(N_TRIALS=3), ["N_TRIALS", "[6, 1000]"]),  # the five chapters' settings and one more
+    ("08_memory_aware_search", dict(N_WORKERS=1), ["KILL_WORKER", "N_WORKERS >= 2"]),
+    ("08_memory_aware_search", dict(PRUNER="patient"), ["PRUNER", "'median'"]),
+    ("08_memory_aware_search", dict(SPEEDUP_TRIALS=3), ["SPEEDUP_TRIALS", "divisible"]),
+    ("08_memory_aware_search", dict(ENGINE_TRIALS=7, SAMPLER_TRIALS=6), ["ENGINE_TRIALS", "[1, 6]"]),
+    ("08_memory_aware_search", dict(STORAGE="studies.db"), ["STORAGE", "sqlite:///"]),
+    ("08_memory_aware_search", dict(STUDY="my study"), ["STUDY", "letters"]),
+    ("08_memory_aware_search", dict(DEVICE="tpu"), ["DEVICE", "'auto', 'cpu', 'cuda'"]),
 ]
 
 

@@ -116,6 +116,26 @@ def test_optimize_stops_at_the_total(config, storage):
     assert len(study.trials) == 3
 
 
+def test_optimize_waits_for_a_silent_trial_and_runs_its_retry(config, storage):
+    """The total is reached, but a trial is still RUNNING: once its heartbeat is stale it is retried here."""
+    study = studies.create_study("w", storage, config, "loss", sampler="replay", pruner="none", replay=[FITS])
+    assert studies.optimize(study, 1) == 1
+    silent = study.ask()  # a trial whose worker beat once and died
+    storage.record_heartbeat(silent._trial_id)
+    assert studies.optimize(study, 5, total_trials=1) == 1  # nothing new: only the silent trial's retry
+    states = [t.state for t in study.trials]
+    assert states == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
+    assert study.trials[2].system_attrs["failed_trial"] == silent.number
+    assert studies.lost_trials(study) == []
+
+
+def test_optimize_does_not_wait_without_heartbeats(config):
+    study = studies.create_study("n", optuna.storages.InMemoryStorage(), config, "loss", sampler="replay",
+                                 pruner="none", replay=[FITS])
+    study.ask()  # running for ever: nobody could ever tell it died
+    assert studies.optimize(study, 5, total_trials=0) == 0
+
+
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 def test_lost_trials_counts_failures_no_retry_completed(config, storage):
     study = studies.create_study("l", storage, config, "loss", sampler="random", pruner="none")

@@ -19,11 +19,13 @@ predicted peak (two objectives, a Pareto front; no budget, the front shows where
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from pathlib import Path
 
 import optuna
-from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
+from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
 from optuna.trial import TrialState
 
 from labkit.meter import live_tensor_bytes
@@ -164,10 +166,10 @@ def objective(study: optuna.Study, on_result=None):
     space = config.space()
 
     def loss(trial):
-        trial.set_user_attr("pid", os.getpid())  # which worker runs it (a killed worker's trial can be found)
         # what earlier trials left behind (Optuna collected the garbage after each: gc_after_trial)
         trial.set_user_attr("live_tensor_bytes_at_start", live_tensor_bytes(collect=False))
         params = suggest(trial, space)
+        trial.set_user_attr("pid", os.getpid())  # which worker runs it, once its setting is drawn
 
         def report(progress):  # after each validation: the pruner's input
             trial.report(progress.val_loss, progress.steps_run)
@@ -191,8 +193,8 @@ def objective(study: optuna.Study, on_result=None):
         return result.val_loss
 
     def speed_memory(trial):
-        trial.set_user_attr("pid", os.getpid())
         params = suggest(trial, space)
+        trial.set_user_attr("pid", os.getpid())
         result = time_setting(params, config)
         trial.set_user_attr("status", result.status)
         trial.set_user_attr("predicted_peak_bytes", result.predicted_peak_bytes)
@@ -207,18 +209,30 @@ def objective(study: optuna.Study, on_result=None):
     return loss if name == "loss" else speed_memory
 
 
-def optimize(study: optuna.Study, n_trials: int, total_trials: int | None = None, on_result=None) -> int:
+def optimize(study: optuna.Study, n_trials: int, total_trials: int | None = None, on_result=None,
+             poll_s: float = 0.5) -> int:
     """Run up to `n_trials` trials here, stopping once the study holds `total_trials` finished ones; return trials run.
 
-    A trial another process already finished is skipped, not fatal: two SQLite workers can pop the
-    same waiting trial (a retried one), since SQLite cannot lock the row (optuna #4621).
+    With `total_trials`, a worker does not leave while a trial is still running elsewhere (on a
+    storage with heartbeats): that worker may have died, and its trial, once its heartbeat is stale,
+    is failed and queued again for a worker still here to run. A trial another process already
+    finished is skipped, not fatal: two SQLite workers can pop the same waiting trial (a retried
+    one), since SQLite cannot lock the row (optuna #4621).
     """
     fn = objective(study, on_result)
     finished = (TrialState.COMPLETE, TrialState.PRUNED)
     ran = 0
-    for _ in range(n_trials):
-        if total_trials is not None and len(study.get_trials(deepcopy=False, states=finished)) >= total_trials:
-            break
+    while ran < n_trials:
+        if total_trials is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                fail_stale_trials(study)  # a dead worker's trial: FAIL, and its retry WAITING
+            states = [t.state for t in study.get_trials(deepcopy=False)]
+            if sum(s in finished for s in states) >= total_trials and TrialState.WAITING not in states:
+                if TrialState.RUNNING not in states or not _has_heartbeat(study):
+                    break
+                time.sleep(poll_s)  # someone's trial is running: wait for it to finish, or to go stale
+                continue
         try:
             study.optimize(fn, n_trials=1, gc_after_trial=True)
         except ValueError as e:
@@ -227,6 +241,12 @@ def optimize(study: optuna.Study, n_trials: int, total_trials: int | None = None
             continue  # another worker finished this trial first
         ran += 1
     return ran
+
+
+def _has_heartbeat(study: optuna.Study) -> bool:
+    """Return whether the study's storage fails trials whose worker stopped beating."""
+    storage = study._storage  # Optuna's own fail_stale_trials reads it the same way
+    return isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage)
 
 
 # -- accounting ---------------------------------------------------------------------------------------

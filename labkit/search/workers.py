@@ -54,7 +54,7 @@ def search_span_s(study: optuna.Study) -> float:
 
 
 def running_trial(study: optuna.Study, timeout_s: float = 60.0, min_running_s: float = 0.0):
-    """Wait for a trial that has been running `min_running_s` in some worker; return (trial number, worker pid)."""
+    """Wait for a trial running `min_running_s` in some worker with its setting drawn; return (trial number, worker pid)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
