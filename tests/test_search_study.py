@@ -116,6 +116,7 @@ def test_optimize_stops_at_the_total(config, storage):
     assert len(study.trials) == 3
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")  # study.ask() below: a trial outside optimize
 def test_optimize_waits_for_a_silent_trial_and_runs_its_retry(config, storage):
     """The total is reached, but a trial is still RUNNING: once its heartbeat is stale it is retried here."""
     study = studies.create_study("w", storage, config, "loss", sampler="replay", pruner="none", replay=[FITS])

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labkit.tools.search", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("worker", help="run trials of an existing study")
-    w.add_argument("--storage", required=True, help="the study's storage URL (sqlite:///..., postgresql://...)")
+    w.add_argument("--storage", required=True, help="the study's storage URL (sqlite:///..., postgresql+psycopg://...)")
     w.add_argument("--study", required=True, nargs="+", help="the study's name (several: run them in turn)")
     w.add_argument("--trials", type=int, default=10, help="trials this worker runs at most")
     w.add_argument("--total", type=int, default=None, help="stop once the study holds this many finished trials")
