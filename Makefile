@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup run test unit lab clean
+.PHONY: setup run test unit lab student grade clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,9 +33,16 @@ unit: $(STAMP)  ## labkit's unit tests only: no notebook is run (tests marked `n
 	$(TEST_ENV) $(PY) -m pytest tests -m "not notebook" -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --durations=10
 
 LAB_ARGS ?=
-AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
-lab: $(STAMP)  ## JupyterLab on notebooks/ (token authentication on); extra options: make lab LAB_ARGS="--port 9999"
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(AS_ROOT) $(LAB_ARGS)
+lab: $(STAMP)  ## JupyterLab on notebooks/, the first chapter open, no news prompt, a fresh layout (token on); e.g. LAB_ARGS="--port 9999"
+	$(PY) -m labkit.tools.lab $(LAB_ARGS)
+
+student: $(STAMP)  ## write a student copy of every chapter to build/student/ (nbgrader: solutions replaced by stubs)
+	$(PY) -m labkit.tools.classroom student
+
+SUBMISSIONS ?=
+grade: $(STAMP)  ## autograde SUBMISSIONS=dir (<student>/<chapter>.ipynb); scores in build/grades/scores.csv and .html
+	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=folder (one folder per student, chapters inside)"; exit 2; }
+	LABKIT_BATCH=1 $(PY) -m labkit.tools.classroom grade --submissions "$(SUBMISSIONS)"
 
 clean:
 	rm -rf build

@@ -201,7 +201,9 @@ def test_makefile_has_the_three_commands():
     assert "labkit.tools.runner" in " ".join(targets["run"])
     unit_recipe = " ".join(targets["unit"])
     assert '-m "not notebook"' in unit_recipe and "nbval" not in unit_recipe
-    assert "jupyter lab" in " ".join(targets["lab"])
+    assert "labkit.tools.lab" in " ".join(targets["lab"])
+    assert "labkit.tools.classroom student" in " ".join(targets["student"])
+    assert "labkit.tools.classroom grade" in " ".join(targets["grade"])
 
 
 def test_ci_runs_make_test_and_nothing_else():

@@ -19,12 +19,17 @@ def notebook_objective(notebook: str | Path, space: list[Param], value: str, out
                        feasible: str | None = None, fixed: dict | None = None, timeout_s: float = 300):
     """Return an Optuna objective that runs `notebook` with the trial's parameters and returns its record `value`.
 
+    A relative name is a chapter of the workbook's notebooks/ folder where there is one (a student
+    copy elsewhere has its exercises unsolved), else a path from the working directory.
     `feasible` names a boolean record: False sets the trial's constraint to 1 (infeasible).
     A notebook that fails fails the trial, with the notebook's own error.
     """
     from labkit.tools.runner import run_notebook  # the same papermill runner as `make run`
 
     notebook = Path(notebook)
+    workbook = Path(__file__).resolve().parents[2] / "notebooks" / notebook
+    if not notebook.is_absolute() and workbook.exists():
+        notebook = workbook  # a chapter's name means the workbook's own chapter, wherever this kernel runs
     if not notebook.exists():
         raise FileNotFoundError(f"notebook {notebook} does not exist")
     fixed = dict(fixed or {})
@@ -44,4 +49,5 @@ def notebook_objective(notebook: str | Path, space: list[Param], value: str, out
             trial.set_constraint(feasible, 0.0 if records[feasible] else 1.0)
         return float(records[value])
 
+    objective.notebook = notebook  # the notebook it runs
     return objective

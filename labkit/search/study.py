@@ -46,10 +46,10 @@ def storage_url(path: str | Path) -> str:
 
 
 def default_build_dir() -> Path:
-    """Return build/search/ of the repository labkit runs from (else of the working directory), created."""
+    """Return build/search/ of $LABKIT_BUILD_DIR, else of the repository labkit runs from, else of the working directory."""
     root = Path(__file__).resolve().parents[2]
-    base = root if (root / "pyproject.toml").exists() else Path.cwd()
-    out = base / "build" / "search"
+    base = root / "build" if (root / "pyproject.toml").exists() else Path.cwd() / "build"
+    out = Path(os.environ.get("LABKIT_BUILD_DIR") or base) / "search"
     out.mkdir(parents=True, exist_ok=True)
     return out
 

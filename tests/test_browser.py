@@ -1,0 +1,200 @@
+"""Every chapter in JupyterLab in a real browser: run all cells, use the widget panel, see no error.
+
+JupyterLab starts on loopback with a token, by the command `make lab` runs (labkit.tools.lab), on a
+copy of the notebooks; headless Chromium is Debian's (`/usr/bin/chromium`, or $LABKIT_CHROMIUM),
+driven by Playwright, which downloads nothing here. A screenshot of each chapter's panel lands in
+build/browser/. The server and the browser end with the module, on failure too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from labkit.tools import lab
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = os.environ.get("LABKIT_CHROMIUM", "/usr/bin/chromium")
+CHAPTERS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+SHOTS = ROOT / "build" / "browser"
+# the key pressed on the panel's first slider: a value that changes the plot and stays cheap to run
+KEYS = {"06_model_and_pipeline_parallel.ipynb": "ArrowRight", "07_sharded_data_parallel.ipynb": "ArrowRight",
+        "08_memory_aware_search.ipynb": "End"}
+RUN_ALL_TIMEOUT_S = 600
+
+pytestmark = [pytest.mark.notebook,
+              pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} "
+                                 "(Debian: apt-get install chromium; .ci/run installs it)")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Start JupyterLab as `make lab` does, on a copy of the notebooks; yield (url, token); stop it."""
+    base = tmp_path_factory.mktemp("lab")
+    notebooks = base / "notebooks"
+    shutil.copytree(ROOT / "notebooks", notebooks)
+    lab.install_settings()  # what `make lab` does first
+    port, token = _free_port(), secrets.token_hex(16)
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(base / "config"), JUPYTERLAB_SETTINGS_DIR=str(base / "settings"),
+               JUPYTER_RUNTIME_DIR=str(base / "runtime"), LABKIT_BUILD_DIR=str(base / "build"))
+    env.pop("LABKIT_BATCH", None)  # a person at a browser: live plots and widgets
+    argv = lab.command(notebooks, base / "workspaces", [
+        "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+        f"--IdentityProvider.token={token}", "--LabApp.expose_app_in_browser=True"])
+    log = open(base / "server.log", "w")
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, (base / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "JupyterLab did not answer within 120 s"
+            time.sleep(0.5)
+        yield url, token
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def _delete_sessions(url: str, token: str) -> None:
+    """Shut down every kernel the page started (a chapter's kernel must not outlive its test)."""
+    with urllib.request.urlopen(f"{url}/api/sessions?token={token}") as r:
+        sessions = json.load(r)
+    for s in sessions:
+        req = urllib.request.Request(f"{url}/api/sessions/{s['id']}?token={token}", method="DELETE")
+        urllib.request.urlopen(req).close()
+
+
+STATE_JS = """() => {
+  const nb = window.jupyterapp.shell.currentWidget;
+  const code = nb.content.widgets.filter(c => c.model.type === 'code');
+  const errors = code.flatMap(c => c.model.toJSON().outputs.filter(o => o.output_type === 'error')
+                                    .map(o => o.ename + ': ' + o.evalue));
+  return {status: nb.sessionContext.session?.kernel?.status ?? 'none',
+          running: code.filter(c => (c.promptNode?.textContent ?? '').includes('*')).length,
+          notRun: code.filter(c => c.model.executionCount === null).length, errors};
+}"""
+
+
+def _run_all(page) -> dict:
+    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+                           " && window.jupyterapp.shell.currentWidget.sessionContext", timeout=60_000)
+    page.evaluate("async () => { await window.jupyterapp.shell.currentWidget.sessionContext.ready; }")
+    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    deadline = time.monotonic() + RUN_ALL_TIMEOUT_S
+    idle_since = None
+    while time.monotonic() < deadline:
+        state = page.evaluate(STATE_JS)
+        if state["errors"]:
+            return state
+        quiet = state["status"] == "idle" and state["running"] == 0
+        idle_since = (idle_since or time.monotonic()) if quiet else None
+        if quiet and (state["notRun"] == 0 or time.monotonic() - idle_since > 5):
+            return state
+        time.sleep(1)
+    raise AssertionError(f"Run All did not finish within {RUN_ALL_TIMEOUT_S} s: {page.evaluate(STATE_JS)}")
+
+
+def _press_run(panel, output) -> tuple[str, str]:
+    """Press the panel's Run; wait until its output changed and settled; return (status, output html)."""
+    before = output.inner_html()
+    button = panel.locator("button:has-text('Run')").first
+    button.click()
+    status = panel.locator(".widget-hbox .widget-html").first
+    deadline = time.monotonic() + 180
+    last = None
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        text, html = status.inner_text().strip(), output.inner_html()
+        settled = text in ("done", "does not fit") or text.startswith("error")
+        if settled and not button.is_disabled() and html != before and html == last:
+            return text, html
+        last = html
+    raise AssertionError(f"the panel's Run did not change its output within 180 s (status {status.inner_text()!r})")
+
+
+def test_jupyterlab_opens_on_the_first_chapter_without_a_prompt(server, browser):
+    url, token = server
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(f"{url}/?token={token}")
+        try:
+            page.wait_for_function(f"() => window.jupyterapp?.shell.currentWidget?.title.label === '{lab.FIRST_CHAPTER}'",
+                                   timeout=60_000)
+        except Exception:
+            title = page.evaluate("() => window.jupyterapp?.shell.currentWidget?.title.label")
+            raise AssertionError(f"JupyterLab opened {title!r}, not {lab.FIRST_CHAPTER}; it is at {page.url}") from None
+        page.wait_for_timeout(3000)  # the news question, where asked, shows within a second or two
+        assert page.get_by_text("Would you like to get notified").count() == 0
+        assert page.locator(".jp-Notification-Toast").count() == 0
+    finally:
+        page.close()
+        _delete_sessions(url, token)
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_a_chapter_runs_in_the_browser_and_its_panel_redraws(server, browser, chapter):
+    url, token = server
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(f"{url}/lab/tree/{chapter}?token={token}&reset")
+        state = _run_all(page)
+        assert state["errors"] == [], f"{chapter}: {state['errors']}"
+        assert state["notRun"] == 0, f"{chapter}: {state['notRun']} code cells did not run"
+        panel = page.locator(".widget-vbox:has(> .widget-hbox > button:has-text('Run'))").last
+        panel.scroll_into_view_if_needed()
+        output = panel.locator(".widget-output").first
+        first, before = _press_run(panel, output)
+        assert not first.startswith("error") and "Traceback" not in output.inner_text(), output.inner_text()[-2000:]
+        slider = panel.locator(".noUi-handle").first
+        slider.focus()
+        slider.press(KEYS.get(chapter, "Home"))
+        second, after = _press_run(panel, output)  # fails unless the output changed
+        assert not second.startswith("error") and "Traceback" not in output.inner_text(), output.inner_text()[-2000:]
+        assert "<img" in after or "<canvas" in after, f"{chapter}: the panel drew no plot"
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        panel.scroll_into_view_if_needed()
+        page.screenshot(path=str(SHOTS / f"{Path(chapter).stem}.png"))
+    finally:
+        page.close()
+        _delete_sessions(url, token)
