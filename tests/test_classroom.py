@@ -1,0 +1,134 @@
+"""Student copies (nbgrader) build for every chapter, hide every solution, run with only the exercises'
+checks failing, and autograde: the teacher's notebook to full marks, a blank copy to zero, a half-solved
+copy to exactly what it solved."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from labkit.tools import classroom
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+CHAPTERS = [p.stem for p in classroom.chapters(NOTEBOOKS)]
+GRADED = "01_gradient_accumulation"  # a chapter that runs in seconds: autograded three times below
+
+pytestmark = pytest.mark.notebook
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory):
+    """Build every chapter's student copy once; return (course folder, student copies folder)."""
+    base = tmp_path_factory.mktemp("classroom")
+    classroom.build_student_copies(NOTEBOOKS, base / "course", base / "student")
+    return base / "course", base / "student"
+
+
+def _solution_lines(nb: dict) -> list[str]:
+    """Return the teacher's solution lines (between the delimiters) found nowhere else in the notebook."""
+    pattern = re.compile(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", re.S)
+    sources = ["".join(cell["source"]) for cell in nb["cells"]]
+    elsewhere = "\n".join(pattern.sub("", src) for src in sources)
+    lines = []
+    for src in sources:
+        for block in pattern.findall(src):
+            lines += [ln.strip() for ln in block.splitlines()
+                      if len(ln.strip()) > 12 and not ln.strip().startswith("#") and ln.strip() not in elsewhere]
+    return lines
+
+
+def test_every_exercise_carries_nbgrader_metadata():
+    for stem in CHAPTERS:
+        nb = json.loads((NOTEBOOKS / f"{stem}.ipynb").read_text())
+        cells = classroom.exercise_cells(nb)
+        solutions = [c for c in nb["cells"] if "### BEGIN SOLUTION" in "".join(c["source"])]
+        assert solutions and all(c["metadata"]["nbgrader"]["solution"] for c in solutions), stem
+        checks = [c for c in cells.values() if c["metadata"]["nbgrader"]["grade"]]
+        assert len(checks) == len(solutions), stem
+        assert all(c["metadata"]["nbgrader"]["locked"] and c["metadata"]["nbgrader"]["points"] > 0 for c in checks)
+
+
+def test_student_copies_build_for_every_chapter_without_solutions(course):
+    _, student = course
+    assert sorted(p.stem for p in student.glob("*.ipynb")) == CHAPTERS
+    for stem in CHAPTERS:
+        teacher = json.loads((NOTEBOOKS / f"{stem}.ipynb").read_text())
+        text = (student / f"{stem}.ipynb").read_text()
+        copy = json.loads(text)
+        code = "\n".join("".join(c["source"]) for c in copy["cells"])
+        assert "BEGIN SOLUTION" not in text and "END SOLUTION" not in text, stem
+        hidden = _solution_lines(teacher)
+        assert hidden, stem
+        leaked = [ln for ln in hidden if ln in code]
+        assert not leaked, (stem, leaked)
+        assert text.count("YOUR CODE HERE") == len(re.findall("### BEGIN SOLUTION", json.dumps(teacher)))
+        assert all(not c.get("outputs") for c in copy["cells"] if c["cell_type"] == "code"), stem
+        checks = [c for c in classroom.exercise_cells(copy).values() if c["metadata"]["nbgrader"]["grade"]]
+        assert checks and all("raises-exception" in c["metadata"]["tags"] for c in checks), stem
+        assert len(copy["cells"]) == len(teacher["cells"]), stem
+
+
+@pytest.mark.parametrize("stem", CHAPTERS)
+def test_a_student_copy_runs_with_only_the_exercise_checks_failing(course, stem, tmp_path, monkeypatch):
+    from labkit.tools.runner import run_notebook
+
+    _, student = course
+    monkeypatch.setenv("LABKIT_BUILD_DIR", str(tmp_path / "build"))  # notebook 08's studies: this test's own
+    work = tmp_path / "student"
+    shutil.copytree(student, work)  # %%writefile and friends write beside the notebook
+    entry = run_notebook(work / f"{stem}.ipynb", tmp_path / "out", {}, timeout_s=600)
+    executed = json.loads((tmp_path / "out" / entry["executed"]).read_text())
+    failed = {}
+    for i, cell in enumerate(executed["cells"]):
+        for out in cell.get("outputs", []):
+            if out["output_type"] == "error":
+                failed[i] = (cell["metadata"].get("nbgrader", {}).get("grade_id"), f"{out['ename']}: {out['evalue']}")
+    checks = {i for i, c in enumerate(executed["cells"]) if c["metadata"].get("nbgrader", {}).get("grade")}
+    assert set(failed) == checks, {"failed": failed, "checks": sorted(checks)}
+    assert all(c.get("execution_count") for c in executed["cells"] if c["cell_type"] == "code"), "a cell did not run"
+
+
+@pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")  # nbgrader's own gradebook code
+def test_autograding_gives_what_was_earned(course, tmp_path, monkeypatch):
+    course_dir, student = course
+    teacher = json.loads((NOTEBOOKS / f"{GRADED}.ipynb").read_text())
+    blank = json.loads((student / f"{GRADED}.ipynb").read_text())
+    half = json.loads(json.dumps(blank))  # exercise 1 solved as the teacher did, exercise 2 left blank
+    answer = {c["metadata"]["nbgrader"]["grade_id"]: c["source"] for c in teacher["cells"] if "nbgrader" in c["metadata"]}
+    for cell in half["cells"]:
+        if cell["metadata"].get("nbgrader", {}).get("grade_id") == "exercise-1":
+            cell["source"] = answer["exercise-1"]
+    submissions = tmp_path / "submissions"
+    for who, nb in (("teacher", teacher), ("blank", blank)):
+        (submissions / who).mkdir(parents=True)
+        (submissions / who / f"{GRADED}.ipynb").write_text(json.dumps(nb))
+    (submissions / "half" / GRADED).mkdir(parents=True)  # nbgrader collect's layout works too
+    (submissions / "half" / GRADED / f"{GRADED}.ipynb").write_text(json.dumps(half))
+    monkeypatch.chdir(tmp_path)
+    assert classroom.main(["--course", str(course_dir), "grade", "--submissions", str(submissions),
+                           "--out", str(tmp_path / "grades"), "--student-copies", str(student)]) == 0
+    with open(tmp_path / "grades" / "scores.csv") as f:
+        rows = list(csv.DictReader(f))
+    score = {(r["student"], r["exercise"]): (float(r["score"]), float(r["max_score"])) for r in rows}
+    ids = ["exercise-1-check", "exercise-2-check"]
+    assert {k for k in score} == {(s, e) for s in ("teacher", "blank", "half") for e in ids}
+    assert all(score[("teacher", e)][0] == score[("teacher", e)][1] > 0 for e in ids)  # full marks
+    assert all(score[("blank", e)][0] == 0 for e in ids)  # nothing earned
+    assert score[("half", "exercise-1-check")][0] == score[("half", "exercise-1-check")][1]
+    assert score[("half", "exercise-2-check")][0] == 0  # no marks it did not earn
+    page = (tmp_path / "grades" / "scores.html").read_text()
+    assert "<table>" in page and all(s in page for s in ("teacher", "blank", "half"))
+
+
+def test_grading_refuses_a_chapter_that_does_not_exist(course, tmp_path):
+    course_dir, student = course
+    (tmp_path / "subs" / "ann").mkdir(parents=True)
+    (tmp_path / "subs" / "ann" / "99_nothing.ipynb").write_text("{}")
+    with pytest.raises(SystemExit, match="99_nothing"):
+        classroom.grade(tmp_path / "subs", NOTEBOOKS, course_dir, tmp_path / "grades", student)
