@@ -75,6 +75,13 @@ class OutOfMemory(torch.OutOfMemoryError):
         return (OutOfMemory, (self.requested_bytes, self.in_use_bytes, self.budget_bytes))
 
 
+def _is_tensor(obj) -> bool:
+    try:
+        return isinstance(obj, torch.Tensor)
+    except ReferenceError:  # a weakref.proxy whose object died (IPython and widgets keep some): not a tensor
+        return False
+
+
 def live_tensor_bytes(device: str | torch.device | None = None, collect: bool = True) -> int:
     """Return the bytes of every tensor alive in this process (each storage once; optionally one device type's).
 
@@ -90,7 +97,7 @@ def live_tensor_bytes(device: str | torch.device | None = None, collect: bool = 
     seen: dict[int, int] = {}
     with warnings.catch_warnings():  # isinstance on some of gc's objects (deprecated torch aliases) warns
         warnings.simplefilter("ignore")
-        objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        objs = [o for o in gc.get_objects() if _is_tensor(o)]
     for obj in objs:
         if isinstance(obj, FakeTensor) or obj.is_meta:
             continue

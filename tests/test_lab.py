@@ -44,7 +44,7 @@ def test_make_lab_serves_notebooks_with_a_token(tmp_path):
         while time.time() < deadline and token is None:
             time.sleep(0.5)
             log.seek(0)
-            found = re.search(rf"http://127\.0\.0\.1:{port}/lab\?token=([0-9a-f]+)", log.read())
+            found = re.search(rf"http://127\.0\.0\.1:{port}/lab[^?\s]*\?token=([0-9a-f]+)", log.read())
             token = found.group(1) if found else None
             if proc.poll() is not None:
                 log.seek(0)

@@ -126,6 +126,22 @@ def test_live_tensor_bytes_counts_each_storage_once():
     assert live_tensor_bytes() == before
 
 
+def test_live_tensor_bytes_passes_over_dead_weak_proxies():
+    """A kernel holds weakref.proxy objects whose referent died; touching one raises ReferenceError."""
+    import weakref
+
+    class Thing:
+        pass
+
+    thing = Thing()
+    holder = [weakref.proxy(thing)]
+    del thing
+    before = live_tensor_bytes()
+    a = torch.empty(250)
+    assert live_tensor_bytes() - before == 1000
+    del a, holder
+
+
 @pytest.mark.parametrize("kwargs, words", [
     (dict(budget_bytes=0), "budget_bytes"),
     (dict(budget_bytes=10, n_embd=30, n_head=4), "divisible"),
