@@ -83,27 +83,71 @@ def server(tmp_path_factory):
         log.close()
 
 
-@pytest.fixture(scope="module")
-def browser():
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--disable-breakpad", "--disable-crash-reporter"]  # no crash handler to outlive the browser
+CHAPTER_LIMIT_S = RUN_ALL_TIMEOUT_S + 240  # past this the watchdog kills the browser: no call waits for ever
+
+
+@pytest.fixture
+def browser(tmp_path):
+    """Start Debian's Chromium (this test's own process group) and connect Playwright to it; kill it after.
+
+    Yields (browser, expired): a watchdog kills the browser after CHAPTER_LIMIT_S, which ends any
+    Playwright call still waiting on it; `expired()` then says so.
+    """
+    import signal
+    import threading
+
     from playwright.sync_api import sync_playwright
 
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
+    port = _free_port()
+    proc = subprocess.Popen([CHROMIUM, *CHROMIUM_FLAGS, f"--remote-debugging-port={port}",
+                             f"--user-data-dir={tmp_path / 'profile'}", "about:blank"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    expired = threading.Event()
+
+    def kill():
+        expired.set()
+        os.killpg(proc.pid, signal.SIGKILL)
+
+    watchdog = threading.Timer(CHAPTER_LIMIT_S, kill)
+    watchdog.daemon = True
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/json/version", timeout=5).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "Chromium did not start"
+                time.sleep(0.2)
+        watchdog.start()
+        with sync_playwright() as p:
+            b = p.chromium.connect_over_cdp(f"http://127.0.0.1:{port}")
+            try:
+                yield b, expired.is_set
+            finally:
+                try:
+                    b.close()
+                except Exception:
+                    pass  # killed by the watchdog already
+    finally:
+        watchdog.cancel()
         try:
-            yield b
-        finally:
-            b.close()
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def _delete_sessions(url: str, token: str) -> None:
     """Shut down every kernel the page started (a chapter's kernel must not outlive its test)."""
-    with urllib.request.urlopen(f"{url}/api/sessions?token={token}") as r:
+    with urllib.request.urlopen(f"{url}/api/sessions?token={token}", timeout=30) as r:
         sessions = json.load(r)
     for s in sessions:
         req = urllib.request.Request(f"{url}/api/sessions/{s['id']}?token={token}", method="DELETE")
-        urllib.request.urlopen(req).close()
+        urllib.request.urlopen(req, timeout=60).close()
 
 
 STATE_JS = """() => {
@@ -156,7 +200,7 @@ def _press_run(panel, output) -> tuple[str, str]:
 
 def test_jupyterlab_opens_on_the_first_chapter_without_a_prompt(server, browser):
     url, token = server
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page = browser[0].new_context(viewport={"width": 1400, "height": 1000}).new_page()
     try:
         page.goto(f"{url}/?token={token}")
         try:
@@ -176,7 +220,8 @@ def test_jupyterlab_opens_on_the_first_chapter_without_a_prompt(server, browser)
 @pytest.mark.parametrize("chapter", CHAPTERS)
 def test_a_chapter_runs_in_the_browser_and_its_panel_redraws(server, browser, chapter):
     url, token = server
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    b, expired = browser
+    page = b.new_context(viewport={"width": 1400, "height": 1000}).new_page()
     try:
         page.goto(f"{url}/lab/tree/{chapter}?token={token}&reset")
         state = _run_all(page)
@@ -198,6 +243,13 @@ def test_a_chapter_runs_in_the_browser_and_its_panel_redraws(server, browser, ch
         SHOTS.mkdir(parents=True, exist_ok=True)
         panel.scroll_into_view_if_needed()
         page.screenshot(path=str(SHOTS / f"{Path(chapter).stem}.png"))
+    except Exception as e:
+        if expired():
+            raise AssertionError(f"{chapter} still ran after {CHAPTER_LIMIT_S} s: the watchdog killed the browser") from e
+        raise
     finally:
-        page.close()
-        _delete_sessions(url, token)
+        try:
+            page.close()
+        except Exception:
+            pass  # the browser is gone (watchdog)
+        _delete_sessions(url, token)  # its kernel, and the kernel's children, end here

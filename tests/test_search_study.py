@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import optuna
 import pytest
 from optuna.storages import RetryHeartbeatStaleTrialCallback
@@ -128,6 +131,37 @@ def test_optimize_waits_for_a_silent_trial_and_runs_its_retry(config, storage):
     assert states == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
     assert study.trials[2].system_attrs["failed_trial"] == silent.number
     assert studies.lost_trials(study) == []
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
+def test_a_local_workers_death_is_seen_without_a_heartbeat(config, storage):
+    """A worker killed before its heartbeat thread wrote once (seen: that thread crashed) leaves no heartbeat."""
+    import socket
+    import subprocess
+
+    study = studies.create_study("p", storage, config, "loss", sampler="replay", pruner="none", replay=[FITS])
+    assert studies.optimize(study, 1) == 1
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process now
+    silent = study.ask()  # no heartbeat recorded, ever
+    silent.set_user_attr("pid", gone.pid)
+    silent.set_user_attr("host", socket.gethostname())
+    start = time.monotonic()
+    assert studies.optimize(study, 5, total_trials=1) == 1  # its retry, at once: no grace period to wait out
+    assert time.monotonic() - start < 2
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
+    assert study.trials[2].system_attrs["failed_trial"] == silent.number
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
+def test_a_worker_waits_for_a_live_trial_at_most_max_wait_s(config, storage):
+    study = studies.create_study("m", storage, config, "loss", sampler="replay", pruner="none", replay=[FITS])
+    busy = study.ask()  # this very process runs it: it is alive (and without a heartbeat, never stale)
+    busy.set_user_attr("pid", os.getpid())
+    start = time.monotonic()
+    assert studies.optimize(study, 5, total_trials=0, max_wait_s=1.5) == 0
+    assert 1.5 <= time.monotonic() - start < 5
+    assert study.trials[0].state == TrialState.RUNNING  # not failed: its worker lives
 
 
 def test_optimize_does_not_wait_without_heartbeats(config):

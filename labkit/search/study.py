@@ -19,6 +19,7 @@ predicted peak (two objectives, a Pareto front; no budget, the front shows where
 from __future__ import annotations
 
 import os
+import socket
 import time
 import warnings
 from pathlib import Path
@@ -170,6 +171,7 @@ def objective(study: optuna.Study, on_result=None):
         trial.set_user_attr("live_tensor_bytes_at_start", live_tensor_bytes(collect=False))
         params = suggest(trial, space)
         trial.set_user_attr("pid", os.getpid())  # which worker runs it, once its setting is drawn
+        trial.set_user_attr("host", socket.gethostname())
 
         def report(progress):  # after each validation: the pruner's input
             trial.report(progress.val_loss, progress.steps_run)
@@ -195,6 +197,7 @@ def objective(study: optuna.Study, on_result=None):
     def speed_memory(trial):
         params = suggest(trial, space)
         trial.set_user_attr("pid", os.getpid())
+        trial.set_user_attr("host", socket.gethostname())
         result = time_setting(params, config)
         trial.set_user_attr("status", result.status)
         trial.set_user_attr("predicted_peak_bytes", result.predicted_peak_bytes)
@@ -210,29 +213,32 @@ def objective(study: optuna.Study, on_result=None):
 
 
 def optimize(study: optuna.Study, n_trials: int, total_trials: int | None = None, on_result=None,
-             poll_s: float = 0.5) -> int:
+             poll_s: float = 0.5, max_wait_s: float = 60.0) -> int:
     """Run up to `n_trials` trials here, stopping once the study holds `total_trials` finished ones; return trials run.
 
-    With `total_trials`, a worker does not leave while a trial is still running elsewhere (on a
-    storage with heartbeats): that worker may have died, and its trial, once its heartbeat is stale,
-    is failed and queued again for a worker still here to run. A trial another process already
+    With `total_trials`, a worker does not leave at once while a trial is still running elsewhere:
+    that worker may have died. Its trial is failed and queued again, for a worker still here to run,
+    once its heartbeat is stale, or at once when its worker was a process of this machine that no
+    longer exists (a worker killed before its first heartbeat leaves no heartbeat to go stale). After
+    `max_wait_s` with nothing left to run, the worker leaves. A trial another process already
     finished is skipped, not fatal: two SQLite workers can pop the same waiting trial (a retried
     one), since SQLite cannot lock the row (optuna #4621).
     """
     fn = objective(study, on_result)
     finished = (TrialState.COMPLETE, TrialState.PRUNED)
-    ran = 0
+    ran, waited_since = 0, None
     while ran < n_trials:
         if total_trials is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                fail_stale_trials(study)  # a dead worker's trial: FAIL, and its retry WAITING
+            fail_dead_trials(study)  # a dead worker's trial: FAIL, and its retry WAITING
             states = [t.state for t in study.get_trials(deepcopy=False)]
             if sum(s in finished for s in states) >= total_trials and TrialState.WAITING not in states:
-                if TrialState.RUNNING not in states or not _has_heartbeat(study):
+                waited_since = waited_since or time.monotonic()
+                if (TrialState.RUNNING not in states or not _has_heartbeat(study)
+                        or time.monotonic() - waited_since > max_wait_s):
                     break
-                time.sleep(poll_s)  # someone's trial is running: wait for it to finish, or to go stale
+                time.sleep(poll_s)  # someone's trial is running: wait for it to finish, or to be found dead
                 continue
+        waited_since = None
         try:
             study.optimize(fn, n_trials=1, gc_after_trial=True)
         except ValueError as e:
@@ -241,6 +247,47 @@ def optimize(study: optuna.Study, n_trials: int, total_trials: int | None = None
             continue  # another worker finished this trial first
         ran += 1
     return ran
+
+
+def fail_dead_trials(study: optuna.Study) -> list[int]:
+    """Fail the running trials whose worker is gone, run the storage's retry callback; return their numbers.
+
+    Gone: its heartbeat is stale (Optuna's fail_stale_trials), or it ran in a process of this
+    machine (user attrs `host` and `pid`) that no longer exists.
+    """
+    storage = study._storage  # Optuna's own fail_stale_trials reads it the same way
+    before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        fail_stale_trials(study)
+    host = socket.gethostname()
+    callback = storage.get_heartbeat_stale_trial_callback() if _has_heartbeat(study) else None
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        pid = t.user_attrs.get("pid")
+        if pid is None or t.user_attrs.get("host") != host or pid == os.getpid() or _process_exists(pid):
+            continue
+        try:
+            if storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+                if callback is not None:
+                    callback(study, storage.get_trial(t._trial_id))
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # another worker failed it first
+    return sorted({t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))} - before)
+
+
+def _process_exists(pid: int) -> bool:
+    """Return whether a process `pid` runs on this machine (a zombie, killed and not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True  # no /proc: trust kill(pid, 0)
 
 
 def _has_heartbeat(study: optuna.Study) -> bool:
