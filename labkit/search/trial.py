@@ -287,12 +287,7 @@ def train(params: dict, config: StudyConfig, report=None) -> TrialResult:
         if result.steps_run % config.eval_every == 0:
             _validate(step, val, result, report)
         while result.steps_run < config.train_steps:
-            batch = next(batches)
-            synchronize(device)
-            t0 = time.perf_counter()
-            step.step(batch)
-            synchronize(device)
-            times.append(time.perf_counter() - t0)
+            times.append(_timed_step(step, next(batches), device))
             result.steps_run += 1
             if result.steps_run % config.eval_every == 0 or result.steps_run == config.train_steps:
                 _validate(step, val, result, report)
@@ -337,6 +332,15 @@ def confirm_oom(params: dict, config: StudyConfig) -> bool:
     return False
 
 
+def _timed_step(step: SettingStep, batch, device) -> float:
+    """Run one optimizer step on `batch`; return its seconds, the device synchronised on both sides."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    step.step(batch)
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
 def time_setting(params: dict, config: StudyConfig) -> TrialResult:
     """Time the setting's step (median of `timed_steps` after a warm-up) without a budget; peak = the prediction.
 
@@ -355,12 +359,7 @@ def time_setting(params: dict, config: StudyConfig) -> TrialResult:
     step.step(next(batches))
     times = []
     for _ in range(config.timed_steps):
-        batch = next(batches)
-        synchronize(device)
-        t0 = time.perf_counter()
-        step.step(batch)
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
+        times.append(_timed_step(step, next(batches), device))
     result.steps_run = 1 + config.timed_steps
     result.step_s = statistics.median(times)
     result.tokens_per_s = config.tokens_per_step / result.step_s
