@@ -15,7 +15,9 @@ def _widget_for(name: str, spec):
         return W.Checkbox(value=spec, description=name)
     if isinstance(spec, (list, tuple)) and spec and all(isinstance(v, str) for v in spec):
         return W.Dropdown(options=list(spec), value=spec[0], description=name)
-    if isinstance(spec, (list, tuple)) and len(spec) in (3, 4) and all(isinstance(v, (int, float)) for v in spec):
+    # a tuple of numbers is a slider's range; a list is always options (a list of four micro-batch sizes
+    # read as (min, max, step, value) gave an inverted slider)
+    if isinstance(spec, tuple) and len(spec) in (3, 4) and all(isinstance(v, (int, float)) for v in spec):
         lo, hi, step = spec[:3]
         value = spec[3] if len(spec) == 4 else lo
         if all(isinstance(v, int) for v in spec):

@@ -164,8 +164,9 @@ STATE_JS = """() => {
 def _run_all(page) -> dict:
     page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
                            " && window.jupyterapp.shell.currentWidget.sessionContext", timeout=60_000)
-    page.evaluate("async () => { await window.jupyterapp.shell.currentWidget.sessionContext.ready; }")
-    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    page.wait_for_function("() => window.jupyterapp.shell.currentWidget.sessionContext.isReady", timeout=120_000)
+    # started, not awaited: the command's promise settles only when every cell has run
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); return true; }")
     deadline = time.monotonic() + RUN_ALL_TIMEOUT_S
     idle_since = None
     while time.monotonic() < deadline:

@@ -257,6 +257,9 @@ def test_control_panel_builds_controls_and_runs():
     assert panel.run() == 40
     assert calls == [(1, pytest.approx(0.3), "adam", False, 5), (4, pytest.approx(0.3), "sgd", True, 5)]
     assert panel.status.value == "done" and panel.last_error is None
+    sizes = control_panel(experiment, m=[8, 4, 2, 1], n=[1, 2, 4]).controls  # lists are options, whatever their length
+    assert type(sizes["m"]) is W.Dropdown and list(sizes["m"].options) == [8, 4, 2, 1] and sizes["m"].value == 8
+    assert type(sizes["n"]) is W.Dropdown
     with pytest.raises(TypeError, match="control 'bad'"):
         control_panel(experiment, bad=object())
     with pytest.raises(TypeError, match="callable"):
