@@ -18,6 +18,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
+
+# Smaller settings for the chapters whose defaults take a minute or more, where a test runs a whole
+# chapter only to check something its size does not change (a student copy's failing cells, the
+# browser's Run All and panel). Papermill's own injection applies them (`parameterize_notebook`).
+SMALL_PARAMETERS = {
+    "06_model_and_pipeline_parallel": dict(MEMORY_RANKS=0, TIMED_STEPS=1),
+    "07_sharded_data_parallel": dict(MEMORY_RANKS=0, ESTIMATE_RANKS=[8]),
+    "08_memory_aware_search": dict(TRAIN_STEPS=4, N_TRIALS=6, PARETO_TRIALS=2, SAMPLER_TRIALS=4, SAMPLER_SEEDS=1,
+                                   SPEEDUP_TRIALS=2, BLACK_BOX_TRIALS=0, ENGINE_TRIALS=2),
+}
 NOTEBOOK_FIXTURES = {"execute_notebook", "validate_parameters"}
 
 
@@ -68,6 +78,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if NOTEBOOK_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.notebook)
+
+
+@pytest.fixture(scope="session")
+def small_parameters() -> dict:
+    """Return SMALL_PARAMETERS: {chapter stem: parameters} for tests that run a whole chapter."""
+    return SMALL_PARAMETERS
 
 
 @pytest.fixture(scope="module")

@@ -44,11 +44,18 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, small_parameters):
     """Start JupyterLab as `make lab` does, on a copy of the notebooks; yield (url, token); stop it."""
     base = tmp_path_factory.mktemp("lab")
     notebooks = base / "notebooks"
     shutil.copytree(ROOT / "notebooks", notebooks)
+    import nbformat
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
+    for stem, parameters in small_parameters.items():  # as papermill -p would: a cell after `parameters`
+        path = notebooks / f"{stem}.ipynb"
+        nbformat.write(parameterize_notebook(load_notebook_node(str(path)), parameters), path)
     lab.install_settings()  # what `make lab` does first
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(base / "config"), JUPYTERLAB_SETTINGS_DIR=str(base / "settings"),

@@ -75,14 +75,15 @@ def test_student_copies_build_for_every_chapter_without_solutions(course):
 
 
 @pytest.mark.parametrize("stem", CHAPTERS)
-def test_a_student_copy_runs_with_only_the_exercise_checks_failing(course, stem, tmp_path, monkeypatch):
+def test_a_student_copy_runs_with_only_the_exercise_checks_failing(course, stem, tmp_path, monkeypatch,
+                                                                   small_parameters):
     from labkit.tools.runner import run_notebook
 
     _, student = course
     monkeypatch.setenv("LABKIT_BUILD_DIR", str(tmp_path / "build"))  # notebook 08's studies: this test's own
     work = tmp_path / "student"
     shutil.copytree(student, work)  # %%writefile and friends write beside the notebook
-    entry = run_notebook(work / f"{stem}.ipynb", tmp_path / "out", {}, timeout_s=600)
+    entry = run_notebook(work / f"{stem}.ipynb", tmp_path / "out", small_parameters.get(stem, {}), timeout_s=600)
     executed = json.loads((tmp_path / "out" / entry["executed"]).read_text())
     failed = {}
     for i, cell in enumerate(executed["cells"]):
