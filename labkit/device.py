@@ -8,9 +8,28 @@ import torch
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
+_announced: set[str] = set()  # accelerators "auto" has already said it passes over, once per process
+
+
+def as_device(device: str | torch.device) -> torch.device:
+    """Return `device` as a torch.device, a CUDA device always with its index ("cuda" -> "cuda:<current>").
+
+    `torch.device("cuda")` has no index, so it compares unequal to a tensor's `cuda:0` and
+    `torch.cuda.set_per_process_memory_fraction` refuses it; every labkit object that keeps a device
+    keeps it in this form.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
 
 def resolve_device(name: str | torch.device = "auto", param: str = "device") -> torch.device:
-    """Return the torch device for "auto" | "cpu" | "cuda" (auto: CUDA, other accelerator, CPU); errors name `param`."""
+    """Return the torch device for "auto" | "cpu" | "cuda[:i]" (auto: CUDA, else CPU); errors name `param`.
+
+    "auto" passes over other accelerators (Apple's mps, Intel's xpu) with a printed reason: the
+    chapters measure memory on CPU and CUDA only, so choosing one would mean refusing it later.
+    """
     if not isinstance(name, (str, torch.device)):
         raise TypeError(f"{param} must be one of {DEVICE_CHOICES}, got {name!r}")
     name = str(name)
@@ -20,14 +39,24 @@ def resolve_device(name: str | torch.device = "auto", param: str = "device") -> 
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"{param}={name!r} but torch sees no CUDA device; use 'auto' or 'cpu'")
-        return torch.device(name)
+        dev = as_device(name)
+        if dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{param}={name!r} but torch sees {torch.cuda.device_count()} CUDA device(s) "
+                             f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+        return dev
     if kind == "cpu":
         return torch.device("cpu")
     if torch.cuda.is_available():
-        return torch.device("cuda")
+        return as_device("cuda")
     acc = getattr(torch, "accelerator", None)
     if acc is not None and acc.is_available():
-        return acc.current_accelerator()
+        other = acc.current_accelerator()
+        if other is not None and other.type not in ("cpu", "cuda") and other.type not in _announced:
+            _announced.add(other.type)
+            # never pick a device the chapters then refuse: their memory figures come from labkit's meter
+            # and, on a GPU, from the CUDA allocator; other accelerators (Apple's mps, xpu) are not measured
+            print(f"{param}='auto': torch found a {other.type!r} accelerator, which labkit does not measure "
+                  f"(its chapters support {DEVICE_CHOICES[1:]}); running on cpu instead")
     return torch.device("cpu")
 
 

@@ -59,20 +59,32 @@ def _resize_and_count(storage, size):
 
 
 class OutOfMemory(torch.OutOfMemoryError):
-    """Raised when an allocation would take the device beyond a `MemoryMeter` budget."""
+    """Raised when an allocation would take the device beyond a `MemoryMeter` budget.
 
-    def __init__(self, requested_bytes: int, in_use_bytes: int, budget_bytes: int):
+    On CUDA it also carries the allocator's figures at the refusal (`cuda_allocated_bytes`,
+    `cuda_reserved_bytes`): what the caching allocator held beside the meter's exact count.
+    """
+
+    def __init__(self, requested_bytes: int, in_use_bytes: int, budget_bytes: int,
+                 cuda_allocated_bytes: int | None = None, cuda_reserved_bytes: int | None = None):
         self.requested_bytes = int(requested_bytes)
         self.in_use_bytes = int(in_use_bytes)
         self.budget_bytes = int(budget_bytes)
+        self.cuda_allocated_bytes = cuda_allocated_bytes
+        self.cuda_reserved_bytes = cuda_reserved_bytes
+        allocator = ""
+        if cuda_allocated_bytes is not None:
+            allocator = (f"; CUDA allocator: {format_bytes(cuda_allocated_bytes)} allocated, "
+                         f"{format_bytes(cuda_reserved_bytes or 0)} reserved")
         super().__init__(
             f"labkit budget exceeded: tried to allocate {format_bytes(requested_bytes)} "
             f"with {format_bytes(in_use_bytes)} in use and {format_bytes(budget_bytes)} allowed "
-            f"({requested_bytes} B requested, {in_use_bytes} B in use, {budget_bytes} B budget)"
+            f"({requested_bytes} B requested, {in_use_bytes} B in use, {budget_bytes} B budget){allocator}"
         )
 
     def __reduce__(self):
-        return (OutOfMemory, (self.requested_bytes, self.in_use_bytes, self.budget_bytes))
+        return (OutOfMemory, (self.requested_bytes, self.in_use_bytes, self.budget_bytes,
+                              self.cuda_allocated_bytes, self.cuda_reserved_bytes))
 
 
 def _is_tensor(obj) -> bool:
@@ -185,10 +197,8 @@ class MemoryMeter(TorchDispatchMode):
             if budget_bytes <= 0:
                 raise ValueError(f"budget_bytes must be > 0 (a positive number of bytes), got {budget_bytes}")
             budget_bytes = int(budget_bytes)
-        if device is None:
-            from labkit.device import resolve_device
-            device = resolve_device("auto")
-        self.device = torch.device(device)
+        from labkit.device import as_device, resolve_device
+        self.device = as_device(resolve_device("auto") if device is None else device)
         self.budget_bytes = budget_bytes
         self.keep_timeline = timeline
         self.current_bytes = 0  # device bytes live now
@@ -214,7 +224,6 @@ class MemoryMeter(TorchDispatchMode):
         self._hooks: list = []
         self._tracked_modules: list[weakref.ref] = []
         self._tracked_optimizers: list[weakref.ref] = []
-        self._cuda_fraction_set = False
 
     # -- context -----------------------------------------------------------------------------
     def __enter__(self):
@@ -226,38 +235,45 @@ class MemoryMeter(TorchDispatchMode):
         if self.device.type == "cuda":  # before the meter is active: a failure here leaves nothing set
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            if self.budget_bytes is not None:
-                total = torch.cuda.get_device_properties(self.device).total_memory
-                base = torch.cuda.memory_allocated(self.device)
-                torch.cuda.set_per_process_memory_fraction(min(1.0, (base + self.budget_bytes) / total), self.device)
-                self._cuda_fraction_set = True
+        # The budget is enforced here, exactly, on live tensor bytes. The CUDA allocator is not capped too:
+        # it reserves rounded blocks (512 B, 2 MiB and 20 MiB segments), keeps per-stream pools and cuBLAS
+        # workspaces, so a cap at the budget would refuse steps whose tensors fit it.
         self._open = True
         _ACTIVE.meter = self
         if _open_meters[0] == 0:
             torch.UntypedStorage.resize_ = _resize_and_count
         _open_meters[0] += 1
         self._t0 = time.perf_counter()
-        return super().__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._close()  # never leave the active-meter slot set: every later meter would be refused
+            raise
 
     def __exit__(self, exc_type, exc, tb):
         try:
             return super().__exit__(exc_type, exc, tb)
         finally:
-            self._open = False
-            _ACTIVE.meter = None
-            _open_meters[0] -= 1
-            if _open_meters[0] == 0:
-                torch.UntypedStorage.resize_ = _RESIZE
-            for h in self._hooks:
-                h.remove()
-            self._hooks.clear()
+            self._close()
             self._classify()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
                 self.cuda_max_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
                 self.cuda_reserved_bytes = torch.cuda.memory_reserved(self.device)
-                if self._cuda_fraction_set:
-                    torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
+    def _close(self) -> None:
+        """Leave the active-meter slot and restore what entering changed (idempotent)."""
+        if not self._open:
+            return
+        self._open = False
+        if getattr(_ACTIVE, "meter", None) is self:
+            _ACTIVE.meter = None
+        _open_meters[0] -= 1
+        if _open_meters[0] == 0:
+            torch.UntypedStorage.resize_ = _RESIZE
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
 
     # -- tracking ----------------------------------------------------------------------------
     def track(self, *objs) -> "MemoryMeter":
@@ -530,7 +546,7 @@ class MemoryMeter(TorchDispatchMode):
         in_use = self.current_bytes
         self._acquire(new, check_budget=False)
         if check_budget and not host and self.budget_bytes is not None and self.current_bytes > self.budget_bytes:
-            raise OutOfMemory(nbytes, in_use, self.budget_bytes)
+            raise self._refusal(nbytes, in_use)
 
     def _acquire(self, rec: _Record, check_budget: bool) -> None:
         if rec.host:
@@ -539,7 +555,7 @@ class MemoryMeter(TorchDispatchMode):
             return
         new = self.current_bytes + rec.nbytes
         if check_budget and self.budget_bytes is not None and new > self.budget_bytes and rec.nbytes > 0:
-            raise OutOfMemory(rec.nbytes, self.current_bytes, self.budget_bytes)
+            raise self._refusal(rec.nbytes, self.current_bytes)
         self._seq += 1
         rec.alloc_seq = self._seq
         self.current_bytes = new
@@ -549,6 +565,13 @@ class MemoryMeter(TorchDispatchMode):
             if len(self._history) > 2048:  # records freed before this peak can never matter again
                 self._history = [r for r in self._history if r.free_seq is None or r.free_seq > self._peak_seq]
         self._note()
+
+    def _refusal(self, requested_bytes: int, in_use_bytes: int) -> OutOfMemory:
+        """Return the budget error for an allocation, with the CUDA allocator's figures on a GPU."""
+        if self.device.type != "cuda":
+            return OutOfMemory(requested_bytes, in_use_bytes, self.budget_bytes)
+        return OutOfMemory(requested_bytes, in_use_bytes, self.budget_bytes,
+                           torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
 
     def _release(self, rec: _Record) -> None:
         if rec.host:

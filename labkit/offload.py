@@ -31,6 +31,7 @@ import weakref
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from labkit.device import as_device
 from labkit.hosttier import HostPool, to_device, to_host
 from labkit.validate import check_int
 
@@ -59,7 +60,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
                  device: str | torch.device | None = None):
         if model is not None and device is None:
             device = next(model.parameters()).device
-        self.device = torch.device("cpu" if device is None else device)
+        self.device = as_device("cpu" if device is None else device)  # "cuda" -> "cuda:0": compared with t.device
         self.pool = pool if pool is not None else HostPool(self.device)
         check_int("min_bytes", min_bytes, 0)
         if prefetch not in PREFETCH_CHOICES:

@@ -74,10 +74,16 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark every test that runs notebook cells with `notebook`."""
+    """Mark every test that runs notebook cells with `notebook`; skip `cuda` tests, saying why, without CUDA."""
+    import torch
+
+    no_cuda = None if torch.cuda.is_available() else pytest.mark.skip(
+        reason="requires CUDA: torch sees no CUDA device here (run `make gpu-check` on a machine with one)")
     for item in items:
         if NOTEBOOK_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.notebook)
+        if no_cuda is not None and "cuda" in item.keywords:
+            item.add_marker(no_cuda)
 
 
 @pytest.fixture(scope="session")

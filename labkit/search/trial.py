@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from labkit.accumulation import split_batch
 from labkit.checkpointing import checkpoint_blocks
 from labkit.data import MarkovTokens
-from labkit.device import device_memory_bytes, resolve_device, synchronize
+from labkit.device import as_device, device_memory_bytes, resolve_device, synchronize
 from labkit.estimate import example_batch
 from labkit.l2l import L2LTrainer
 from labkit.meter import MemoryMeter, OutOfMemory
@@ -147,7 +147,7 @@ class SettingStep:
 
     def __init__(self, params: dict, config: StudyConfig, device: torch.device | str):
         check_setting(params, config)
-        self.params, self.config, self.device = params, config, torch.device(device)
+        self.params, self.config, self.device = params, config, as_device(device)
         self.technique = params["technique"]
         torch.manual_seed(config.seed)  # every setting starts from the same weights
         model = GPT(config.gpt)
