@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup run test unit lab student grade clean
+.PHONY: setup run test unit lab student grade gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ SUBMISSIONS ?=
 grade: $(STAMP)  ## autograde SUBMISSIONS=dir (<student>/<chapter>.ipynb); scores in build/grades/scores.csv and .html
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=folder (one folder per student, chapters inside)"; exit 2; }
 	LABKIT_BATCH=1 $(PY) -m labkit.tools.classroom grade --submissions "$(SUBMISSIONS)"
+
+GPU_CHECK_ARGS ?=
+gpu-check: $(STAMP)  ## every CUDA path at GPT-2 small: a table, and build/gpu-check.json (needs CUDA; exit 2 without)
+	@$(PY) -m labkit.tools.gpucheck --out build $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf build

@@ -204,6 +204,15 @@ def test_makefile_has_the_three_commands():
     assert "labkit.tools.lab" in " ".join(targets["lab"])
     assert "labkit.tools.classroom student" in " ".join(targets["student"])
     assert "labkit.tools.classroom grade" in " ".join(targets["grade"])
+    assert "labkit.tools.gpucheck" in " ".join(targets["gpu-check"])
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: make gpu-check runs for real")
+def test_make_gpu_check_without_cuda_exits_2_with_its_reason():
+    import subprocess
+    proc = subprocess.run(["make", "-s", "gpu-check"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("make gpu-check needs CUDA:") and proc.stdout.count("\n") == 1, proc.stdout
 
 
 def test_ci_runs_make_test_and_nothing_else():

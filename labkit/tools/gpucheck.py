@@ -1,0 +1,410 @@
+"""Run every CUDA path of the workbook at a GPU-sized model, print a table, write build/gpu-check.json.
+
+    make gpu-check                       # GPT-2 small shape, batch 4 x 1024 tokens
+    python -m labkit.tools.gpucheck --n-layer 6 --batch 2 --skip notebooks
+
+Each check is a row: what was measured, what theory or torch's own figure says, and ok or not.
+The rows: the meter against `torch.cuda.max_memory_allocated`; a budget refusal and the recovery
+after it; activation offload (side-stream prefetch, none, `save_on_cpu`) and its copy bandwidth
+against one large pinned copy; L2L with and without weight prefetch; fp16 with GradScaler training
+for real and bf16; full checkpointing against Chen's one-extra-forward bound; the `cuda` tests;
+every notebook with DEVICE="cuda". Without CUDA it says so in one line and exits with status 2.
+
+`--rehearse-on-cpu` runs the same code on the CPU at a tiny size, with the CUDA-only figures left
+out: labkit's tests use it so that this tool's code runs on every commit, GPU or not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from labkit.checkpointing import checkpoint_blocks
+from labkit.data import MarkovTokens
+from labkit.device import as_device, hardware_report, synchronize
+from labkit.l2l import L2LTrainer, measure_l2l_step
+from labkit.meter import MemoryMeter, OutOfMemory, format_bytes, try_fit
+from labkit.models import GPT, GPTConfig, count_params
+from labkit.offload import OffloadHooks
+from labkit.precision import amp_train_step, forward_activation_bytes
+from labkit.throughput import measure_throughputs
+from labkit.train import make_optimizer, measure_step, train_step
+
+CHECKS = ("meter", "budget", "offload", "l2l", "precision", "checkpoint", "tests", "notebooks")
+METER_TOLERANCE = 0.05  # the meter's peak within 5% of max_memory_allocated
+
+
+@dataclass
+class Row:
+    """One check: its figures, what they are held against, and the verdict."""
+
+    check: str  # one of CHECKS
+    measured: str  # the figure(s), formatted for the table
+    expected: str  # theory, torch's own figure, or the invariant held
+    ok: bool | None  # None: not run (the reason is in `note`)
+    note: str = ""  # why it differs, or why it did not run
+    figures: dict = field(default_factory=dict)  # the raw numbers, for build/gpu-check.json
+
+
+@dataclass
+class Setup:
+    """The model shape and the device every check uses."""
+
+    device: torch.device
+    cfg: GPTConfig
+    batch: int
+    seq_len: int
+    steps: int  # timed rounds per comparison
+    train_steps: int  # optimizer steps of the fp16 GradScaler run
+    min_offload_bytes: int = 65536  # saved tensors smaller than this stay on the device (OffloadHooks.min_bytes)
+
+    def model(self, seed: int = 0) -> GPT:
+        """Return a freshly initialised model on the device (same weights for the same seed)."""
+        torch.manual_seed(seed)
+        return GPT(self.cfg).to(self.device)
+
+    def data(self, seed: int = 0):
+        """Return one (inputs, targets) batch from a learnable source, on the device."""
+        src = MarkovTokens(vocab_size=self.cfg.vocab_size, seed=seed)
+        x, y = src.batch(self.batch, self.seq_len, generator=torch.Generator().manual_seed(seed))
+        return x.to(self.device), y.to(self.device)
+
+
+def _cuda(setup: Setup) -> bool:
+    return setup.device.type == "cuda"
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+# -- the checks ----------------------------------------------------------------------------------
+def check_meter(setup: Setup) -> Row:
+    """Compare the meter's peak of one Adam training step with the CUDA allocator's max_memory_allocated."""
+    model, batch = setup.model(), setup.data()
+    opt = make_optimizer("adam", model.parameters())
+    step = measure_step(model, opt, batch)  # warm-up first: Adam's state and cuBLAS's workspace exist
+    meter = step.meter
+    figures = {"meter_peak_bytes": meter.peak_bytes, "peak_split": step.split}
+    if not _cuda(setup):
+        return Row("meter", format_bytes(meter.peak_bytes), "max_memory_allocated (CUDA only)", None,
+                   "rehearsal on cpu: no allocator figure", figures)
+    allocated = meter.cuda_max_allocated_bytes
+    rel = allocated / meter.peak_bytes - 1
+    figures.update(cuda_max_allocated_bytes=allocated, cuda_reserved_bytes=meter.cuda_reserved_bytes,
+                   relative_difference=rel)
+    return Row("meter", f"{format_bytes(meter.peak_bytes)} vs allocator {format_bytes(allocated)} ({rel:+.2%})",
+               f"|difference| <= {METER_TOLERANCE:.0%}", abs(rel) <= METER_TOLERANCE,
+               "the allocator rounds every block up to 512 B and counts cuBLAS's workspace, which no tensor "
+               f"holds; reserved (cached) {format_bytes(meter.cuda_reserved_bytes)}", figures)
+
+
+def check_budget(setup: Setup) -> Row:
+    """Refuse a step over a budget (labkit.OutOfMemory with allocator figures), free its memory, run the next."""
+    model, batch = setup.model(), setup.data()
+    opt = make_optimizer("adam", model.parameters())
+    peak = measure_step(model, opt, batch).peak_bytes
+    synchronize(setup.device)
+    base = torch.cuda.memory_allocated(setup.device) if _cuda(setup) else None
+    budget = int(0.8 * peak)
+    refused = try_fit(measure_step, model, opt, batch, budget_bytes=budget, warmup=False)
+    opt.zero_grad(set_to_none=True)  # gradients a refused backward had already written
+    err = refused.error
+    after = torch.cuda.memory_allocated(setup.device) if _cuda(setup) else None
+    returned = after is None or after - base <= 2**20
+    following = try_fit(train_step, model, opt, batch)
+    has_figures = isinstance(err, OutOfMemory) and (not _cuda(setup) or err.cuda_allocated_bytes is not None)
+    ok = (not refused.fits) and has_figures and returned and following.fits
+    figures = {"budget_bytes": budget, "peak_bytes": peak, "refused": not refused.fits,
+               "error": str(err) if err else None, "allocated_before_bytes": base, "allocated_after_bytes": after,
+               "next_step_ran": following.fits}
+    left = "" if after is None else f", {format_bytes(after - base)} left over"
+    return Row("budget", f"refused at {format_bytes(budget)} (80% of the peak){left}; next step "
+               f"{'ran' if following.fits else 'failed'}",
+               "OutOfMemory with allocator figures, memory returned, next step runs", ok,
+               str(err).split("; ")[-1] if err else "no refusal", figures)
+
+
+def _offload_step(model, opt, batch, hooks):
+    with hooks:
+        _, loss = model(*batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _pinned_copy_bytes_per_s(device: torch.device, nbytes: int = 2**30) -> float:
+    """Return the bandwidth of one large device-to-pinned-host copy (the most a copy to the host can get)."""
+    src = torch.empty(nbytes // 4, device=device)
+    dst = torch.empty(nbytes // 4, pin_memory=True)
+    dst.copy_(src, non_blocking=True)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return nbytes / (start.elapsed_time(end) / 1e3)
+
+
+def check_offload(setup: Setup) -> Row:
+    """Time offload with prefetch, without, and torch's save_on_cpu against the plain step; measure copy bandwidth."""
+    model, batch = setup.model(), setup.data()
+    opt = make_optimizer("adam", model.parameters())
+    train_step(model, opt, batch)
+    cuda = _cuda(setup)
+    kw = {"min_bytes": setup.min_offload_bytes}
+    prefetch = OffloadHooks(model, prefetch=cuda, **kw).track_layers(model.blocks)
+    plain_hooks = OffloadHooks(model, prefetch=False, **kw)
+    timed = OffloadHooks(model, prefetch=cuda, time_copies=True, **kw).track_layers(model.blocks)
+    steps = {
+        "plain": lambda: train_step(model, opt, batch),
+        "offload+prefetch": lambda: _offload_step(model, opt, batch, prefetch),
+        "offload": lambda: _offload_step(model, opt, batch, plain_hooks),
+        "save_on_cpu": lambda: _offload_step(model, opt, batch,
+                                             torch.autograd.graph.save_on_cpu(pin_memory=cuda)),
+    }
+    times = measure_throughputs(steps, samples_per_step=setup.batch, device=setup.device, steps=setup.steps)
+    ratios = {k: _ratio(t.step_s, times["plain"].step_s) for k, t in times.items() if k != "plain"}
+    peaks = {}
+    for name in ("plain", "offload+prefetch"):
+        with MemoryMeter(setup.device) as m:
+            m.track(model, opt, *batch)
+            steps[name]()
+        peaks[name] = m.peak_bytes
+    _offload_step(model, opt, batch, timed)
+    stats = timed.stats()
+    figures = {"step_s": {k: t.step_s for k, t in times.items()}, "ratio_to_plain": ratios, "peak_bytes": peaks,
+               "bytes_to_host": stats["bytes_to_host"], "copy_to_host_bytes_per_s": stats["copy_to_host_bytes_per_s"]}
+    measured = ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+    measured += f"; peak {format_bytes(peaks['offload+prefetch'])} vs {format_bytes(peaks['plain'])}"
+    ok = peaks["offload+prefetch"] < peaks["plain"] and stats["offloaded"] > 0
+    note = "rehearsal on cpu: copies are synchronous, no bandwidth figure"
+    if cuda:
+        reference = _pinned_copy_bytes_per_s(setup.device)
+        achieved = stats["copy_to_host_bytes_per_s"]
+        figures.update(one_pinned_copy_bytes_per_s=reference, bandwidth_fraction=achieved / reference)
+        measured += f"; copies {achieved / 1e9:.1f} GB/s = {achieved / reference:.0%} of one 1 GiB pinned copy"
+        ok = ok and ratios["offload+prefetch"] <= ratios["offload"] * 1.05
+        note = ("prefetch must not be slower than copying back on demand (5% noise allowed); save_on_cpu copies "
+                "out synchronously on the compute stream, only its copy back is non-blocking")
+    return Row("offload", measured, "device peak below plain; prefetch <= on-demand", ok, note, figures)
+
+
+def check_l2l(setup: Setup) -> Row:
+    """Time L2L with and without weight prefetch; compare device peaks with the plain step."""
+    base = setup.model().cpu()
+    batch = setup.data()
+    cuda = _cuda(setup)
+    trainers = {"l2l+prefetch": L2LTrainer(copy.deepcopy(base), setup.device, prefetch=cuda),
+                "l2l": L2LTrainer(copy.deepcopy(base), setup.device, prefetch=False)}
+    times = measure_throughputs({k: (lambda t=t: t.step(batch)) for k, t in trainers.items()},
+                                samples_per_step=setup.batch, device=setup.device, steps=setup.steps)
+    peaks = {k: measure_l2l_step(t, batch, timeline=False).peak_bytes for k, t in trainers.items()}
+    plain = base.to(setup.device)
+    plain_peak = measure_step(plain, make_optimizer("adam", plain.parameters()), batch).peak_bytes
+    ratio = _ratio(times["l2l+prefetch"].step_s, times["l2l"].step_s)
+    figures = {"step_s": {k: t.step_s for k, t in times.items()}, "peak_bytes": peaks, "plain_peak_bytes": plain_peak,
+               "prefetch_over_none": ratio}
+    ok = max(peaks.values()) < plain_peak and (not cuda or ratio <= 1.05)
+    return Row("l2l", f"prefetch/none step time {ratio:.2f}; device peak {format_bytes(peaks['l2l+prefetch'])} "
+               f"vs plain {format_bytes(plain_peak)}", "peak below plain; prefetch not slower", ok,
+               "" if cuda else "rehearsal on cpu: no side stream, prefetch off in both", figures)
+
+
+def check_precision(setup: Setup) -> Row:
+    """Train with fp16 + GradScaler for real (count skipped steps); time bf16 and fp16 against fp32."""
+    cuda = _cuda(setup)
+    precisions = ("fp32", "bf16", "fp16") if cuda else ("fp32", "bf16")  # never fp16 compute on a CPU
+    batch = setup.data()
+    models = {p: setup.model() for p in precisions}
+    opts = {p: make_optimizer("adam", m.parameters()) for p, m in models.items()}
+    scaler = torch.amp.GradScaler(setup.device.type) if cuda else None
+    figures: dict = {}
+    if cuda:
+        src = MarkovTokens(vocab_size=setup.cfg.vocab_size, seed=1)
+        gen = torch.Generator().manual_seed(1)
+        results = []
+        for _ in range(setup.train_steps):
+            x, y = src.batch(setup.batch, setup.seq_len, generator=gen)
+            results.append(amp_train_step(models["fp16"], opts["fp16"], [(x.to(setup.device), y.to(setup.device))],
+                                          precision="fp16", scaler=scaler))
+        skipped = sum(not r.stepped for r in results)
+        figures.update(fp16_losses=[r.loss for r in results], fp16_skipped_steps=skipped,
+                       fp16_final_scale=results[-1].scale)
+    steps = {p: (lambda p=p: amp_train_step(models[p], opts[p], [batch], precision=p,
+                                            scaler=scaler if p == "fp16" else None))  # the trained scale
+             for p in precisions}
+    times = measure_throughputs(steps, samples_per_step=setup.batch, device=setup.device, steps=setup.steps)
+    act = {p: forward_activation_bytes(models[p], batch, precision=p) for p in precisions}
+    speedup = {p: _ratio(times["fp32"].step_s, times[p].step_s) for p in precisions if p != "fp32"}
+    act_ratio = {p: _ratio(act[p], act["fp32"]) for p in precisions if p != "fp32"}
+    figures.update(step_s={p: t.step_s for p, t in times.items()}, speedup_over_fp32=speedup,
+                   activation_bytes=act, activation_ratio_to_fp32=act_ratio)
+    measured = ", ".join(f"{p} at {speedup[p]:.2f}x fp32's speed, activations {act_ratio[p]:.2f}x" for p in speedup)
+    ok = all(r < 1.0 for r in act_ratio.values())
+    expected = "16-bit activations < fp32's"
+    if cuda:
+        losses = figures["fp16_losses"]
+        trained = all(map(lambda v: v == v and abs(v) != float("inf"), losses)) and losses[-1] < losses[0]
+        measured = (f"fp16+GradScaler {setup.train_steps} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+                    f"{figures['fp16_skipped_steps']} skipped; " + measured)
+        ok = ok and trained and figures["fp16_skipped_steps"] < setup.train_steps // 2
+        expected += "; fp16 loss finite and falling, < half the steps skipped"
+    return Row("precision", measured, expected, ok,
+               "GradScaler skips the first steps while its scale (65536) comes down to what the gradients allow"
+               if cuda else "rehearsal on cpu: fp16 is never run on a CPU", figures)
+
+
+def check_checkpoint(setup: Setup) -> Row:
+    """Hold full checkpointing's step-time ratio against Chen's bound: one extra forward per step."""
+    batch = setup.data()
+    plain, ckpt = setup.model(), setup.model()
+    checkpoint_blocks(ckpt, segments=setup.cfg.n_layer, checkpoint_last=True)  # every block recomputed
+    opts = {m: make_optimizer("adam", m.parameters()) for m in (plain, ckpt)}
+
+    def forward_only():
+        with torch.no_grad():
+            plain(*batch)
+
+    times = measure_throughputs({"plain": lambda: train_step(plain, opts[plain], batch),
+                                 "checkpointed": lambda: train_step(ckpt, opts[ckpt], batch),
+                                 "forward": forward_only},
+                                samples_per_step=setup.batch, device=setup.device, steps=setup.steps)
+    ratio = _ratio(times["checkpointed"].step_s, times["plain"].step_s)
+    bound = 1 + _ratio(times["forward"].step_s, times["plain"].step_s)
+    figures = {"step_s": {k: t.step_s for k, t in times.items()}, "ratio": ratio, "one_extra_forward_bound": bound}
+    ok = 1.0 <= ratio * 1.02 and ratio <= bound * 1.05 if _cuda(setup) else None  # 2% and 5% for timing noise
+    return Row("checkpoint", f"step time {ratio:.2f}x plain", f"1 <= ratio <= 1 + forward/step = {bound:.2f}", ok,
+               "the bound counts the whole forward (embedding and head are not recomputed, so the ratio may "
+               "sit below it)" if _cuda(setup) else "rehearsal on cpu: one timed round, not judged", figures)
+
+
+def check_tests(setup: Setup, repo: Path) -> Row:
+    """Run the tests marked `cuda`."""
+    if not _cuda(setup):
+        return Row("tests", "not run", "pytest -m cuda passes", None, "rehearsal on cpu")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "tests", "-m", "cuda", "-q", "-p", "no:cacheprovider"],
+                          cwd=repo, capture_output=True, text=True)
+    last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    return Row("tests", last, "pytest -m cuda passes", proc.returncode == 0,
+               "" if proc.returncode == 0 else proc.stdout[-2000:], {"returncode": proc.returncode})
+
+
+def check_notebooks(setup: Setup, repo: Path, out: Path) -> Row:
+    """Execute every notebook with DEVICE="cuda" (the multi-rank chapters: "auto" with fewer GPUs than ranks)."""
+    if not _cuda(setup):
+        return Row("notebooks", "not run", "every notebook ok with DEVICE='cuda'", None, "rehearsal on cpu")
+    gpus = torch.cuda.device_count()
+    status, seconds = {}, {}
+    for nb in sorted((repo / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        multi_rank = nb.name[:2] in ("06", "07")
+        device = "cuda" if not multi_rank or gpus >= 2 else "auto"
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "labkit.tools.runner", "--notebooks", str(repo / "notebooks"),
+                               "--out", str(out), "--only", nb.name, "-p", "DEVICE", device],
+                              cwd=repo, capture_output=True, text=True)
+        seconds[nb.stem] = time.perf_counter() - t0
+        status[nb.stem] = "ok" if proc.returncode == 0 else f"failed: {(proc.stdout + proc.stderr)[-600:]}"
+    failed = [k for k, v in status.items() if v != "ok"]
+    return Row("notebooks", f"{len(status) - len(failed)}/{len(status)} ok" + (f"; failed {failed}" if failed else ""),
+               "every notebook ok with DEVICE='cuda'", not failed and bool(status),
+               "" if gpus >= 2 else "06 and 07 need one GPU per rank: with one GPU they ran with DEVICE='auto' (cpu)",
+               {"status": status, "seconds": seconds, "gpus": gpus})
+
+
+# -- running and reporting -----------------------------------------------------------------------
+def run_checks(setup: Setup, only=CHECKS, repo: Path = Path("."), out: Path = Path("build")) -> list[Row]:
+    """Run the chosen checks in order; a check that raises becomes a failed row with its error."""
+    funcs = {"meter": check_meter, "budget": check_budget, "offload": check_offload, "l2l": check_l2l,
+             "precision": check_precision, "checkpoint": check_checkpoint,
+             "tests": lambda s: check_tests(s, repo),
+             "notebooks": lambda s: check_notebooks(s, repo, out / "gpu-check-notebooks")}
+    rows = []
+    for name in only:
+        t0 = time.perf_counter()
+        try:
+            row = funcs[name](setup)
+        except Exception as e:  # a broken path is a finding to report beside the others
+            row = Row(name, f"error: {type(e).__name__}", "runs", False, traceback.format_exc()[-1500:])
+        row.figures["seconds"] = time.perf_counter() - t0
+        rows.append(row)
+        print(format_row(row), flush=True)
+        if setup.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def format_row(row: Row) -> str:
+    """Format one row of the table."""
+    verdict = {True: "ok", False: "FAIL", None: "-"}[row.ok]
+    return f"{row.check:<11} {verdict:<4} {row.measured}  [expected: {row.expected}]"
+
+
+def table(rows: list[Row]) -> str:
+    """Format the rows as the table `make gpu-check` prints."""
+    lines = [f"{'check':<11} {'ok':<4} measured  [expected]", "-" * 100]
+    lines += [format_row(r) + (f"\n{'':16}{r.note}" if r.note else "") for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Run the GPU checks (see the module docstring); return the exit status."""
+    p = argparse.ArgumentParser(prog="python -m labkit.tools.gpucheck", description=__doc__.split("\n")[0])
+    p.add_argument("--n-layer", type=int, default=12, help="transformer blocks (default 12: GPT-2 small)")
+    p.add_argument("--n-embd", type=int, default=768, help="width (default 768)")
+    p.add_argument("--n-head", type=int, default=12, help="attention heads (default 12)")
+    p.add_argument("--vocab-size", type=int, default=50304, help="tokens (default 50304)")
+    p.add_argument("--batch", type=int, default=4, help="samples per step (default 4)")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default 1024)")
+    p.add_argument("--steps", type=int, default=5, help="timed rounds per comparison (default 5)")
+    p.add_argument("--train-steps", type=int, default=40, help="fp16 GradScaler optimizer steps (default 40)")
+    p.add_argument("--skip", action="append", default=[], choices=CHECKS, help="leave a check out (repeatable)")
+    p.add_argument("--out", default="build", help="folder for gpu-check.json (default build)")
+    p.add_argument("--rehearse-on-cpu", action="store_true",
+                   help="run the checks' code on the CPU at a tiny size (labkit's own tests); no GPU figures")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available() and not args.rehearse_on_cpu:
+        print(f"make gpu-check needs CUDA: torch {torch.__version__} sees no CUDA device "
+              f"(CUDA build: {torch.version.cuda or 'no, a CPU build'}); see README 'Using a GPU'")
+        return 2
+    if args.rehearse_on_cpu:
+        device = torch.device("cpu")
+        cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+        args.batch, args.seq_len, args.steps, args.train_steps = 2, 16, 1, 2
+        min_offload_bytes = 0
+    else:
+        device = as_device("cuda")
+        min_offload_bytes = 65536
+        cfg = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq_len,
+                        vocab_size=args.vocab_size, attn="sdpa")
+    setup = Setup(device, cfg, args.batch, args.seq_len, args.steps, args.train_steps, min_offload_bytes)
+    out = Path(args.out)
+    repo = Path(__file__).resolve().parents[2]
+    header = (f"{hardware_report(device)}\nmodel: {count_params(GPT(cfg)) / 1e6:.1f}M parameters "
+              f"({cfg.n_layer} layers, width {cfg.n_embd}), batch {args.batch} x {args.seq_len} tokens")
+    print(header, flush=True)
+    rows = run_checks(setup, [c for c in CHECKS if c not in args.skip], repo=repo, out=out)
+    print("\n" + header + "\n" + table(rows))
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"hardware": hardware_report(device), "torch": torch.__version__, "config": asdict(cfg),
+              "batch": args.batch, "seq_len": args.seq_len, "rehearsal": args.rehearse_on_cpu,
+              "rows": [asdict(r) for r in rows]}
+    path = out / "gpu-check.json"
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    failed = [r.check for r in rows if r.ok is False]
+    print(f"\n{path}: {len(rows) - len(failed)}/{len(rows)} checks without failure"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

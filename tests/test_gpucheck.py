@@ -1,0 +1,45 @@
+"""`make gpu-check`: one line and status 2 without CUDA; its checks' code rehearsed on the CPU at a tiny size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from labkit.tools import gpucheck
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the real checks run instead")
+def test_without_cuda_says_so_in_one_line_and_exits_2(capsys, tmp_path):
+    assert gpucheck.main(["--out", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "needs CUDA" in out
+    assert not (tmp_path / "gpu-check.json").exists()
+
+
+def test_rehearsal_on_cpu_runs_every_check(tmp_path, one_thread):
+    assert gpucheck.main(["--rehearse-on-cpu", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    rows = {r["check"]: r for r in report["rows"]}
+    assert list(rows) == list(gpucheck.CHECKS)
+    assert report["rehearsal"] is True
+    assert rows["budget"]["ok"] is True and rows["budget"]["figures"]["next_step_ran"] is True
+    offload = rows["offload"]["figures"]
+    assert offload["peak_bytes"]["offload+prefetch"] < offload["peak_bytes"]["plain"]
+    l2l = rows["l2l"]["figures"]
+    assert max(l2l["peak_bytes"].values()) < l2l["plain_peak_bytes"]
+    assert 0 < rows["precision"]["figures"]["activation_ratio_to_fp32"]["bf16"] < 1
+    assert "fp16" not in rows["precision"]["figures"]["step_s"]  # never fp16 compute on a CPU
+    assert rows["tests"]["ok"] is None and rows["notebooks"]["ok"] is None  # GPU only, said so
+
+
+def test_a_check_that_raises_is_a_failed_row(monkeypatch, one_thread):
+    def broken(setup):
+        raise RuntimeError("copy engine on fire")
+
+    monkeypatch.setattr(gpucheck, "check_meter", broken)
+    setup = gpucheck.Setup(torch.device("cpu"), gpucheck.GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=8,
+                                                                   vocab_size=32), 1, 8, 1, 1)
+    (row,) = gpucheck.run_checks(setup, ["meter"])
+    assert row.ok is False and "copy engine on fire" in row.note
