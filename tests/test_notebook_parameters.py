@@ -21,6 +21,8 @@ BAD = [  # (chapter, parameters, words the error must contain)
     ("00_where_the_memory_goes", dict(BUDGET_MIB=-5), ["BUDGET_MIB", "positive"]),
     ("00_where_the_memory_goes", dict(N_EMBD=100, N_HEAD=3), ["N_EMBD", "N_HEAD", "divisible"]),
     ("00_where_the_memory_goes", dict(SEQ_LEN_SWEEP=[16, 32]), ["SEQ_LEN_SWEEP", ">= 3"]),
+    ("00_where_the_memory_goes", dict(INPLACE_ROWS=0), ["INPLACE_ROWS", "[1, 65536]"]),
+    ("00_where_the_memory_goes", dict(MEMORY_SNAPSHOT="trace.json"), ["MEMORY_SNAPSHOT", ".pickle"]),
     ("01_gradient_accumulation", dict(BATCH=8, MICRO_BATCH=8), ["MICRO_BATCH", "[1, 7]"]),
     ("01_gradient_accumulation", dict(ACCUM_STEPS_SWEEP=[1, 5]), ["ACCUM_STEPS_SWEEP", "k=5", "cannot realise"]),
     ("01_gradient_accumulation", dict(DEVICE="tpu"), ["DEVICE", "'auto', 'cpu', 'cuda'"]),
