@@ -9,6 +9,9 @@ use this module:
     host_tier()                                    # a context: new storages count as host memory
     HostPool(device, kind="auto")                  # accounted host buffers: pinned, memory or disk
     mark_host_state(meter, model, optimizer)       # count a host-resident model and its state as host
+    copy_bandwidth(dst, src)                       # best bytes/s of dst.copy_(src) (any devices)
+    host_to_device_bandwidth(device, nbytes, pinned)  # CUDA: from pinned or pageable host memory
+    copy_compute_overlap(device, nbytes)           # CUDA: a host->device copy alone, after compute, beside it
 
 What the copies mean, on every device:
 - Each returns a **new** tensor with the source's values, shape and dense strides (the strides
@@ -40,20 +43,37 @@ The pool's kinds:
 
 A pool buffer is freed (and its spill file deleted) when the last reference to it goes, so
 nothing accumulates across steps; `pool.close()` (or `with HostPool(...)`) removes the spill folder.
+
+Pinned memory and `non_blocking` (what `DataLoader(pin_memory=True)` and `batch.to(device,
+non_blocking=True)` rely on), measured by `copy_bandwidth` and `copy_compute_overlap`:
+- A GPU copies to or from host memory by DMA, which needs page-locked ("pinned") pages. From
+  ordinary (pageable) memory the driver goes through a pinned staging buffer of its own, and the
+  CPU waits, whatever `non_blocking` says: host to device until the whole buffer is staged,
+  device to host until the copy is done.
+- From pinned memory, `non_blocking=True` only enqueues the copy: the call returns at once. On
+  its stream the copy still runs in order, so the next kernel on the same stream waits for it; a
+  copy overlaps compute only when it runs on another stream (a side stream, as offload does).
+- On a CPU-only machine there is no DMA transfer and no copy engine: pinning needs an accelerator
+  (`torch.empty(..., pin_memory=True)` raises, `DataLoader(pin_memory=True)` warns and does not pin).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
+from labkit.device import as_device, synchronize
 from labkit.meter import MemoryMeter, active_meter
+from labkit.validate import check_int
 
 HOST_KINDS = ("auto", "pinned", "memory", "disk")
 
@@ -239,3 +259,154 @@ def mark_host_state(meter: MemoryMeter, model: torch.nn.Module,
     for t in host_state_tensors(model, optimizer):
         meter.mark_host(t)
     return meter
+
+
+# -- pinned memory and non_blocking ---------------------------------------------------------------
+def copy_bandwidth(dst: torch.Tensor, src: torch.Tensor, repeats: int = 3) -> float:
+    """Return the best bytes/s of `dst.copy_(src, non_blocking=True)`, timed to completion, after one warm-up copy.
+
+    Works between any devices: the devices of both are synchronised around each copy, so the time
+    is the copy's whole time even where `non_blocking` returned early (pinned memory and CUDA).
+    """
+    check_int("repeats", repeats, 1, 1000)
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(f"dst and src must have the same shape and dtype, got {tuple(dst.shape)} {dst.dtype} "
+                         f"and {tuple(src.shape)} {src.dtype}")
+    nbytes = src.numel() * src.element_size()
+    if nbytes == 0:
+        raise ValueError("src is empty: there is no copy to time")
+    devices = {as_device(dst.device), as_device(src.device)}
+    best_s = math.inf
+    for i in range(repeats + 1):  # the first copy warms up (first touch of the pages, the driver's staging)
+        for d in devices:
+            synchronize(d)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)  # no effect on pageable memory or between CPU tensors
+        for d in devices:
+            synchronize(d)
+        if i:
+            best_s = min(best_s, time.perf_counter() - t0)
+    return nbytes / best_s
+
+
+def overlap_fraction(a_s: float, b_s: float, together_s: float) -> float:
+    """Return the share of the shorter of two tasks hidden when they ran together, clipped to [0, 1].
+
+    0: together took a_s + b_s (one after the other); 1: together took max(a_s, b_s) (the shorter
+    was fully hidden). Timing noise can put `together_s` just outside that range; it is clipped.
+    """
+    for name, v in (("a_s", a_s), ("b_s", b_s), ("together_s", together_s)):
+        if not v > 0:
+            raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+    return min(1.0, max(0.0, (a_s + b_s - together_s) / min(a_s, b_s)))
+
+
+@dataclass(frozen=True)
+class CopyOverlap:
+    """Seconds of one host -> device copy from pinned memory and of a compute, alone and together (CUDA)."""
+
+    nbytes: int  # bytes of the copy
+    matmuls: int  # square matmuls in the compute (chosen so that it takes about as long as the copy)
+    copy_s: float  # the copy alone
+    compute_s: float  # the compute alone
+    serial_s: float  # copy, then compute, on the current stream (stream order: the compute waits for the copy)
+    overlapped_s: float  # copy on a side stream while the compute runs on the current stream
+    issue_s: float  # host seconds until `copy_(pinned, non_blocking=True)` returned (the copy goes on)
+    pageable_issue_s: float  # the same call from pageable memory: it returns once the driver has staged it all
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Return the share of the shorter of copy and compute that the side stream hid."""
+        return overlap_fraction(self.copy_s, self.compute_s, self.overlapped_s)
+
+
+def _cuda_device(device, caller: str) -> torch.device:
+    """Return `device` as an indexed CUDA device; raise ValueError naming `caller` if it is not one."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        seen = "" if torch.cuda.is_available() else "; torch sees no CUDA device here"
+        raise ValueError(f"{caller} needs a CUDA device (got {str(device)!r}{seen}): on a CPU-only machine there "
+                         "is no host-to-device copy to overlap, and no pinned memory")
+    return as_device(device)
+
+
+def host_to_device_bandwidth(device, nbytes: int = 64 * 2**20, pinned: bool = True, repeats: int = 3) -> float:
+    """Return the best bytes/s of one host -> device copy of `nbytes` from pinned or pageable memory (CUDA only)."""
+    check_int("nbytes", nbytes, 4, 2**40)
+    check_int("repeats", repeats, 1, 1000)
+    if not isinstance(pinned, bool):
+        raise ValueError(f"pinned must be True or False, got {pinned!r}")
+    dev = _cuda_device(device, "host_to_device_bandwidth")
+    src = torch.empty(nbytes // 4, pin_memory=pinned).fill_(1.0)
+    dst = torch.empty(src.shape, device=dev)
+    return copy_bandwidth(dst, src, repeats)
+
+
+def copy_compute_overlap(device, nbytes: int = 64 * 2**20, repeats: int = 3, matmul_n: int = 2048) -> CopyOverlap:
+    """Time a pinned host -> device copy and a matmul compute alone, one after the other, and overlapped (CUDA only).
+
+    Each time is the best of `repeats` after a warm-up, the device synchronised around it. The
+    compute repeats a `matmul_n`² fp32 matmul as often as makes it about as long as the copy, where
+    overlap can hide the most.
+    """
+    check_int("nbytes", nbytes, 4, 2**40)
+    check_int("repeats", repeats, 1, 1000)
+    check_int("matmul_n", matmul_n, 1, 2**15)
+    dev = _cuda_device(device, "copy_compute_overlap")
+    current = torch.cuda.current_stream(dev)
+    side = torch.cuda.Stream(dev)
+    src = torch.empty(nbytes // 4, pin_memory=True).fill_(1.0)  # page-locked: the copy engine reads it directly
+    pageable = torch.ones(nbytes // 4)
+    dst = torch.empty(src.shape, device=dev)
+    a = torch.randn(matmul_n, matmul_n, device=dev)
+    c = torch.empty_like(a)
+
+    def best_s(fn) -> float:
+        """Return the fastest of `repeats` timed runs of `fn` (after a warm-up), synchronised around each."""
+        out = math.inf
+        for i in range(repeats + 1):
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(dev)
+            if i:
+                out = min(out, time.perf_counter() - t0)
+        return out
+
+    def issue_s(host) -> float:
+        """Return the fastest host time for `dst.copy_(host, non_blocking=True)` to return (not to finish)."""
+        out = math.inf
+        for _ in range(repeats):
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            dst.copy_(host, non_blocking=True)
+            out = min(out, time.perf_counter() - t0)
+            torch.cuda.synchronize(dev)
+        return out
+
+    def copy():
+        dst.copy_(src, non_blocking=True)  # on the current stream
+
+    one_matmul_s = best_s(lambda: torch.mm(a, a, out=c))
+    copy_s = best_s(copy)
+    matmuls = max(1, round(copy_s / one_matmul_s))
+
+    def compute():
+        for _ in range(matmuls):
+            torch.mm(a, a, out=c)  # on the current stream
+
+    def serial():
+        copy()
+        compute()  # same stream: runs after the copy, though it does not read dst
+
+    def overlapped():
+        side.wait_stream(current)  # dst is free: earlier work on the current stream is done with it
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)  # on the side stream: the copy engine runs it
+        compute()  # on the current stream, meanwhile
+        current.wait_stream(side)  # later work on the current stream sees the copied dst
+
+    out = CopyOverlap(nbytes=src.numel() * 4, matmuls=matmuls, copy_s=copy_s, compute_s=best_s(compute),
+                      serial_s=best_s(serial), overlapped_s=best_s(overlapped), issue_s=issue_s(src),
+                      pageable_issue_s=issue_s(pageable))
+    torch.cuda.synchronize(dev)  # nothing queued still reads src or writes dst when they are freed
+    return out
