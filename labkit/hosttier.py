@@ -101,7 +101,7 @@ class HostPool:
 
     def __init__(self, device: str | torch.device = "cpu", kind: str = "auto", spill_dir: str | None = None,
                  meter: MemoryMeter | None = None):
-        self.device = torch.device(device)
+        self.device = as_device(device)
         if kind not in HOST_KINDS:
             raise ValueError(f"kind must be one of {HOST_KINDS}, got {kind!r}")
         if kind == "auto":
