@@ -38,8 +38,8 @@ def check_precision(precision: str, device: torch.device | str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp16" and torch.device(device).type == "cpu":
-        raise ValueError("fp16 compute on CPU runs on slow generic kernels (notebook 03 times it); use bf16 on CPU, "
-                         "or study fp16's range with casts (fp16_cast_stats)")
+        raise ValueError("fp16 compute on CPU runs on slow generic kernels (notebook 03 never runs it there); "
+                         "use bf16 on CPU, or study fp16's range with casts (fp16_cast_stats)")
 
 
 def autocast(precision: str, device: torch.device | str):
