@@ -3,7 +3,8 @@
 Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"): keep only the inputs of
 `s` segments of a deep stack during the forward pass and recompute each segment's inner
 activations in the backward pass. Memory falls from n layers' activations to about
-s boundaries + n/s layers; the price is (at most) one extra forward pass.
+s boundaries + n/s layers; the price, for this single-level scheme, is at most one extra forward
+pass per step (4/3 of a step whose backward costs two forwards).
 
     from labkit.checkpointing import checkpoint_blocks
     checkpoint_blocks(model, segments=4)          # GPT: model.blocks, MLP: model.layers, in place
