@@ -148,7 +148,7 @@ def test_a_local_workers_death_is_seen_without_a_heartbeat(config, storage):
     silent.set_user_attr("host", socket.gethostname())
     start = time.monotonic()
     assert studies.optimize(study, 5, total_trials=1) == 1  # its retry, at once: no grace period to wait out
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 10  # the trial's own run (2.5 s seen on a loaded machine), far from max_wait_s=60
     assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
     assert study.trials[2].system_attrs["failed_trial"] == silent.number
 
