@@ -19,10 +19,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 
-# Smaller settings for the chapters whose defaults take a minute or more, where a test runs a whole
+# Smaller settings for the chapters whose defaults take a minute or more (or compile C++), where a test runs a whole
 # chapter only to check something its size does not change (a student copy's failing cells, the
 # browser's Run All and panel). Papermill's own injection applies them (`parameterize_notebook`).
 SMALL_PARAMETERS = {
+    "02_activation_checkpointing": dict(COMPILE="aot_eager_decomp_partition"),  # no C++ compile
     "06_model_and_pipeline_parallel": dict(MEMORY_RANKS=0, TIMED_STEPS=1),
     "07_sharded_data_parallel": dict(MEMORY_RANKS=0, ESTIMATE_RANKS=[8]),
     "08_memory_aware_search": dict(TRAIN_STEPS=4, N_TRIALS=6, PARETO_TRIALS=2, SAMPLER_TRIALS=4, SAMPLER_SEEDS=1,
