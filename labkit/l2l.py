@@ -17,7 +17,24 @@ the optimizer on the host). One step:
 
 The device holds one stage's weights, its gradients and one stage's activations at a time, so its
 peak does not grow with depth. On CUDA the host tensors are pinned and the next stage's weights are
-copied on a side stream while the current stage computes (`prefetch`).
+copied on a side stream while the current stage computes (`prefetch`). The weights are allocated on
+the compute stream, so on every way out of a step (an exception, closing the visit generator) the
+compute stream first waits for every copy still queued: otherwise the caching allocator could hand
+their memory to new compute-stream work while a copy still writes into it.
+
+Many micro-batches per visit (`step(batch, micro_batches=k)`, the paper's schedule): the batch is
+split into k micro-batches and each visit runs all of them, so a stage's weights cross to the device
+once per visit, whatever k. Each recomputed stage's input waits on the host per micro-batch, and in
+backward each input gradient does too; the last micro-batch of a visit stays on the device, and the
+next visit walks the micro-batches the other way round, starting with it (for k = 1 nothing else
+moves). The weight gradients add up on the device over the k micro-batches and go to the host once;
+each micro-batch's loss weighs by its share of the batch's real targets (targets != -100), so the
+gradients are the whole batch's. The device then holds one micro-batch's activations, one stage's
+weights and its summed gradients: its peak does not grow with k either. Bytes moved per step, with
+stage weight bytes S_0 .. S_{n-1}, n stages and a batch boundary activation of b bytes (r = b (k-1)/k):
+
+    host_to_device = 2 (S_0 + .. + S_{n-2}) + S_{n-1} + (n-2) b + (2n-2) r
+    device_to_host =    S_0 + .. + S_{n-1}            + (n-2) b +     n  r
 
 CPU-only machines: the "device" and the "host" are the same RAM. The host tier is then an
 *accounted pool* (`labkit.hosttier`): tensors allocated inside `host_tier()` (or passed to
@@ -27,6 +44,7 @@ tensor itself, so the meter's device count is exactly what a GPU would hold. The
 
     trainer = L2LTrainer(model, device)            # model: the host master copy (stays on CPU)
     loss = trainer.step((idx, targets))            # batch on the device
+    loss = trainer.step((idx, targets), micro_batches=4)  # each visit runs 4 micro-batches
     with MemoryMeter(device, budget_bytes=...) as m:
         trainer.attach(m); trainer.step(batch)     # m.peak_bytes: device; m.host_peak_bytes: host
 """
@@ -40,9 +58,11 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
+from labkit.accumulation import IGNORE_INDEX
 from labkit.hosttier import host_state_tensors, host_tier, mark_host_state, to_device, to_host
 from labkit.meter import MemoryMeter, active_meter
 from labkit.models import split_stages, stage_name
+from labkit.validate import check_int
 
 __all__ = ["L2LTrainer", "measure_l2l_step"]
 
@@ -107,15 +127,20 @@ class L2LTrainer:
         """Count the host master copy and optimizer state as host bytes in `meter`."""
         return mark_host_state(meter, self.model, self.optimizer)
 
-    # -- moving weights ------------------------------------------------------------------------------
+    # -- moving tensors ------------------------------------------------------------------------------
     def _fetch(self, i: int) -> _Fetch:
         """Start copying stage i's weights to the device (on the side stream when prefetching)."""
         named = dict(self.stages[i].named_parameters())
         named.update(self.stages[i].named_buffers())
-        self.moved_bytes["host_to_device"] += sum(t.nbytes for t in named.values())
-        # allocated on the compute stream; copied on the side stream when prefetching
-        weights = {n: _label(to_device(t, self.device, stream=self._copy_stream), "parameters")
-                   for n, t in named.items()}
+        weights = {}  # allocated on the compute stream; copied on the side stream when prefetching
+        try:
+            for name, t in named.items():
+                weights[name] = _label(to_device(t, self.device, stream=self._copy_stream), "parameters")
+                self.moved_bytes["host_to_device"] += t.nbytes
+        except BaseException:  # the tensors copied so far are freed now: wait for their copies first
+            if self._copy_stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+            raise
         if self._copy_stream is None:
             return _Fetch(weights, None)
         ready = torch.cuda.Event()
@@ -128,15 +153,33 @@ class L2LTrainer:
             for i in order:
                 yield self._fetch(i).weights
             return
-        pending = self._fetch(order[0])
-        for k in range(len(order)):
-            current = pending
-            pending = self._fetch(order[k + 1]) if k + 1 < len(order) else None
-            torch.cuda.current_stream(self.device).wait_event(current.ready)
-            weights = current.weights
-            del current
-            yield weights
-            del weights
+        queued: list[_Fetch] = []  # copies issued on the side stream that the compute stream has not waited for
+        try:
+            queued.append(self._fetch(order[0]))
+            for k in range(len(order)):
+                if k + 1 < len(order):
+                    queued.append(self._fetch(order[k + 1]))  # issued now: it overlaps visit k's compute
+                current = queued.pop(0)
+                torch.cuda.current_stream(self.device).wait_event(current.ready)
+                weights = current.weights
+                del current
+                yield weights
+                del weights
+        finally:
+            # an exception or close() frees the queued weights on the compute stream, whose next allocations
+            # may reuse their memory: the compute stream must not run past the copies still writing into it
+            for fetch in queued:
+                torch.cuda.current_stream(self.device).wait_event(fetch.ready)
+
+    def _to_device(self, h: torch.Tensor) -> torch.Tensor:
+        """Copy a host boundary tensor (activation or its gradient) to the device, counting the bytes."""
+        self.moved_bytes["host_to_device"] += h.nbytes
+        return to_device(h, self.device)
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """Copy a device boundary tensor to the host, counting the bytes."""
+        self.moved_bytes["device_to_host"] += t.nbytes
+        return to_host(t)
 
     # -- RNG (dropout masks must repeat in the recomputation) -----------------------------------------
     def _rng_state(self):
@@ -159,69 +202,26 @@ class L2LTrainer:
             yield
 
     # -- one step --------------------------------------------------------------------------------------
-    def step(self, batch) -> torch.Tensor:
-        """Run one L2L training step on `batch` = (inputs, targets) on the device; return the detached loss."""
+    def step(self, batch, micro_batches: int = 1) -> torch.Tensor:
+        """Run one L2L training step on `batch` = (inputs, targets) on the device; return the detached loss.
+
+        `micro_batches` = k splits the batch along dim 0 into k micro-batches that every visit runs:
+        a stage's weights are copied to the device once per visit, whatever k.
+        """
         inputs, targets = batch
+        k = check_int("micro_batches", micro_batches, 1, inputs.shape[0])
         n = len(self.stages)
         self.moved_bytes = {"host_to_device": 0, "device_to_host": 0}
         order = list(range(n)) + list(range(n - 2, -1, -1))  # forward visits, head, backward visits
         weights = self._weights(order)
-        meter = active_meter()
-        phase = meter.phase if meter is not None else (lambda _: contextlib.nullcontext())
-        self.peak_stage = None
-        peak_seen = [meter.peak_bytes if meter is not None else 0]
-
-        def note_peak(phase_name: str, i: int):
-            """Remember the visit during which the meter's device peak last rose."""
-            if meter is not None and meter.peak_bytes > peak_seen[0]:
-                peak_seen[0] = meter.peak_bytes
-                self.peak_stage = (phase_name, self.stage_names[i])
-
-        # 1. forward without a graph; keep each stage's input (a boundary activation) on the host
-        boundary: list = [inputs]  # boundary[i]: input of stage i (stage 0's is the batch itself)
-        rng: list = []
-        h = inputs
-        with phase("forward"), torch.no_grad():
-            for i in range(n - 1):
-                w = next(weights)
-                rng.append(self._rng_state() if self._dropout[i] else None)
-                h = functional_call(self.stages[i], w, (h,))  # (B, T, C)
-                del w
-                if i + 1 < n - 1:
-                    boundary.append(to_host(h))
-                    self.moved_bytes["device_to_host"] += h.nbytes
-                note_peak("forward", i)
-
-        # 2. the last stage: forward and backward at once
-        host_grads: list = []  # (host parameter, host gradient) pairs, added up after the backward
-        with phase("backward"):
-            w = self._trainable(n - 1, next(weights))
-            x = h.detach().requires_grad_(True)
-            del h
-            loss = functional_call(self.stages[-1], w, (x, targets))
-            grad_h = self._backward(n - 1, loss, None, x, w, host_grads)
-            loss = loss.detach()  # its graph's leaf nodes would keep the head's device weights alive
-            del w, x
-            note_peak("backward", n - 1)
-
-            # 3. backward, last block to first stage: recompute each stage, then its gradients
-            for i in range(n - 2, -1, -1):
-                w = self._trainable(i, next(weights))
-                x = boundary[i] if i == 0 else to_device(boundary[i], self.device)
-                if i > 0:
-                    self.moved_bytes["host_to_device"] += x.nbytes
-                boundary[i] = None  # the host copy is no longer needed
-                if i > 0 and x.is_floating_point():
-                    x.requires_grad_(True)
-                with self._replay_rng(rng[i]):
-                    out = functional_call(self.stages[i], w, (x,))
-                grad_h = self._backward(i, out, grad_h, x, w, host_grads)
-                del w, out, x
-                note_peak("backward", i)
-        del weights
+        try:
+            host_grads, loss = self._run(weights, list(zip(inputs.tensor_split(k), targets.tensor_split(k))))
+        finally:
+            weights.close()  # on every exit: the compute stream waits for any weight copy still queued
 
         # 4. gradients land on the host; the optimizer steps there
-        with phase("optimizer"):
+        meter = active_meter()
+        with meter.phase("optimizer") if meter is not None else contextlib.nullcontext():
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the asynchronous gradient copies have arrived
             with host_tier():
@@ -236,6 +236,122 @@ class L2LTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
         return loss
 
+    @staticmethod
+    def _walk(visit: int, k: int) -> range:
+        """Return a visit's order of the k micro-batches: every other visit backwards, starting where the last ended."""
+        return range(k) if visit % 2 == 0 else range(k - 1, -1, -1)
+
+    @staticmethod
+    def _loss_scales(mbs: list) -> list:
+        """Return each micro-batch's loss weight (its share of the real targets); [None] for one micro-batch."""
+        if len(mbs) == 1:
+            return [None]
+        counts = torch.stack([(t != IGNORE_INDEX).sum() for _, t in mbs]).tolist()
+        if sum(counts) == 0:
+            raise ValueError("the batch holds no real targets (every target is the ignore index)")
+        return [c / sum(counts) for c in counts]
+
+    def _run(self, weights: Iterator[dict], mbs: list) -> tuple[list, torch.Tensor]:
+        """Run the forward and backward visits over the micro-batches `mbs`; return (host_grads, loss)."""
+        n, k = len(self.stages), len(mbs)
+        meter = active_meter()
+        phase = meter.phase if meter is not None else (lambda _: contextlib.nullcontext())
+        self.peak_stage = None
+        peak_seen = [meter.peak_bytes if meter is not None else 0]
+
+        def note_peak(phase_name: str, i: int):
+            """Remember the visit during which the meter's device peak last rose."""
+            if meter is not None and meter.peak_bytes > peak_seen[0]:
+                peak_seen[0] = meter.peak_bytes
+                self.peak_stage = (phase_name, self.stage_names[i])
+
+        # 1. forward without a graph, one visit per stage, each over all k micro-batches; the input of
+        #    every stage that backward recomputes (1 .. n-2) waits on the host, one tensor per micro-batch
+        stash = [[None] * k for _ in range(n)]  # stash[i][j]: host copy of stage i's input for micro-batch j
+        rng = [[None] * k for _ in range(n)]
+        carry = None  # (j, tensor): micro-batch j's output of the last visit, still on the device
+        with phase("forward"), torch.no_grad():
+            for i in range(n - 1):
+                w = next(weights)
+                walk = self._walk(i, k)
+                for j in walk:
+                    if i == 0:
+                        x = mbs[j][0]
+                    else:
+                        x = carry[1] if carry and carry[0] == j else self._to_device(stash[i][j])
+                    carry = None
+                    rng[i][j] = self._rng_state() if self._dropout[i] else None
+                    h = functional_call(self.stages[i], w, (x,))  # (b, T, C)
+                    del x
+                    if i + 1 < n - 1 or j != walk[-1]:  # recomputed from in backward, or read back next visit
+                        stash[i + 1][j] = self._to_host(h)
+                    if j == walk[-1]:
+                        carry = (j, h)  # the next visit starts with it
+                    del h
+                    note_peak("forward", i)
+                del w
+
+        # 2. the last stage: forward and backward at once, micro-batch by micro-batch
+        host_grads: list = []  # (host parameter, host gradient) pairs, added up after the backward
+        grads = [None] * k  # grads[j]: host copy of the gradient w.r.t. micro-batch j's input of the last visit
+        scales = self._loss_scales(mbs)
+        losses = []
+        with phase("backward"):
+            w = self._trainable(n - 1, next(weights))
+            walk = self._walk(n - 1, k)
+            for j in walk:
+                x = carry[1] if carry and carry[0] == j else self._to_device(stash[n - 1][j])
+                carry, stash[n - 1][j] = None, None
+                x = x.detach().requires_grad_(True)
+                if scales[j] == 0:  # no real target: the loss is 0 and does not depend on x
+                    losses.append(torch.zeros((), device=x.device))
+                    grad_x = torch.zeros_like(x)
+                else:
+                    loss = functional_call(self.stages[-1], w, (x, mbs[j][1]))
+                    loss = loss if scales[j] is None else loss * scales[j]  # mean over the batch's real targets
+                    grad_x = self._backward(n - 1, loss, None, x, w)
+                    losses.append(loss.detach())  # the graph's leaves would keep the head's device weights alive
+                    del loss
+                del x
+                carry = self._pass_on(j, walk, grad_x, grads)
+                del grad_x
+                note_peak("backward", n - 1)
+            self._send_grads(n - 1, w, host_grads)
+            del w
+
+            # 3. backward, last block to first stage: recompute each micro-batch, then its gradients; the
+            #    weight gradients add up on the device over the k micro-batches and go to the host once
+            for i in range(n - 2, -1, -1):
+                w = self._trainable(i, next(weights))
+                walk = self._walk(2 * n - 2 - i, k)  # visits: forward 0 .. n-2, head n-1, then these
+                grads_in = [None] * k
+                for j in walk:
+                    x = mbs[j][0] if i == 0 else self._to_device(stash[i][j])
+                    stash[i][j] = None  # the host copy is no longer needed
+                    g = carry[1] if carry and carry[0] == j else self._to_device(grads[j])
+                    carry, grads[j] = None, None
+                    if i > 0 and x.is_floating_point():
+                        x.requires_grad_(True)
+                    with self._replay_rng(rng[i][j]):
+                        out = functional_call(self.stages[i], w, (x,))
+                    grad_x = self._backward(i, out, g, x, w)
+                    del x, out, g
+                    if grad_x is not None:
+                        carry = self._pass_on(j, walk, grad_x, grads_in)
+                    del grad_x
+                    note_peak("backward", i)
+                grads = grads_in
+                self._send_grads(i, w, host_grads)
+                del w
+        return host_grads, losses[0] if k == 1 else torch.stack(losses).sum()
+
+    def _pass_on(self, j: int, walk: range, grad_x: torch.Tensor, grads: list):
+        """Keep the visit's last input gradient on the device (return it as the carry); send the others to the host."""
+        if j == walk[-1]:
+            return (j, grad_x)
+        grads[j] = self._to_host(grad_x)
+        return None
+
     def _trainable(self, i: int, w: dict) -> dict:
         """Make the device copies of stage i's trainable parameters require grad; return `w`."""
         for name, p in self.stages[i].named_parameters():
@@ -243,26 +359,28 @@ class L2LTrainer:
                 w[name].requires_grad_(True)
         return w
 
-    def _backward(self, i: int, out, grad_out, x, w: dict, host_grads: list):
-        """Back-propagate through stage i; queue its weight gradients to the host; return the input gradient."""
-        params = [(name, p) for name, p in self.stages[i].named_parameters() if p.requires_grad]
-        wrt = [w[name] for name, _ in params]
-        if x.requires_grad:
-            wrt = [x] + wrt
-        grads = list(torch.autograd.grad(out, wrt, grad_out, allow_unused=True))
-        grad_x = grads.pop(0) if x.requires_grad else None
-        for (_, p), g in zip(params, grads):
+    def _backward(self, i: int, out, grad_out, x, w: dict):
+        """Back-propagate through stage i, adding into the device weights' .grad; return x's gradient (or None)."""
+        trainable = [w[name] for name, p in self.stages[i].named_parameters() if p.requires_grad]
+        torch.autograd.backward(out, grad_out, inputs=[x, *trainable] if x.requires_grad else trainable)
+        for t in trainable:
+            if t.grad is not None:
+                _label(t.grad, "gradients")
+        return x.grad if x.requires_grad else None
+
+    def _send_grads(self, i: int, w: dict, host_grads: list):
+        """Queue stage i's weight gradients (summed over the micro-batches) to the host, paired with their params."""
+        for name, p in self.stages[i].named_parameters():
+            g = w[name].grad if p.requires_grad else None
             if g is not None:  # an unused weight gets no gradient, as in plain autograd
-                host_grads.append((p, to_host(_label(g, "gradients"))))
-                self.moved_bytes["device_to_host"] += g.nbytes
-        return grad_x
+                host_grads.append((p, self._to_host(g)))
 
 # -- measurements ------------------------------------------------------------------------------------
 def measure_l2l_step(trainer: L2LTrainer, batch, budget_bytes: int | None = None,
-                     timeline: bool = True) -> MemoryMeter:
+                     timeline: bool = True, micro_batches: int = 1) -> MemoryMeter:
     """Run one L2L step under a MemoryMeter (budget on device bytes) and return the meter."""
     with MemoryMeter(device=trainer.device, budget_bytes=budget_bytes, timeline=timeline) as meter:
         trainer.attach(meter)
         meter.track(*[t for t in batch if isinstance(t, torch.Tensor)])
-        trainer.step(batch)
+        trainer.step(batch, micro_batches=micro_batches)
     return meter

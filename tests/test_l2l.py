@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
 
 import labkit
+from labkit import compare, l2l
 from labkit.compare import max_param_diff
 from labkit.data import TeacherTask
 from labkit.flops import count_flops
@@ -178,7 +182,8 @@ def test_peak_stage_names_the_visit_that_set_the_meter_peak(tiny_batch, gpt):
 # -- the notebook, with other parameters ------------------------------------------------------------
 def test_notebook_runs_with_other_seed_and_depths(execute_notebook):
     entry = execute_notebook("05_layer_to_layer", SEED=3, N_LAYER=3, BATCH=6, EQUAL_STEPS=2, N_LAYER_SWEEP=[1, 3, 6],
-                             SWEEP_N_EMBD=32, SWEEP_SEQ_LEN=16, SWEEP_BATCH=3, TIMED_STEPS=1)
+                             SWEEP_N_EMBD=32, SWEEP_SEQ_LEN=16, SWEEP_BATCH=3, TIMED_STEPS=1, MICRO_BATCH=2,
+                             ACCUM_STEPS_SWEEP=[1, 3])
     assert entry["status"] == "ok", entry.get("error")
     m = entry["measurements"]
     l2l, plain = m["device_peak_bytes_by_layers_l2l"], m["device_peak_bytes_by_layers_baseline"]
@@ -190,3 +195,270 @@ def test_notebook_runs_with_other_seed_and_depths(execute_notebook):
     assert m["fits_in_budget"] is True
     assert m["step_time_ratio_l2l"] > 0
     assert 1.0 < m["flop_ratio_l2l"] <= 4 / 3 + 1e-9
+    weights = m["l2l_weight_bytes_moved_per_sample_by_micro_batches"]
+    assert list(m["l2l_bytes_moved_per_sample_by_micro_batches"]) == ["1", "3"]
+    assert weights["1"] == pytest.approx(3 * weights["3"])  # once per visit: 1/k per sample
+    assert m["l2l_micro_batched_max_rel_grad_diff"] <= 1e-5
+    assert m["l2l_one_micro_batch_peak_bytes_by_micro_batches"]["3"] > m["l2l_device_peak_bytes_by_micro_batches"]["3"]
+
+
+_REAL_TO_DEVICE = l2l.to_device
+
+
+# -- CUDA prefetch: a weight copy still queued on the side stream must be waited for before its memory goes ---
+class _FakeCuda:
+    """CPU stand-ins for torch.cuda's streams and events; they log which side-stream copies the compute stream awaited.
+
+    Copy number c is issued on the side stream; an event recorded there marks every copy issued so far;
+    `compute.wait_event(e)` and `compute.wait_stream(side)` move the compute stream's horizon forward. A
+    weight copy whose device tensor is freed while its number is beyond that horizon is a violation: on a
+    GPU the caching allocator could hand its block to the compute stream while the copy still writes it.
+    """
+
+    def __init__(self, monkeypatch, fail_at: int | None = None):
+        self.issued = 0  # copies issued on the side stream
+        self.waited = 0  # the compute stream has waited for copies 1 .. waited
+        self.recorded = []  # the copy number each event recorded on the side stream marks
+        self.violations = []  # copies whose destination was freed before the compute stream waited for them
+        self.released = 0  # weight copies whose device tensor is gone
+        self.calls = 0  # to_device calls (weights and boundary activations)
+        self.fail_at = fail_at  # raise at this to_device call (None: never)
+        self.side, self.compute = _FakeStream(self, "side"), _FakeStream(self, "compute")
+        fake = self
+
+        class Event:
+            def record(self, stream):
+                assert stream is fake.side
+                self.fake, self.mark = fake, fake.issued
+                fake.recorded.append(self.mark)
+
+        def to_device(h, device, pool=None, stream=None):
+            fake.calls += 1
+            if fake.calls == fake.fail_at:
+                raise RuntimeError("injected failure")
+            x = _REAL_TO_DEVICE(h, device, pool=pool, stream=stream)  # the real code path, through the fakes
+            if stream is not None:
+                weakref.finalize(x, fake.freed, fake.issued)
+            return x
+
+        @contextlib.contextmanager
+        def stream_context(stream):
+            assert stream is fake.side
+            fake.issued += 1  # to_device issues one copy inside the side-stream context
+            yield
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.compute)
+        monkeypatch.setattr(torch.cuda, "stream", stream_context)
+        monkeypatch.setattr(l2l, "to_device", to_device)
+
+    def freed(self, copy_number: int):
+        self.released += 1
+        if copy_number > self.waited:
+            self.violations.append(copy_number)
+
+    def trainer(self, model) -> L2LTrainer:
+        """Return a CPU trainer whose weight fetches take the prefetch path through these fakes."""
+        trainer = L2LTrainer(model, CPU, prefetch=False)  # (prefetch=True needs CUDA)
+        trainer.prefetch, trainer._copy_stream = True, self.side
+        return trainer
+
+    def assert_every_copy_waited_for(self, released: bool = True):
+        """Assert that the compute stream waited for every weight copy before its memory went (and that all went)."""
+        if released:
+            gc.collect()  # frames a traceback kept
+        assert self.violations == [], f"copies freed before the compute stream waited for them: {self.violations}"
+        assert self.waited == self.issued, f"the compute stream waited for {self.waited} of {self.issued} weight copies"
+        if released:
+            assert self.released == self.issued, f"{self.issued - self.released} weight copies still hold device memory"
+
+
+class _FakeStream:
+    def __init__(self, fake: _FakeCuda, name: str):
+        self.fake, self.name = fake, name
+
+    def wait_stream(self, other):
+        if self.name == "compute" and other is self.fake.side:
+            self.fake.waited = max(self.fake.waited, self.fake.issued)
+
+    def wait_event(self, event):
+        assert self.name == "compute"
+        if event.fake is self.fake:  # (not an event of another test's trainer, finalised late)
+            self.fake.waited = max(self.fake.waited, event.mark)
+
+
+def test_prefetch_through_fake_streams_trains_like_the_plain_step(monkeypatch, tiny_batch, gpt):
+    fake = _FakeCuda(monkeypatch)
+    model = gpt(12, n_layer=3)
+    trainer, plain = fake.trainer(copy.deepcopy(model)), L2LTrainer(copy.deepcopy(model), CPU)
+    b = tiny_batch(4, seed=12)
+    assert trainer.step(b).item() == plain.step(b).item()
+    assert max_param_diff(trainer.model, plain.model) == 0
+    assert len(fake.recorded) == 2 * len(trainer.stages) - 1  # one event per visit
+    fake.assert_every_copy_waited_for()
+
+
+@pytest.mark.parametrize("where", ["head loss", "block forward", "block backward"])
+def test_a_failing_step_waits_for_every_queued_weight_copy(monkeypatch, tiny_batch, gpt, where):
+    fake = _FakeCuda(monkeypatch)
+    trainer = fake.trainer(gpt(13, n_layer=3))
+    x, y = tiny_batch(4, seed=13)
+    block, calls = trainer.stages[2], []
+    forward = block.forward
+
+    def failing_forward(h):
+        calls.append(1)
+        if (where == "block forward" and len(calls) == 1) or (where == "block backward" and len(calls) == 2):
+            raise RuntimeError("injected failure")
+        return forward(h)
+
+    monkeypatch.setattr(block, "forward", failing_forward)
+    bad = (x, y[:, :-1]) if where == "head loss" else (x, y)  # a wrong target shape: the head's loss raises
+    with pytest.raises((RuntimeError, ValueError)) as failure:
+        trainer.step(bad)
+    fake.assert_every_copy_waited_for(released=False)  # at once, while the traceback keeps the step's frames
+    del failure
+    fake.assert_every_copy_waited_for()
+
+
+def test_a_copy_failing_anywhere_in_the_step_leaves_no_weight_copy_unwaited(monkeypatch, tiny_batch, gpt):
+    """Fail the n-th host-to-device copy for every n: inside a fetch, between visits, on a boundary activation."""
+    count = _FakeCuda(monkeypatch)
+    model, b = gpt(14, n_layer=1), tiny_batch(4, seed=14)
+    count.trainer(copy.deepcopy(model)).step(b)
+    for n in sorted({*range(1, count.calls + 1, 3), count.calls}):  # every third copy, and the last
+        fake = _FakeCuda(monkeypatch, fail_at=n)
+        with pytest.raises(RuntimeError, match="injected") as failure:
+            fake.trainer(model).step(b)  # (a failed step leaves the model as it was)
+        fake.assert_every_copy_waited_for(released=False)
+        del failure
+        fake.assert_every_copy_waited_for()
+
+
+def test_closing_the_weight_generator_early_waits_for_the_prefetched_copy(monkeypatch, gpt):
+    fake = _FakeCuda(monkeypatch)
+    trainer = fake.trainer(gpt(15, n_layer=2))
+    weights = trainer._weights([0, 1, 2])
+    next(weights)  # stage 0 is on the device; stage 1's copy is queued
+    assert fake.waited < fake.issued
+    weights.close()
+    fake.assert_every_copy_waited_for()
+
+
+# -- many micro-batches per visit (the paper's schedule) ------------------------------------------------
+def _l2l_grads(trainer, batch, micro_batches):
+    """Run one step; return (loss, the host gradients the optimizer would have stepped with)."""
+    captured = {}
+    trainer.optimizer.step = lambda: captured.update(compare.grads(trainer.model))  # capture instead of stepping
+    loss = trainer.step(batch, micro_batches=micro_batches)
+    return loss, captured
+
+
+def _plain_grads(model, batch):
+    model = copy.deepcopy(model)
+    _, loss = model(*batch)
+    loss.backward()
+    return loss.detach(), compare.grads(model)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_micro_batched_gradients_equal_the_plain_step(tiny_batch, gpt, k):
+    """Padded rows hold different numbers of real tokens, and 5 rows split unevenly: each micro-batch's
+    loss must weigh by its share of the real targets."""
+    model = gpt(16, n_layer=3)
+    b = tiny_batch(5, seed=16, padded=True)
+    counts = [int((t != -100).sum()) for t in b[1].tensor_split(k)]
+    assert k == 1 or len(set(counts)) > 1  # the naive 1/k weighting would be wrong here
+    loss, grads = _l2l_grads(L2LTrainer(copy.deepcopy(model), CPU), b, k)
+    plain_loss, plain = _plain_grads(model, b)
+    assert compare.max_rel_diff(grads, plain) <= 1e-5
+    assert abs(loss.item() - plain_loss.item()) <= 1e-6 * abs(plain_loss.item())
+
+
+def test_micro_batched_mlp_and_llama_options_train_like_plain(tiny_batch, gpt):
+    model = gpt(17, n_layer=3, tie_weights=False, mlp="swiglu", norm="rms", pos="rope", bias=False)
+    batches = [tiny_batch(8, seed=17 + i) for i in range(3)]
+    plain, _, _ = _train_both(model, batches)
+    trainer = L2LTrainer(copy.deepcopy(model), CPU)
+    for b in batches:
+        trainer.step(b, micro_batches=4)
+    assert max_param_diff(trainer.model, plain) <= 1e-5
+    torch.manual_seed(18)
+    mlp = labkit.MLP(labkit.MLPConfig(depth=3, hidden=64))
+    b = TeacherTask(seed=18).batch(12)
+    _, grads = _l2l_grads(L2LTrainer(copy.deepcopy(mlp), CPU), b, 3)
+    assert compare.max_rel_diff(grads, _plain_grads(mlp, b)[1]) <= 1e-5
+
+
+def test_micro_batched_dropout_masks_are_replayed_per_micro_batch(tiny_batch, gpt):
+    """Reference: autograd over the same stage-major order of micro-batches, so the RNG draws the same masks."""
+    model, k = gpt(19, n_layer=3, dropout=0.3), 3
+    x, y = b = tiny_batch(6, seed=19)
+    trainer = L2LTrainer(copy.deepcopy(model), CPU)
+    torch.manual_seed(20)
+    _, grads = _l2l_grads(trainer, b, k)
+    ref = copy.deepcopy(model)
+    stages = labkit.models.split_stages(ref)
+    h = list(x.tensor_split(k))
+    torch.manual_seed(20)
+    for i, stage in enumerate(stages[:-1]):
+        for j in L2LTrainer._walk(i, k):
+            h[j] = stage(h[j])
+    loss = sum(stages[-1](hj, yj) * (yj.numel() / y.numel()) for hj, yj in zip(h, y.tensor_split(k)))
+    loss.backward()
+    assert compare.max_rel_diff(grads, compare.grads(ref)) <= 1e-5
+    torch.manual_seed(20)
+    _, other_order = _l2l_grads(L2LTrainer(copy.deepcopy(model), CPU), b, 2)
+    assert compare.max_rel_diff(other_order, grads) > 1e-3  # other masks: the comparison above can fail
+
+
+def _moved_formula(stage_bytes, boundary_bytes, k):
+    """Return (host_to_device, device_to_host) for one step with k equal micro-batches; boundary_bytes: the batch's."""
+    n = len(stage_bytes)
+    b, r = boundary_bytes, boundary_bytes * (k - 1) // k  # r: all micro-batches but the one kept on the device
+    h2d = 2 * sum(stage_bytes[:-1]) + stage_bytes[-1] + (n - 2) * b + (2 * n - 2) * r
+    d2h = sum(stage_bytes) + (n - 2) * b + n * r
+    return h2d, d2h
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_micro_batched_moved_bytes_follow_the_formula_and_weights_move_once_per_visit(tiny_batch, gpt, monkeypatch, k):
+    model = gpt(21, n_layer=3)
+    trainer = L2LTrainer(model, CPU)
+    fetches = []
+    fetch = trainer._fetch
+    monkeypatch.setattr(trainer, "_fetch", lambda i: fetches.append(i) or fetch(i))
+    B, T, C = 8, 16, model.cfg.n_embd
+    trainer.step(tiny_batch(B, T, seed=21), micro_batches=k)
+    n = len(trainer.stages)
+    assert len(fetches) == 2 * n - 1  # one weight copy per visit, whatever k
+    stage_bytes = [sum(p.nbytes for p in s.parameters()) for s in trainer.stages]
+    h2d, d2h = _moved_formula(stage_bytes, B * T * C * 4, k)
+    assert trainer.moved_bytes == {"host_to_device": h2d, "device_to_host": d2h}
+
+
+def test_micro_batched_device_peak_stays_at_one_micro_batch(tiny_batch, gpt):
+    """At a fixed micro-batch size, k micro-batches per visit keep the device peak; the same rows as one do not."""
+    model, m = gpt(22, n_layer=3), 4
+    peaks = {}
+    for k in (1, 4):
+        peaks[k] = measure_l2l_step(L2LTrainer(copy.deepcopy(model), CPU), tiny_batch(m * k, seed=22),
+                                    timeline=False, micro_batches=k).peak_bytes
+    whole = measure_l2l_step(L2LTrainer(copy.deepcopy(model), CPU), tiny_batch(4 * m, seed=22),
+                             timeline=False).peak_bytes
+    assert peaks[4] <= 1.25 * peaks[1], peaks  # + one stage's gradients summed over the micro-batches
+    assert whole > 1.5 * peaks[4], (whole, peaks)
+
+
+def test_micro_batches_are_checked(tiny_batch, gpt):
+    trainer = L2LTrainer(gpt(23), CPU)
+    with pytest.raises(labkit.ParameterError, match=r"micro_batches.*\[1, 4\]"):
+        trainer.step(tiny_batch(4), micro_batches=5)
+
+
+@pytest.mark.cuda
+def test_micro_batched_prefetch_on_cuda_equals_the_plain_step(tiny_batch, gpt):
+    model, b = gpt(24, n_layer=3), tiny_batch(8, seed=24, padded=True)
+    cuda_batch = tuple(t.cuda() for t in b)
+    _, grads = _l2l_grads(L2LTrainer(copy.deepcopy(model), "cuda", prefetch=True), cuda_batch, 4)
+    assert compare.max_rel_diff(grads, _plain_grads(model, b)[1]) <= 1e-4
