@@ -59,6 +59,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from labkit.accumulation import IGNORE_INDEX
+from labkit.device import as_device
 from labkit.hosttier import host_state_tensors, host_tier, mark_host_state, to_device, to_host
 from labkit.meter import MemoryMeter, active_meter
 from labkit.models import split_stages, stage_name
@@ -95,7 +96,7 @@ class L2LTrainer:
     def __init__(self, model: nn.Module, device: torch.device | str, lr: float = 1e-3,
                  prefetch: bool | None = None):
         """`model` becomes the host master copy (moved to CPU, pinned on CUDA); prefetch: None = on CUDA."""
-        self.device = torch.device(device)
+        self.device = as_device(device)
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
             raise ValueError("L2L recomputes each layer's forward in backward, so BatchNorm running statistics "
                              "would update twice (pytorch #96136); use a model without BatchNorm")

@@ -34,6 +34,7 @@ BAD = [  # (chapter, parameters, words the error must contain)
     ("04_activation_offload", dict(HOST_TIER="ssd"), ["HOST_TIER", "'disk'"]),
     ("04_activation_offload", dict(MIN_OFFLOAD_BYTES=-1), ["MIN_OFFLOAD_BYTES", "[0, "]),
     ("04_activation_offload", dict(COPY_MIB=0), ["COPY_MIB", "[1, 4096]"]),
+    ("05_layer_to_layer", dict(ACCUM_STEPS_SWEEP=[2, 4]), ["ACCUM_STEPS_SWEEP", "starting at 1"]),
     ("05_layer_to_layer", dict(N_LAYER_SWEEP=[8, 4]), ["N_LAYER_SWEEP", "increasing"]),
     ("05_layer_to_layer", dict(SWEEP_N_EMBD=30), ["SWEEP_N_EMBD", "divisible"]),
     ("06_model_and_pipeline_parallel", dict(N_RANKS=5), ["N_RANKS", "[2, 4]"]),  # more ranks than blocks
