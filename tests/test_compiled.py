@@ -74,7 +74,7 @@ def test_allocation_peak_refuses_other_devices():
         allocation_peak(lambda: None, "meta")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_allocation_peak_on_cuda_reads_the_allocator():
     kept = []
     peak = allocation_peak(lambda: kept.append(torch.empty(1 << 20, device="cuda")), "cuda")
