@@ -31,6 +31,7 @@ import torch
 from labkit.checkpointing import checkpoint_blocks
 from labkit.data import MarkovTokens
 from labkit.device import as_device, hardware_report, synchronize
+from labkit.hosttier import copy_bandwidth
 from labkit.l2l import L2LTrainer, measure_l2l_step
 from labkit.meter import MemoryMeter, OutOfMemory, format_bytes, try_fit
 from labkit.models import GPT, GPTConfig, count_params
@@ -142,19 +143,6 @@ def _offload_step(model, opt, batch, hooks):
     opt.zero_grad(set_to_none=True)
 
 
-def _pinned_copy_bytes_per_s(device: torch.device, nbytes: int = 2**30) -> float:
-    """Return the bandwidth of one large device-to-pinned-host copy (the most a copy to the host can get)."""
-    src = torch.empty(nbytes // 4, device=device)
-    dst = torch.empty(nbytes // 4, pin_memory=True)
-    dst.copy_(src, non_blocking=True)  # warm-up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    dst.copy_(src, non_blocking=True)
-    end.record()
-    end.synchronize()
-    return nbytes / (start.elapsed_time(end) / 1e3)
-
-
 def check_offload(setup: Setup) -> Row:
     """Time offload with prefetch, without, and torch's save_on_cpu against the plain step; measure copy bandwidth."""
     model, batch = setup.model(), setup.data()
@@ -189,7 +177,9 @@ def check_offload(setup: Setup) -> Row:
     ok = peaks["offload+prefetch"] < peaks["plain"] and stats["offloaded"] > 0
     note = "rehearsal on cpu: copies are synchronous, no bandwidth figure"
     if cuda:
-        reference = _pinned_copy_bytes_per_s(setup.device)
+        one_gib = torch.empty(2**28, device=setup.device)  # the most a copy to the host can get: one large pinned copy
+        reference = copy_bandwidth(torch.empty(one_gib.shape, pin_memory=True), one_gib)
+        del one_gib
         achieved = stats["copy_to_host_bytes_per_s"]
         figures.update(one_pinned_copy_bytes_per_s=reference, bandwidth_fraction=achieved / reference)
         measured += f"; copies {achieved / 1e9:.1f} GB/s = {achieved / reference:.0%} of one 1 GiB pinned copy"
