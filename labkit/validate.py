@@ -21,6 +21,22 @@ def check_int(name: str, value, lo: int, hi: int | None = None) -> int:
     return value
 
 
+def check_int_list(name: str, value, lo: int, hi: int | None = None, min_len: int = 1, max_len: int | None = None,
+                   increasing: bool = False) -> list[int]:
+    """Return `value` as a list of integers in [lo, hi]; raise ParameterError naming `name` otherwise."""
+    size = f"{min_len} to {max_len}" if max_len is not None else f"at least {min_len}"
+    order = ", strictly increasing" if increasing else ""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ParameterError(f"{name} must be a list of {size} integers{order}, got {value!r}")
+    if len(value) < min_len or (max_len is not None and len(value) > max_len):
+        raise ParameterError(f"{name} must be a list of {size} integers{order}, got {len(value)}: {list(value)!r}")
+    for i, v in enumerate(value):
+        check_int(f"{name}[{i}]", v, lo, hi)
+    if increasing and any(a >= b for a, b in zip(value, value[1:])):
+        raise ParameterError(f"{name} must be strictly increasing, got {list(value)!r}")
+    return list(value)
+
+
 def check_float(name: str, value, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> float:
     """Return `value` as float if it lies in the range; raise ParameterError naming `name` otherwise."""
     rng = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
@@ -41,7 +57,7 @@ def check_choice(name: str, value, choices) -> object:
 
 
 def check_divides(name: str, value: int, divisor_name: str, divisor: int) -> None:
-    """Raise ParameterError unless `divisor` divides `value` (e.g. WIDTH by HEADS)."""
+    """Raise ParameterError unless `divisor` divides `value` (e.g. N_EMBD by N_HEAD)."""
     if value % divisor:
         raise ParameterError(f"{name} ({value}) must be divisible by {divisor_name} ({divisor})")
 

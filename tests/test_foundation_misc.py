@@ -114,6 +114,22 @@ def test_is_batch(monkeypatch):
 
 # -- parameter checks ----------------------------------------------------------------------------
 
+def test_check_int_list():
+    assert validate.check_int_list("BATCH_SWEEP", (1, 2, 4), 1, 64, min_len=2, increasing=True) == [1, 2, 4]
+    with pytest.raises(validate.ParameterError, match=r"BATCH_SWEEP must be a list of at least 2 integers, got 8"):
+        validate.check_int_list("BATCH_SWEEP", 8, 1, 64, min_len=2)
+    with pytest.raises(validate.ParameterError, match=r"BATCH_SWEEP must be a list of 2 to 3 integers, got 1: \[4\]"):
+        validate.check_int_list("BATCH_SWEEP", [4], 1, 64, min_len=2, max_len=3)
+    with pytest.raises(validate.ParameterError, match=r"BATCH_SWEEP\[1\] must be an integer \[1, 64\], got 65"):
+        validate.check_int_list("BATCH_SWEEP", [4, 65], 1, 64)
+    with pytest.raises(validate.ParameterError, match=r"BATCH_SWEEP\[0\] must be an integer"):
+        validate.check_int_list("BATCH_SWEEP", ["4"], 1, 64)
+    with pytest.raises(validate.ParameterError, match=r"BATCH_SWEEP must be strictly increasing, got \[4, 4\]"):
+        validate.check_int_list("BATCH_SWEEP", [4, 4], 1, 64, increasing=True)
+    with pytest.raises(validate.ParameterError, match=r"must be a list"):
+        validate.check_int_list("BATCH_SWEEP", "124", 1, 64)
+
+
 def test_check_int():
     assert validate.check_int("BATCH", 16, 1, 4096) == 16
     with pytest.raises(validate.ParameterError, match=r"BATCH must be an integer \[1, 4096\], got 0"):
@@ -145,9 +161,9 @@ def test_check_choice():
 
 
 def test_check_divides():
-    validate.check_divides("WIDTH", 128, "HEADS", 4)
-    with pytest.raises(validate.ParameterError, match=r"WIDTH \(130\) must be divisible by HEADS \(4\)"):
-        validate.check_divides("WIDTH", 130, "HEADS", 4)
+    validate.check_divides("N_EMBD", 128, "N_HEAD", 4)
+    with pytest.raises(validate.ParameterError, match=r"N_EMBD \(130\) must be divisible by N_HEAD \(4\)"):
+        validate.check_divides("N_EMBD", 130, "N_HEAD", 4)
 
 
 def test_check_budget():
