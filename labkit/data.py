@@ -21,8 +21,8 @@ class MarkovTokens:
     """
 
     def __init__(self, vocab_size: int = 256, branching: int = 4, seed: int = 0):
-        if vocab_size < 2 or not 1 <= branching <= vocab_size:
-            raise ValueError(f"need vocab_size >= 2 and 1 <= branching <= vocab_size, got {vocab_size}, {branching}")
+        check_int("vocab_size", vocab_size, 2)
+        check_int("branching", branching, 1, vocab_size)  # successors per token, at most every token
         g = _generator(seed)
         self.vocab_size = vocab_size
         succ = torch.stack([torch.randperm(vocab_size, generator=g)[:branching] for _ in range(vocab_size)])  # (V, k)
@@ -65,8 +65,7 @@ class MarkovTokens:
     def padded_batch(self, batch_size: int, seq_len: int, min_len: int = 1,
                      generator: torch.Generator | None = None):
         """Return inputs, targets (-100 past each row's length) and lengths: rows of 1..T real tokens."""
-        if not 1 <= min_len <= seq_len:
-            raise ValueError(f"min_len must be in [1, seq_len={seq_len}], got {min_len}")
+        check_int("min_len", min_len, 1, seq_len)
         g = generator or self._g
         x, y = self.batch(batch_size, seq_len, g)
         lengths = torch.randint(min_len, seq_len + 1, (batch_size,), generator=g)  # (B,)

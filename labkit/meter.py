@@ -35,6 +35,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from labkit.validate import check_budget
+
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 """Categories of `peak_split`; "activations" holds activations and everything else (inputs, temporaries)."""
 
@@ -191,11 +193,7 @@ class MemoryMeter(TorchDispatchMode):
     def __init__(self, device: str | torch.device | None = None, budget_bytes: int | None = None,
                  timeline: bool = True):
         super().__init__()
-        if budget_bytes is not None:
-            if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)):
-                raise TypeError(f"budget_bytes must be a number of bytes, got {budget_bytes!r}")
-            if budget_bytes <= 0:
-                raise ValueError(f"budget_bytes must be > 0 (a positive number of bytes), got {budget_bytes}")
+        if check_budget("budget_bytes", budget_bytes) is not None:
             budget_bytes = int(budget_bytes)
         from labkit.device import as_device, resolve_device
         self.device = as_device(resolve_device("auto") if device is None else device)

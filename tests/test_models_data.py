@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from labkit.data import MarkovTokens, TeacherTask
+from labkit.validate import ParameterError
 from labkit.models import GPT, MLP, GPTConfig, MLPConfig, build_model
 
 
@@ -103,14 +104,16 @@ def test_padded_batch_masks_exactly_beyond_each_length():
         assert (y[row, :n] >= 0).all()
         assert (data.transition[x[row, :n], y[row, :n]] > 0).all()
     assert int((y == -100).sum()) == int((T - lengths).sum())
-    with pytest.raises(ValueError, match="min_len"):
+    with pytest.raises(ParameterError, match=r"min_len must be an integer \[1, 5\], got 6"):
         data.padded_batch(2, 5, min_len=6)
 
 
-@pytest.mark.parametrize("kwargs", [{"vocab_size": 1}, {"vocab_size": 10, "branching": 0},
-                                    {"vocab_size": 10, "branching": 11}])
-def test_markov_tokens_rejects_bad_shapes(kwargs):
-    with pytest.raises(ValueError, match="vocab_size"):
+@pytest.mark.parametrize("kwargs, message", [({"vocab_size": 1}, r"vocab_size must be an integer >= 2"),
+                                             ({"vocab_size": 10.0}, r"vocab_size must be an integer >= 2"),
+                                             ({"vocab_size": 10, "branching": 0}, r"branching must be an integer \[1, 10\]"),
+                                             ({"vocab_size": 10, "branching": 11}, r"branching must be an integer \[1, 10\]")])
+def test_markov_tokens_rejects_bad_shapes_naming_the_argument(kwargs, message):
+    with pytest.raises(ParameterError, match=message):
         MarkovTokens(**kwargs)
 
 
