@@ -6,6 +6,7 @@
     max_rel_diff(grads(other), g_ref)         # largest ||a - b|| / ||b|| over tensors (b: the reference)
     max_grad_diff(model_a, model_b, relative=True)   # the same, straight from two models
     max_param_diff(model_a, model_b)
+    flat(model)                               # its parameters as one flat copy, in order (flat(grads(model)))
 
 The absolute difference is taken in the tensors' own dtype (the difference of two fp32 values is
 exact in fp32 when they are close). The relative difference is **norm-wise per tensor**, computed
@@ -17,7 +18,7 @@ and is None (no gradient) on the other makes the difference infinite.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -34,6 +35,20 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
 def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Return a copy of every parameter by name."""
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def flat(tensors: torch.nn.Module | Tensors | Iterable[torch.Tensor | None]) -> torch.Tensor:
+    """Return a model's parameters, or tensors (a dict's values, a sequence; None skipped), as one flat copy in order."""
+    if isinstance(tensors, torch.nn.Module):
+        tensors = tensors.parameters()
+    elif isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    elif isinstance(tensors, Mapping):
+        tensors = tensors.values()
+    parts = [t.detach().flatten() for t in tensors if t is not None]
+    if not parts:
+        raise ValueError("flat needs at least one tensor, got none")
+    return torch.cat(parts)  # a new tensor, never a view of the inputs
 
 
 def _pairs(a: Tensors, b: Tensors) -> list[tuple]:

@@ -23,6 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from labkit.accumulation import count_tokens
+from labkit.compare import flat
 from labkit.meter import MemoryMeter
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -136,8 +137,7 @@ def captured_grads(optimizer: torch.optim.Optimizer):
     seen: list[torch.Tensor] = []
 
     def hook(opt, args, kwargs):
-        seen.append(torch.cat([p.grad.detach().flatten().float().clone()
-                               for group in opt.param_groups for p in group["params"] if p.grad is not None]))
+        seen.append(flat(p.grad for group in opt.param_groups for p in group["params"]).float())
 
     handle = optimizer.register_step_pre_hook(hook)
     try:
@@ -228,7 +228,7 @@ def collect_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
             _, loss = model(*batch)
             (loss * loss_scale).backward()
             losses.append(float(loss.detach()))
-            weights.append(torch.cat([p.grad.detach().flatten() for p in model.parameters() if p.grad is not None]))
+            weights.append(flat(p.grad for p in model.parameters()))
             if optimizer is not None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from labkit.compare import grads, max_abs_diff, max_grad_diff, max_param_diff, max_rel_diff, params, rel_diff
+from labkit.compare import flat, grads, max_abs_diff, max_grad_diff, max_param_diff, max_rel_diff, params, rel_diff
 
 
 def test_rel_diff_is_norm_wise_against_the_reference():
@@ -75,3 +75,25 @@ def test_max_param_diff_between_two_models():
         b.bias[0] += 0.25
     assert max_param_diff(a, b) == pytest.approx(0.25)
     assert max_param_diff(a, b, relative=True) == pytest.approx(rel_diff(a.bias, b.bias))
+
+
+def test_flat_is_a_copy_of_every_tensor_in_order():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    w = flat(model)
+    assert w.shape == (3 * 2 + 2 + 2 * 1 + 1,)
+    assert torch.equal(w, torch.cat([model[0].weight.reshape(-1), model[0].bias, model[1].weight.reshape(-1),
+                                     model[1].bias]).detach())
+    with torch.no_grad():
+        model[1].bias.add_(1.0)  # the copy does not follow the model
+    assert torch.equal(flat(model)[:-1], w[:-1]) and flat(model)[-1] == w[-1] + 1.0
+    assert not w.requires_grad
+    model(torch.randn(4, 3)).sum().backward()
+    model[0].bias.grad = None  # a parameter without a gradient is skipped
+    g = flat(grads(model))
+    assert torch.equal(g, torch.cat([model[0].weight.grad.reshape(-1), model[1].weight.grad.reshape(-1),
+                                     model[1].bias.grad]))
+    assert torch.equal(flat([model[1].bias.grad, None, model[1].weight.grad]),  # a sequence, in its own order
+                       torch.cat([model[1].bias.grad, model[1].weight.grad.reshape(-1)]))
+    with pytest.raises(ValueError, match="at least one tensor"):
+        flat([None])

@@ -15,11 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import labkit
 from labkit import precision as P
-from labkit.compare import rel_diff
+from labkit.compare import flat, rel_diff
 from labkit.data import MarkovTokens
-
-def _flat(model):
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 def _grads_used(model, step):
@@ -59,7 +56,7 @@ def test_fp32_with_scaler_equals_plain_step_bitwise(tiny_gpt, tiny_batch):
     g_amp = _grads_used(b, lambda m, o: P.amp_train_step(m, o, [batch], precision="fp32",
                                                          scaler=torch.amp.GradScaler("cpu")))
     assert torch.equal(g_plain[0], g_amp[0])
-    assert torch.equal(_flat(a), _flat(b))
+    assert torch.equal(flat(a), flat(b))
 
 
 def test_single_batch_tuple_accepted_and_loss_returned(tiny_gpt, tiny_batch):
@@ -132,14 +129,14 @@ def test_clipping_unscales_first(tiny_gpt, tiny_batch):
 
 def test_inf_gradients_skip_the_step_and_halve_the_scale(tiny_gpt, tiny_batch):
     model = tiny_gpt()
-    before = _flat(model).clone()
+    before = flat(model)
     opt = labkit.make_optimizer("adam", model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # loss · 2^127 overflows fp32
     with P.captured_grads(opt) as seen:
         step = P.amp_train_step(model, opt, [tiny_batch(4, seed=8)], precision="fp32", scaler=scaler)
     assert not step.stepped and step.scale == 2.0**126
     assert seen == []  # optimizer.step() never ran
-    assert torch.equal(_flat(model), before)
+    assert torch.equal(flat(model), before)
     assert all(p.grad is None for p in model.parameters())  # zeroed for the next step
 
 
@@ -194,9 +191,9 @@ def test_fp16_cast_stats_counts():
 def test_collect_gradients_shapes_and_scaling(tiny_gpt, tiny_batch, tiny_config):
     model = tiny_gpt()
     batches = [tiny_batch(4, seed=12), tiny_batch(4, seed=13)]
-    w0 = _flat(model).clone()
+    w0 = flat(model)
     s1 = P.collect_gradients(model, None, batches)
-    assert torch.equal(_flat(model), w0)  # no optimizer: weights untouched
+    assert torch.equal(flat(model), w0)  # no optimizer: weights untouched
     n = labkit.count_params(model)
     assert s1.weights.numel() == 2 * n
     assert s1.activations.numel() == 2 * tiny_config.n_layer * 4 * tiny_config.block_size * tiny_config.n_embd
@@ -204,7 +201,7 @@ def test_collect_gradients_shapes_and_scaling(tiny_gpt, tiny_batch, tiny_config)
     assert torch.equal(s2.weights, s1.weights * 2.0**10)  # a power-of-two scale is exact
     opt = labkit.make_optimizer("adam", model.parameters())
     P.collect_gradients(model, opt, batches[:1])
-    assert not torch.equal(_flat(model), w0)
+    assert not torch.equal(flat(model), w0)
     assert P.log2_magnitudes(torch.tensor([0.0, 0.25, -4.0])).tolist() == [-2.0, 2.0]
 
 
