@@ -1,11 +1,13 @@
 """The host tier: host memory for what does not stay on the device, and the one pair of copies to and from it.
 
-Activation offload (notebook 04), layer-to-layer training (05) and sharded optimizer state that
-lives on the CPU (07) all keep tensors in host memory and copy them to and from the device. They
-use this module:
+Activation offload (notebook 04, `labkit.offload`) and layer-to-layer training (05, `labkit.l2l`)
+keep tensors in host memory and copy them to and from the device; both make that host memory
+and those copies here. (Chapter 07's CPU-resident shards and optimizer state are FSDP2's own,
+`torch.distributed.fsdp.CPUOffloadPolicy`, and DeepSpeed's `offload_optimizer`: not this module.)
 
     to_host(t, pool=None, stream=None)             # a new host-tier tensor with t's values
     to_device(h, device, pool=None, stream=None)   # a new device tensor with h's values
+    pin(t)                                         # a pinned (page-locked) copy of a CPU tensor (CUDA only)
     host_tier()                                    # a context: new storages count as host memory
     HostPool(device, kind="auto")                  # accounted host buffers: pinned, memory or disk
     mark_host_state(meter, model, optimizer)       # count a host-resident model and its state as host
@@ -73,7 +75,7 @@ import torch
 
 from labkit.device import as_device, synchronize
 from labkit.meter import MemoryMeter, active_meter
-from labkit.validate import check_int
+from labkit.validate import check_choice, check_int
 
 HOST_KINDS = ("auto", "pinned", "memory", "disk")
 
@@ -102,8 +104,7 @@ class HostPool:
     def __init__(self, device: str | torch.device = "cpu", kind: str = "auto", spill_dir: str | None = None,
                  meter: MemoryMeter | None = None):
         self.device = as_device(device)
-        if kind not in HOST_KINDS:
-            raise ValueError(f"kind must be one of {HOST_KINDS}, got {kind!r}")
+        check_choice("kind", kind, HOST_KINDS)
         if kind == "auto":
             kind = "pinned" if self.device.type == "cuda" else "memory"
         if kind == "pinned" and not torch.cuda.is_available():
@@ -237,6 +238,17 @@ def to_device(h: torch.Tensor, device: str | torch.device, pool: HostPool | None
     if pool is not None:
         pool.bytes_to_device += h.numel() * h.element_size()
     return x
+
+
+def pin(t: torch.Tensor) -> torch.Tensor:
+    """Return CPU tensor `t` in page-locked memory (a copy unless pinned already; needs CUDA), counted as host memory."""
+    if t.device.type != "cpu":
+        raise ValueError(f"pin needs a CPU tensor, got one on {t.device}: to_host copies a device tensor to the host")
+    if not torch.cuda.is_available():
+        raise ValueError("pin needs CUDA: on a CPU-only machine there is no device to copy to by DMA, and torch "
+                         "cannot pin memory")
+    with host_tier():
+        return t.detach().pin_memory()
 
 
 def host_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[torch.Tensor]:

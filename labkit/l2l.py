@@ -60,7 +60,7 @@ from torch.func import functional_call
 
 from labkit.accumulation import IGNORE_INDEX
 from labkit.device import as_device
-from labkit.hosttier import host_state_tensors, host_tier, mark_host_state, to_device, to_host
+from labkit.hosttier import host_state_tensors, host_tier, mark_host_state, pin, to_device, to_host
 from labkit.meter import MemoryMeter, active_meter
 from labkit.models import split_stages, stage_name
 from labkit.validate import check_int
@@ -105,7 +105,7 @@ class L2LTrainer:
         self.model = model
         if self.device.type == "cuda":  # pinned pages: asynchronous copies that overlap compute
             for t in list(self.model.parameters()) + list(self.model.buffers()):
-                t.data = t.data.pin_memory()
+                t.data = pin(t.data)
         self.stages = split_stages(self.model)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, foreach=False)
         if prefetch is None:

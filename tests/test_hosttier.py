@@ -9,8 +9,8 @@ import torch
 
 import labkit
 from labkit.hosttier import (CopyOverlap, HostPool, copy_bandwidth, copy_compute_overlap, dense_stride,
-                             host_tier, host_to_device_bandwidth, mark_host_state, overlap_fraction, to_device,
-                             to_host)
+                             host_tier, host_to_device_bandwidth, mark_host_state, overlap_fraction, pin,
+                             to_device, to_host)
 
 CPU = torch.device("cpu")
 
@@ -93,6 +93,27 @@ def test_host_pool_rejects_bad_kinds():
         with pytest.raises(ValueError, match="pinned"):
             HostPool("cpu", kind="pinned")
     assert HostPool("cpu").kind == "memory" and not HostPool("cpu").pinned
+
+
+def test_pin_refuses_a_device_tensor_and_a_machine_without_cuda():
+    with pytest.raises(ValueError, match="needs a CPU tensor"):
+        pin(torch.empty(4, device="meta"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pin needs CUDA"):
+            pin(torch.ones(4))
+
+
+@pytest.mark.cuda
+def test_pin_copies_into_page_locked_memory_counted_on_the_host_tier():
+    t = torch.arange(1024, dtype=torch.float32)
+    with labkit.MemoryMeter("cuda") as meter:
+        meter.track(t)
+        host_before = meter.host_current_bytes
+        p = pin(t)
+        assert p.is_pinned() and not t.is_pinned() and torch.equal(p, t)
+        assert p.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()  # a copy
+        assert meter.host_current_bytes - host_before == t.nbytes and meter.current_bytes == 0
+    assert pin(p).untyped_storage().data_ptr() == p.untyped_storage().data_ptr()  # pinned already: no copy
 
 
 def test_mark_host_state_moves_model_and_state_to_the_host_count(tiny_gpt, tiny_batch):
