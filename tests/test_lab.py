@@ -31,6 +31,20 @@ def _get(url: str) -> tuple[int, str]:
         return e.code, ""
 
 
+def _first_answer(url: str, proc, log, wait_s: float = 60.0) -> tuple[int, str]:
+    """GET `url` once the server accepts connections; fail with the server's log if it never does."""
+    deadline = time.time() + wait_s
+    while True:
+        try:
+            return _get(url)
+        except urllib.error.URLError as e:
+            if not isinstance(e.reason, ConnectionRefusedError) or time.time() > deadline or proc.poll() is not None:
+                log.seek(0)
+                raise AssertionError(f"no answer from {url} ({e.reason}); server exit status {proc.poll()}; "
+                                     f"its log:\n{log.read()}") from e
+            time.sleep(0.5)
+
+
 def test_make_lab_serves_notebooks_with_a_token(tmp_path):
     port = _free_port()
     args = f"--no-browser --ip=127.0.0.1 --port={port} --ServerApp.port_retries=0"
@@ -51,7 +65,7 @@ def test_make_lab_serves_notebooks_with_a_token(tmp_path):
                 raise AssertionError(f"make lab exited early:\n{log.read()}")
         assert token, "no token URL printed: token authentication must be on"
         base = f"http://127.0.0.1:{port}"
-        status, _ = _get(f"{base}/api/contents")
+        status, _ = _first_answer(f"{base}/api/contents", proc, log)
         assert status in (401, 403), f"the API answered {status} without a token"
         status, body = _get(f"{base}/api/contents?token={token}")
         assert status == 200
