@@ -120,6 +120,35 @@ def plot_memory_bars(splits: dict[str, dict[str, int]], ax=None, budget_bytes: i
     return ax
 
 
+def plot_grouped_bars(series: dict[str, dict[str, float]], ax=None, title: str = "", ylabel: str = "",
+                      colors: dict[str, str] | None = None, hatches: dict[str, str] | None = None,
+                      names: dict[str, str] | None = None):
+    """Plot bars side by side: one group per category, one bar per series in each group; return the bar containers.
+
+    `series` maps a series label to {group: value}; groups come in first-seen order, and a series
+    without a value for a group leaves its slot empty (a formula that does not apply). `colors` and
+    `hatches` style series by label (hatched: a formula beside a measurement); `names` renames groups.
+    """
+    names, colors, hatches = names or {}, colors or {}, hatches or {}
+    if ax is None:
+        fig, ax = new_figure()
+    groups = list(dict.fromkeys(g for values in series.values() for g in values))
+    width = 0.8 / max(len(series), 1)
+    bars = {}
+    for i, (label, values) in enumerate(series.items()):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j, g in enumerate(groups) if g in values]
+        ys = [values[g] for g in groups if g in values]
+        bars[label] = ax.bar(xs, ys, width=width, label=label, color=colors.get(label),
+                             hatch=hatches.get(label), edgecolor="white" if label not in hatches else "black", lw=0.3)
+    ax.set_xticks(range(len(groups)), [names.get(g, g.replace("_", " ")) for g in groups])
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    if series:
+        ax.legend(fontsize=6, ncols=2)
+    return bars
+
+
 def plot_series(ax, x, series: dict[str, list], xlabel: str, ylabel: str, title: str = "", logx: bool = False,
                 marker: str = "o"):
     """Plot named y-series against x on one axes."""
