@@ -38,7 +38,7 @@ class MemoryEstimate:
     world_size: int = 1  # data-parallel ranks
     zero_stage: int | None = None  # None: one process (world_size 1) or DDP
     states: dict | None = None  # bytes right after the optimizer step: the model states at rest by category, and
-    #                             under "activations" what the step still holds (batch, logits, loss, DDP's buckets)
+    #                             under "other" what the step still holds (batch, logits, loss, DDP's buckets)
 
     @property
     def bytes_per_param_static(self) -> float:
@@ -77,8 +77,8 @@ def estimate_training_memory(cfg: GPTConfig | MLPConfig, batch_size: int, seq_le
     peak, split, states, n = _one_process_step(cfg, batch_size, seq_len, optimizer)
     if world_size > 1:  # DDP keeps its gradient buckets: as many bytes as the gradients, the whole step
         buckets = states["gradients"]
-        peak, split["activations"], states["activations"] = (peak + buckets, split["activations"] + buckets,
-                                                             states["activations"] + buckets)
+        peak, split["activations"], states["other"] = (peak + buckets, split["activations"] + buckets,
+                                                       states["other"] + buckets)
         if zero_stage == 1:  # ZeroRedundancyOptimizer: each rank keeps the state of 1/N of the parameters
             kept = states["optimizer_state"] // world_size
             peak -= states["optimizer_state"] - kept
@@ -148,5 +148,6 @@ def _metered_step(model, opt, batch):
         loss.backward()
         opt.step()
         states = meter.current_split()  # parameters, gradients, optimizer state and what the step still holds
+        states["other"] = states.pop("activations")  # at rest: no activations, the batch and the last logits
         opt.zero_grad(set_to_none=True)
     return meter.peak_bytes, meter.peak_split(), states

@@ -166,7 +166,8 @@ def test_sharded_estimate_states_follow_zero(stage, tiny_config):
     B, T, V = 2, 16, tiny_config.vocab_size
     step_left = 2 * B * T * 8 + B * T * V * F32 + F32  # the batch, the logits and the loss, alive after the update
     buckets = est.states["gradients"] if stage < 2 else 0  # DDP's buckets: one more copy of the gradients
-    assert est.states["activations"] == step_left + buckets
+    assert est.states["other"] == step_left + buckets  # at rest: "other", never activations
+    assert set(est.states) == {"parameters", "gradients", "optimizer_state", "other"}
     assert (est.world_size, est.zero_stage) == (n, stage)
 
 
