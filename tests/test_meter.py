@@ -587,3 +587,22 @@ def test_sharded_tensors_count_their_local_shard(fake_world_of_4):
         assert (split["parameters"], split["gradients"]) == (320, 320)
         del weight, module
         assert m.current_bytes == 0
+
+
+def test_adam_state_of_fsdp2_shards_counts_its_local_shard(fake_world_of_4):
+    """FSDP2 on a fake group of 4: Adam's moments are DTensors like the parameters; each counts at its local shard."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model = torch.nn.Linear(16, 8, bias=False)  # 128 weights: a 2 x 16 shard on each of 4 ranks
+    fully_shard(model, mesh=fake_world_of_4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+    model.weight.grad = DTensor.from_local(torch.ones(2, 16), fake_world_of_4, model.weight.placements)
+    opt.step()  # the state exists from here on: exp_avg and exp_avg_sq as DTensors, step a plain scalar
+    state = opt.state[model.weight]
+    assert isinstance(state["exp_avg"], DTensor) and state["exp_avg"].shape == (8, 16)
+    with MemoryMeter(device="cpu") as m:
+        m.track(model, opt)
+        split = m.current_split()
+    assert split["parameters"] == split["gradients"] == 2 * 16 * F32  # the local shard, not the global 8 x 16
+    assert split["optimizer_state"] == 2 * (2 * 16 * F32) + F32  # two local moment shards and the step counter
