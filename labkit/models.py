@@ -335,7 +335,13 @@ def partition(model: nn.Module, parts: int) -> list[nn.Sequential]:
     stages = split_stages(model)
     body = stages[1:-1] if isinstance(model, GPT) else stages[:-1]
     from labkit.checkpointing import segment_sizes
-    sizes = segment_sizes(len(body), check_int("parts", parts, 1, len(body)))
+    from labkit.validate import ParameterError
+    check_int("parts", parts, 1)
+    if parts > len(body):
+        unit = "blocks" if isinstance(model, GPT) else "layers"
+        raise ParameterError(f"parts ({parts}) must not exceed the model's {len(body)} {unit}: each piece needs at "
+                             f"least one (more ranks than {unit} would leave a rank with nothing to hold)")
+    sizes = segment_sizes(len(body), parts)
     pieces, start = [], 0
     for i, size in enumerate(sizes):
         piece = list(body[start:start + size])

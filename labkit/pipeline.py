@@ -4,11 +4,12 @@ Reference for notebook 06. K stages, M micro-batches; a stage's forward of one m
 t_f, its backward t_b (about 2·t_f for matmuls).
 
     ideal_schedule("1F1B", K, M)           # {stage: [(label, start, end), ...]} with every stage alike
+    replay(actions_by_rank)                # measured actions again, communication free and no waiting
     bubble_theory(K, M)                    # (K - 1) / (M + K - 1), GPipe's bubble fraction
     time_actions(stage)                    # inside a rank: every forward/backward of a PipelineStage
                                            # becomes a labkit.dist span "F3", "B3" (or "F3/s2", naming
                                            # the stage, when a rank holds several)
-    actions_within(spans, "step GPipe M=4")   # the actions inside one labelled span (one timed step)
+    actions_within(spans, "GPipe M=4 #0")  # the actions inside one labelled span (one timed step)
     measured_bubble(actions_by_rank)       # the same fraction, from measured actions
 
 **Which bubble.** The fraction plotted here is idle rank-time over total rank-time within the
@@ -29,15 +30,15 @@ SCHEDULES = ("GPipe", "1F1B")
 ACTION_KINDS = ("F", "B", "W")  # forward, backward (input and weights), weight-only backward (zero bubble)
 
 
-def bubble_theory(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+def bubble_theory(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
     """Return the idle fraction of a pipeline with equal stages: (K - 1) / (V·M + K - 1)."""
     check_int("stages", stages, 1)
-    check_int("microbatches", microbatches, 1)
+    check_int("micro_batches", micro_batches, 1)
     check_int("virtual_stages", virtual_stages, 1)
-    return (stages - 1) / (virtual_stages * microbatches + stages - 1)
+    return (stages - 1) / (virtual_stages * micro_batches + stages - 1)
 
 
-def stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[str]:
+def stage_order(schedule: str, stage: int, stages: int, micro_batches: int) -> list[str]:
     """Return the actions one stage runs, in order: "F0", "F1", ..., "B0", ... (GPipe) or interleaved (1F1B).
 
     1F1B (PipeDream-Flush): stage s first runs K - s forwards (fewer if M is smaller), then
@@ -46,20 +47,51 @@ def stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> li
     """
     check_choice("schedule", schedule, SCHEDULES)
     if schedule == "GPipe":
-        return [f"F{i}" for i in range(microbatches)] + [f"B{i}" for i in range(microbatches)]
-    warmup = min(stages - stage, microbatches)
+        return [f"F{i}" for i in range(micro_batches)] + [f"B{i}" for i in range(micro_batches)]
+    warmup = min(stages - stage, micro_batches)
     order = [f"F{i}" for i in range(warmup)]
     f, b = warmup, 0
-    while b < microbatches:
+    while b < micro_batches:
         order.append(f"B{b}")
         b += 1
-        if f < microbatches:
+        if f < micro_batches:
             order.append(f"F{f}")
             f += 1
     return order
 
 
-def ideal_schedule(schedule: str, stages: int, microbatches: int, t_f=1.0,
+def _simulate(orders: dict[int, list[tuple[str, int, float]]], stages: int) -> dict[int, list]:
+    """Run each rank's (label, stage, seconds) actions in order, each as soon as its rank is free and its input ready.
+
+    F(s, i) needs F(s-1, i); B(s, i) needs B(s+1, i), or F(K-1, i) on the last stage. Communication
+    is free. Returns {rank: [(label, start, end), ...]}.
+    """
+    done: dict[tuple[int, str], float] = {}
+    out: dict[int, list] = {r: [] for r in orders}
+    free = dict.fromkeys(orders, 0.0)
+    pos = dict.fromkeys(orders, 0)
+    while any(pos[r] < len(orders[r]) for r in orders):
+        progressed = False
+        for r in orders:
+            if pos[r] == len(orders[r]):
+                continue
+            label, s, seconds = orders[r][pos[r]]
+            kind, i = label[0], int(label[1:].split("/")[0])
+            first = kind == "F" and s == 0
+            dep = (s - 1, f"F{i}") if kind == "F" else ((s + 1, f"B{i}") if s < stages - 1 else (s, f"F{i}"))
+            if first or dep in done:
+                start = max(free[r], 0.0 if first else done[dep])
+                out[r].append((label, start, start + seconds))
+                done[(s, f"{kind}{i}")] = free[r] = start + seconds
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the actions cannot run in the order given: each rank's order must respect the "
+                             "pipeline's dependencies")
+    return out
+
+
+def ideal_schedule(schedule: str, stages: int, micro_batches: int, t_f=1.0,
                    t_b=2.0) -> dict[int, list[tuple[str, float, float]]]:
     """Simulate a pipeline with free communication; return each stage's (label, start, end) actions.
 
@@ -69,34 +101,34 @@ def ideal_schedule(schedule: str, stages: int, microbatches: int, t_f=1.0,
     F(K-1, i) on the last stage.
     """
     check_int("stages", stages, 1)
-    check_int("microbatches", microbatches, 1)
+    check_int("micro_batches", micro_batches, 1)
     t_f = [float(t_f)] * stages if isinstance(t_f, (int, float)) else [float(t) for t in t_f]
     t_b = [float(t_b)] * stages if isinstance(t_b, (int, float)) else [float(t) for t in t_b]
     if len(t_f) != stages or len(t_b) != stages:
         raise ValueError(f"t_f and t_b need one time per stage ({stages}), got {len(t_f)} and {len(t_b)}")
-    orders = {s: stage_order(schedule, s, stages, microbatches) for s in range(stages)}
-    done: dict[tuple[int, str], float] = {}
-    out: dict[int, list] = {s: [] for s in range(stages)}
-    free = dict.fromkeys(range(stages), 0.0)
-    pos = dict.fromkeys(range(stages), 0)
-    while any(pos[s] < len(orders[s]) for s in range(stages)):
-        progressed = False
-        for s in range(stages):
-            if pos[s] == len(orders[s]):
-                continue
-            label = orders[s][pos[s]]
-            kind, i = label[0], int(label[1:])
-            dep = (s - 1, f"F{i}") if kind == "F" else ((s + 1, f"B{i}") if s < stages - 1 else (s, f"F{i}"))
-            if (kind == "F" and s == 0) or dep in done:
-                start = max(free[s], 0.0 if (kind == "F" and s == 0) else done[dep])
-                end = start + (t_f[s] if kind == "F" else t_b[s])
-                out[s].append((label, start, end))
-                done[(s, label)] = end
-                free[s] = end
-                pos[s] += 1
-                progressed = True
-        assert progressed, "the schedule deadlocked"  # cannot happen for GPipe and 1F1B
-    return out
+    orders = {s: [(label, s, t_f[s] if label[0] == "F" else t_b[s])
+                  for label in stage_order(schedule, s, stages, micro_batches)] for s in range(stages)}
+    return _simulate(orders, stages)
+
+
+def replay(actions_by_rank: dict[int, list]) -> dict[int, list[tuple[str, float, float]]]:
+    """Replay measured actions with free communication: same order on each rank, same durations, no waiting.
+
+    Each action starts as soon as its rank is free and its input is ready (see ideal_schedule);
+    what is left is the step the measured compute alone allows. A rank holding one stage is that
+    stage; labels "F3/s2" name the stage when a rank holds several. Waiting can only add to a step:
+    the measured makespan is at least the replay's (up to the ranks' clock offsets).
+    """
+    stages = 0
+    orders: dict[int, list] = {}
+    for r, acts in actions_by_rank.items():
+        rows = []
+        for label, a, b in sorted(acts, key=lambda act: act[1]):
+            s = int(label.split("/s")[1]) if "/s" in label else r
+            stages = max(stages, s + 1)
+            rows.append((label, s, float(b) - float(a)))
+        orders[r] = rows
+    return _simulate(orders, stages)
 
 
 def time_actions(stage, name_stage: bool = False) -> None:
@@ -124,13 +156,20 @@ def time_actions(stage, name_stage: bool = False) -> None:
     wrap("backward_weight_one_chunk", "W")
 
 
-def actions_within(spans: list, window: str) -> list[tuple[str, float, float]]:
-    """Return the pipeline actions ("F…", "B…", "W…") of a rank's spans inside the span labelled `window`."""
+def actions_within(spans: list, window: str, core_waits: list | None = None) -> list[tuple[str, float, float]]:
+    """Return the pipeline actions ("F…", "B…", "W…") of a rank's spans inside the span labelled `window`.
+
+    core_waits: the rank's RankResult.core_waits (one per span). Given, each action ends earlier by
+    the time its rank waited for a CPU core inside it: the action's own work, as on an idle machine.
+    """
+    if core_waits is not None and len(core_waits) != len(spans):
+        raise ValueError(f"core_waits needs one entry per span ({len(spans)}), got {len(core_waits)}")
+    waits = core_waits if core_waits is not None else [0.0] * len(spans)
     frames = [(a, b) for label, a, b in spans if label == window]
     if len(frames) != 1:
         raise ValueError(f"expected one span labelled {window!r}, found {len(frames)}")
     lo, hi = frames[0]
-    return [(label, float(a), float(b)) for label, a, b in spans
+    return [(label, float(a), float(b) - float(w)) for (label, a, b), w in zip(spans, waits)
             if label[:1] in ACTION_KINDS and label != window and lo <= a and b <= hi]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.pipeline import (actions_within, bubble_theory, ideal_schedule, measured_bubble, stage_order)
+from labkit.pipeline import (actions_within, bubble_theory, ideal_schedule, measured_bubble, replay, stage_order)
 from labkit.plots import plot_gantt
 
 
@@ -18,17 +18,17 @@ def test_stage_orders_of_gpipe_and_1f1b():
 
 
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
-@pytest.mark.parametrize("stages, microbatches", [(2, 1), (2, 4), (4, 8), (3, 5)])
-def test_ideal_schedules_have_gpipes_bubble(schedule, stages, microbatches):
-    plan = ideal_schedule(schedule, stages, microbatches, t_f=1.0, t_b=2.0)
+@pytest.mark.parametrize("stages, micro_batches", [(2, 1), (2, 4), (4, 8), (3, 5)])
+def test_ideal_schedules_have_gpipes_bubble(schedule, stages, micro_batches):
+    plan = ideal_schedule(schedule, stages, micro_batches, t_f=1.0, t_b=2.0)
     assert sorted(plan) == list(range(stages))
     for s, actions in plan.items():
-        assert [label for label, _, _ in actions] == stage_order(schedule, s, stages, microbatches)
+        assert [label for label, _, _ in actions] == stage_order(schedule, s, stages, micro_batches)
         assert all(b > a for _, a, b in actions)
         assert all(actions[i][2] <= actions[i + 1][1] for i in range(len(actions) - 1))  # one action at a time
     measured = measured_bubble(plan)
-    assert measured["makespan_s"] == pytest.approx((microbatches + stages - 1) * 3.0)
-    assert measured["bubble_fraction"] == pytest.approx(bubble_theory(stages, microbatches))
+    assert measured["makespan_s"] == pytest.approx((micro_batches + stages - 1) * 3.0)
+    assert measured["bubble_fraction"] == pytest.approx(bubble_theory(stages, micro_batches))
 
 
 def test_1f1b_holds_at_most_k_micro_batches_gpipe_all_of_them():
@@ -56,7 +56,7 @@ def test_bubble_theory_and_its_interleaved_form():
     assert bubble_theory(4, 12) == pytest.approx(3 / 15)
     assert bubble_theory(2, 4, virtual_stages=2) == pytest.approx(1 / 9)
     assert bubble_theory(1, 7) == 0.0
-    with pytest.raises(ValueError, match="microbatches"):
+    with pytest.raises(ValueError, match="micro_batches"):
         bubble_theory(2, 0)
 
 
@@ -71,9 +71,61 @@ def test_actions_within_a_window_and_the_measured_bubble():
         measured_bubble({0: []})
 
 
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_a_replay_removes_the_waiting_and_keeps_the_compute(schedule):
+    """Measured actions delayed by waits (sends, a neighbour, a busy core) replay into the compute-only schedule."""
+    K, M = 3, 5
+    compact = ideal_schedule(schedule, K, M, t_f=[1.0, 1.5, 1.2], t_b=[2.0, 2.5, 3.0])
+    assert replay(compact) == compact  # nothing to remove
+    delayed = {}
+    for s, actions in compact.items():  # every action starts later by a growing wait: the order stays the same
+        delayed[s] = [(label, a + 0.3 * (n + 1) + 0.1 * s, b + 0.3 * (n + 1) + 0.1 * s)
+                      for n, (label, a, b) in enumerate(actions)]
+    again = replay(delayed)
+    assert {s: [(label, pytest.approx(a), pytest.approx(b)) for label, a, b in acts] for s, acts in again.items()} \
+        == compact
+    assert measured_bubble(delayed)["bubble_fraction"] > measured_bubble(again)["bubble_fraction"]
+    assert measured_bubble(delayed)["busy_s"] == pytest.approx(measured_bubble(again)["busy_s"])
+
+
+def test_a_replay_follows_the_stage_named_in_each_label():
+    """Interleaved: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3; "F0/s2" is stage 2's forward."""
+    acts = {0: [("F0/s0", 0, 1), ("F0/s2", 5, 6), ("B0/s2", 9, 10), ("B0/s0", 13, 14)],
+            1: [("F0/s1", 2, 3), ("F0/s3", 7, 8), ("B0/s3", 8, 9), ("B0/s1", 11, 12)]}
+    plan = replay(acts)
+    assert plan[0] == [("F0/s0", 0, 1), ("F0/s2", 2, 3), ("B0/s2", 5, 6), ("B0/s0", 7, 8)]
+    assert plan[1] == [("F0/s1", 1, 2), ("F0/s3", 3, 4), ("B0/s3", 4, 5), ("B0/s1", 6, 7)]
+    with pytest.raises(ValueError, match="order"):
+        replay({0: [("B0", 0, 1), ("F0", 1, 2)], 1: [("F0", 0, 1), ("B0", 1, 2)]})  # B before its F: impossible
+
+
+def test_actions_within_can_leave_out_the_wait_for_a_core():
+    spans = [("F0", 0.1, 0.3), ("step", 0.0, 1.0), ("B0", 0.4, 0.9)]
+    assert actions_within(spans, "step", core_waits=[0.05, 0.0, 0.2]) == [("F0", 0.1, pytest.approx(0.25)),
+                                                                           ("B0", 0.4, pytest.approx(0.7))]
+    with pytest.raises(ValueError, match="one entry per span"):
+        actions_within(spans, "step", core_waits=[0.0])
+
+
 def test_plot_gantt_draws_a_row_per_rank():
     ax = plot_gantt(ideal_schedule("1F1B", 2, 4))
     assert len(ax.patches) == 16  # 2 stages × (4 forwards + 4 backwards)
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
     colors = {p.get_facecolor()[:3] for p in ax.patches}
     assert len(colors) == 2  # forward and backward
+
+
+def test_partition_shares_out_the_blocks_and_refuses_more_pieces_than_blocks(tiny_gpt):
+    import labkit
+    from labkit.models import partition
+
+    model = tiny_gpt()  # 2 blocks
+    pieces = partition(model, 2)
+    assert len(pieces) == 2
+    held = [{id(p) for p in piece.parameters()} for piece in pieces]
+    assert held[0] | held[1] == {id(p) for p in model.parameters()}  # every parameter is held somewhere
+    assert held[0] & held[1] == {id(model.tok_emb.weight)}  # only the tied embedding/head weight is on both ends
+    with pytest.raises(labkit.ParameterError, match=r"parts \(3\) must not exceed the model's 2 blocks"):
+        partition(model, 3)
+    with pytest.raises(labkit.ParameterError, match="parts"):
+        partition(model, 0)
