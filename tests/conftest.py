@@ -31,6 +31,7 @@ SMALL_PARAMETERS = {
                                    ENGINE_TRIALS=2),
 }
 NOTEBOOK_FIXTURES = {"execute_notebook", "validate_parameters"}
+SESSION_TAG = "LABKIT_TEST_SESSION"  # inherited by every process the session starts
 
 
 def pytest_configure(config):
@@ -38,17 +39,22 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # the controller, before any worker starts
         import os
         import uuid
-        os.environ.setdefault("LABKIT_TEST_SESSION", uuid.uuid4().hex)
+        os.environ.setdefault(SESSION_TAG, uuid.uuid4().hex)
 
 
-def pytest_sessionfinish(session, exitstatus):
-    """Fail the run if a process it started (a rank, a kernel, a worker) is still alive at the end."""
+def leftover_processes(tag: str | None = None, wait_s: float = 10.0) -> list[str]:
+    """Return "pid: command" of the live processes carrying SESSION_TAG=`tag` (default: this session's), this one aside.
+
+    Waits up to `wait_s` for them to exit first: processes stopped a moment ago may still be exiting.
+    Zombies (exited, not yet reaped) do not count. Linux only (reads /proc); elsewhere returns [].
+    """
     import os
     import time
-    if hasattr(session.config, "workerinput") or not os.path.isdir("/proc"):
-        return
-    tag = f"LABKIT_TEST_SESSION={os.environ.get('LABKIT_TEST_SESSION')}".encode()
-    deadline = time.monotonic() + 10  # processes stopped a moment ago may still be exiting
+    if not os.path.isdir("/proc"):
+        return []
+    tag = os.environ.get(SESSION_TAG) if tag is None else tag
+    marker = f"{SESSION_TAG}={tag}".encode()
+    deadline = time.monotonic() + wait_s
     while True:
         left = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -56,7 +62,7 @@ def pytest_sessionfinish(session, exitstatus):
                 continue
             try:
                 with open(f"/proc/{pid}/environ", "rb") as f:
-                    if tag not in f.read().split(b"\0"):
+                    if marker not in f.read().split(b"\0"):
                         continue
                 with open(f"/proc/{pid}/stat") as f:
                     if f.read().split(")")[-1].split()[0] == "Z":
@@ -67,8 +73,15 @@ def pytest_sessionfinish(session, exitstatus):
             except OSError:
                 continue
         if not left or time.monotonic() > deadline:
-            break
+            return left
         time.sleep(0.2)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if a process it started (a rank, a kernel, a worker) is still alive at the end."""
+    if hasattr(session.config, "workerinput"):
+        return
+    left = leftover_processes()
     if left:
         session.config.pluginmanager.get_plugin("terminalreporter").write_line(
             "processes started by the tests are still running:\n  " + "\n  ".join(left), red=True)

@@ -206,8 +206,8 @@ def test_two_launches_at_once_do_not_collide(ranks_script, tmp_path):
 
 def test_parse_args_reads_literals_and_strings():
     from labkit.dist.rank import parse_args
-    assert parse_args(["--microbatches", "4", "--schedule", "1F1B", "--sizes", "[1, 2]", "--name", "'x'"]) == {
-        "microbatches": 4, "schedule": "1F1B", "sizes": [1, 2], "name": "x"}
+    assert parse_args(["--micro_batches", "4", "--schedule", "1F1B", "--sizes", "[1, 2]", "--name", "'x'"]) == {
+        "micro_batches": 4, "schedule": "1F1B", "sizes": [1, 2], "name": "x"}
     with pytest.raises(SystemExit):
         parse_args(["--lonely"])
 
@@ -232,3 +232,103 @@ def test_writefiles_writes_the_rank_scripts_of_a_notebook_as_running_it_would(tm
     for p in paths:
         compile(p.read_text(), str(p), "exec")  # valid Python
         assert p.read_text() == files[p.name]
+
+
+def test_the_same_script_runs_under_torchrun(ranks_script, tmp_path):
+    """`labkit.dist.run(main)` under torch's own torchrun: the group forms, each rank prints its report line."""
+    marker = str(tmp_path / "m")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(ranks_script),
+                           "--marker", repr(marker), "--scale", "0.5"],
+                          capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("[rank ") and line.endswith("}"):
+            tag, _, payload = line.partition("] ")
+            reports[int(tag[len("[rank "):])] = __import__("json").loads(payload)
+    assert sorted(reports) == [0, 1], proc.stdout
+    for r, report in reports.items():
+        assert report["value"] == {"rank": r, "sum": 256 * 1.5, "device": "cpu"}  # (1 + 2) × 0.5, 256 elements
+        assert report["records"] == {"total": 1.5} and "sum" in report["meters"]
+        assert f"hello from rank {r} of 2" in proc.stdout
+    _assert_none_left(marker, 2)
+
+
+def _one_rank_group():
+    """Join a one-process gloo group in this process (a HashStore: nothing listens on a port)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+
+
+def test_comm_counter_counts_calls_and_bytes_by_hand():
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    _one_rank_group()
+    try:
+        x = torch.ones(256)  # 1024 B of fp32
+        outs = [torch.empty(256)]
+        with ld.CommCounter() as comm:
+            dist.all_reduce(x)
+            dist.all_reduce(x[:100])  # 400 B
+            dist.all_gather(outs, x)  # this rank's shard: 1024 B
+            dist.broadcast(torch.zeros(8, dtype=torch.float64), src=0)  # 64 B
+            z = funcol.all_reduce(torch.ones(16), "sum", dist.group.WORLD)  # DTensor's path: 64 B
+            y = x * 2  # not a collective: not counted
+        assert float(z[0]) == 1.0  # (waits for the functional collective)
+        assert comm.calls == {"all_reduce": 3, "all_gather": 1, "broadcast": 1}
+        assert comm.bytes == {"all_reduce": 1024 + 400 + 64, "all_gather": 1024, "broadcast": 64}
+        assert comm.total_bytes() == 1488 + 1024 + 64
+        # ring algorithms on K = 4 ranks: an all-reduce sends 2(K-1)/K of its payload, an all-gather K-1 shards
+        assert comm.wire_bytes(4) == pytest.approx(1.5 * 1488 + 3 * 1024 + 0.75 * 64)
+        assert float(y[0]) == 2.0
+    finally:
+        dist.destroy_process_group()
+
+
+SEND_RECV = textwrap.dedent('''
+    import torch, torch.distributed as dist
+    import labkit.dist as ld
+
+    def main():
+        with ld.CommCounter() as comm:
+            if ld.rank() == 0:
+                dist.send(torch.ones(10), dst=1)  # 40 B
+                dist.send(torch.ones(3, dtype=torch.float64), dst=1)  # 24 B
+            else:
+                a, b = torch.empty(10), torch.empty(3, dtype=torch.float64)
+                dist.recv(a, src=0)
+                dist.recv(b, src=0)
+        return {"calls": comm.calls, "bytes": comm.bytes, "wire": comm.wire_bytes(2)}
+
+    if __name__ == "__main__":
+        ld.run(main)
+''')
+
+
+def test_comm_counter_counts_point_to_point_sends_and_receives(tmp_path):
+    script = tmp_path / "p2p.py"
+    script.write_text(SEND_RECV)
+    r0, r1 = ld.launch(script, 2, device="cpu", echo=False)
+    assert r0.value == {"calls": {"send": 2}, "bytes": {"send": 64}, "wire": 64.0}
+    assert r1.value == {"calls": {"recv": 2}, "bytes": {"recv": 64}, "wire": 0.0}  # receiving sends nothing
+
+
+def test_the_suites_guard_finds_a_process_left_behind():
+    """conftest's session-end guard: a process carrying the session's tag and still alive is reported, by pid."""
+    from conftest import SESSION_TAG, leftover_processes
+
+    tag = f"guard-test-{os.getpid()}"  # a tag of its own: the real session's processes stay out of it
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                               env={**os.environ, SESSION_TAG: tag})
+    try:
+        left = leftover_processes(tag, wait_s=0)
+        assert [line.split(":")[0] for line in left] == [str(sleeper.pid)]
+        assert "time.sleep(600)" in left[0]
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=10)
+    assert leftover_processes(tag, wait_s=5) == []  # gone (and reaped): nothing to report

@@ -1,7 +1,7 @@
 """Launch a rank script on N local processes from a notebook cell and bring back what each rank produced.
 
-    results = labkit.dist.launch("06_pipeline_ranks.py", nproc=2, params={"microbatches": 4})
-    results[1].value, results[1].records, results[1].meters, results[1].spans
+    results = labkit.dist.launch("06_pipeline_ranks.py", nproc=2, params={"micro_batches_sweep": [2, 8]})
+    results[1].value, results[1].records, results[1].meters, results[1].spans, results[1].core_waits
 
 Built on torch's own process launcher (`torch.distributed.elastic.multiprocessing.start_processes`,
 the engine under torchrun): each rank is `python <script> --name value ...` in its own process
@@ -52,6 +52,7 @@ class RankResult:
     records: dict = field(default_factory=dict)  # what the rank labkit.record()ed
     meters: dict = field(default_factory=dict)  # meter summaries by name (labkit.dist.meter)
     spans: list = field(default_factory=list)  # [label, start_s, end_s] on the rank's clock (0: start barrier)
+    core_waits: list = field(default_factory=list)  # seconds of each span spent waiting for a CPU core (Linux)
     device: str = ""  # the rank's compute device
     stdout: str = ""  # what the rank printed (the last OUTPUT_CHARS characters)
     stderr: str = ""  # what it wrote to stderr (idem)
@@ -113,7 +114,7 @@ def _device(device: str, nproc: int) -> str:
 
 
 def _cli(params: dict) -> list[str]:
-    """Turn {"microbatches": 4, "schedule": "1F1B"} into ["--microbatches", "4", "--schedule", "'1F1B'"]."""
+    """Turn {"micro_batches": 4, "schedule": "1F1B"} into ["--micro_batches", "4", "--schedule", "'1F1B'"]."""
     out = []
     for name, value in params.items():
         if not isinstance(name, str) or not name.isidentifier():
@@ -231,6 +232,7 @@ def _collect(context, nproc: int, results_dir: str, timed_out: bool, timeout_s: 
         report = json.loads(Path(path).read_text(encoding="utf-8")) if os.path.exists(path) else {}
         out.append(RankResult(rank=r, value=report.get("value"), records=report.get("records", {}),
                               meters=report.get("meters", {}), spans=report.get("spans", []),
+                              core_waits=report.get("core_waits", []),
                               device=report.get("device", ""), stdout=_tail(context.stdouts.get(r)),
                               stderr=_tail(context.stderrs.get(r)),
                               exitcode=handlers[r].proc.poll() if r in handlers else None,

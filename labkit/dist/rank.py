@@ -8,13 +8,15 @@ A rank script (a notebook writes one with `%%writefile`; any script will do) end
 `run` is the same under `labkit.dist.launch` (from a notebook cell) and under `torchrun`: it reads
 RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, joins the group with gloo on CPU or
 NCCL on CUDA (one GPU per rank, `LOCAL_RANK` picks it), and calls `main(**parameters)`, the
-parameters being the command line's `--name value` pairs (`--microbatches 4 --schedule 1F1B`:
+parameters being the command line's `--name value` pairs (`--micro_batches 4 --schedule 1F1B`:
 values read as Python literals where they parse, else as strings).
 
 What a rank produces travels back to the launcher as plain data (JSON, one file per rank):
 main's return value, what it `labkit.record()`ed, the summaries of the meters opened with
 `meter(name)`, and the labelled `span`s it timed, on a clock that starts at the same barrier on
-every rank. Under torchrun (no launcher) each rank prints that summary on one line instead.
+every rank, with the seconds the rank spent inside each span waiting for a CPU core (`core_wait_s`:
+other processes had the cores; on Linux, 0 elsewhere). Under torchrun (no launcher) each rank prints
+that summary on one line instead.
 
 If main raises, the rank writes its traceback into its report and exits with status 1; the
 launcher then stops the other ranks. A rank started by the launcher also dies with it (Linux:
@@ -44,7 +46,7 @@ DEVICE_ENV = "LABKIT_DEVICE"  # "cpu" or "cuda", chosen by the launcher ("auto" 
 TIMEOUT_ENV = "LABKIT_TIMEOUT_S"  # collectives give up after this many seconds
 BACKEND_ENV = "LABKIT_BACKEND"  # "gloo" or "nccl", chosen by the launcher (by the device under torchrun)
 
-_state = {"t0": None, "spans": [], "meters": {}}
+_state = {"t0": None, "spans": [], "core_waits": [], "meters": {}}
 
 
 def rank() -> int:
@@ -71,24 +73,43 @@ def now_s() -> float:
     return time.perf_counter() - t0
 
 
+def core_wait_s() -> float:
+    """Return the seconds this thread has spent ready to run but waiting for a CPU core (Linux; 0.0 elsewhere).
+
+    The kernel's run-queue delay (/proc/thread-self/schedstat, second field): on a machine shared
+    with other processes a span's wall time is its work plus this wait.
+    """
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 @contextlib.contextmanager
 def span(label: str):
-    """Time the block as a labelled span of this rank's timeline (device synchronised at both ends)."""
+    """Time the block as a labelled span of this rank's timeline (device synchronised at both ends).
+
+    Also notes how long the rank waited for a CPU core inside it (RankResult.core_waits).
+    """
     dev = device()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    start = now_s()
+    start, wait0 = now_s(), core_wait_s()
     try:
         yield
     finally:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        _state["spans"].append((label, start, now_s()))
+        end = now_s()
+        _state["spans"].append((label, start, end))
+        _state["core_waits"].append(min(max(core_wait_s() - wait0, 0.0), end - start))
 
 
-def add_span(label: str, start_s: float, end_s: float) -> None:
+def add_span(label: str, start_s: float, end_s: float, core_wait_s: float = 0.0) -> None:
     """Add a span measured elsewhere (seconds on this rank's clock, see now_s)."""
     _state["spans"].append((label, float(start_s), float(end_s)))
+    _state["core_waits"].append(float(core_wait_s))
 
 
 @contextlib.contextmanager
@@ -139,7 +160,7 @@ def run(main) -> None:
         report["error"] = traceback.format_exc()
         report["failed_at"] = time.time()  # the launcher names the rank that failed first
     report.update(records=jsonable(recorded()), meters=jsonable(_state["meters"]),
-                  spans=[list(s) for s in _state["spans"]])
+                  spans=[list(s) for s in _state["spans"]], core_waits=list(_state["core_waits"]))
     _write(report)
     if ok:
         dist.destroy_process_group()
@@ -161,5 +182,5 @@ def _write(report: dict) -> None:
             json.dump(report, f)
         os.replace(path + ".tmp", path)  # complete or absent, never half-written
     else:  # under torchrun: one line per rank
-        shown = {k: v for k, v in report.items() if k != "spans"}
+        shown = {k: v for k, v in report.items() if k not in ("spans", "core_waits")}
         print(f"[rank {report['rank']}] {json.dumps(shown)[:2000]}", flush=True)
