@@ -1,12 +1,20 @@
-"""Notebook 07 under papermill with another seed and four ranks: the recorded invariants hold."""
+"""Notebook 07 under papermill with another seed and four ranks: the recorded invariants hold; its rank
+script reports a budget refusal as a result ("does not fit"), not a crash."""
 
+from pathlib import Path
+
+import nbformat
 import pytest
 
 import labkit
+import labkit.dist as ld
 from labkit import zero
+from labkit.dist.rank import DEVICE_ENV
+from labkit.tools.writefiles import written_files
 
 STEM = "07_sharded_data_parallel"
 POINTS = {"DDP": 0, "ZeRO-1": 1, "FSDP2 ZeRO-2": 2, "FSDP2 ZeRO-3": 3}
+STATE_KINDS = ("parameters", "gradients", "optimizer_state")
 
 
 def test_notebook_07_invariants_with_another_seed_on_four_ranks(execute_notebook):
@@ -18,19 +26,64 @@ def test_notebook_07_invariants_with_another_seed_on_four_ranks(execute_notebook
     assert 0 <= m["max_rel_grad_diff_fsdp"] <= 1e-5
     per_param = m["bytes_per_param_per_rank_by_stage"]
     assert list(per_param) == [str(n)]  # MEMORY_RANKS=0: the four-rank point is the measured one
+    peak = m["peak_bytes_per_param_per_rank_by_stage"][str(n)]
     for point, stage in POINTS.items():
         got = per_param[str(n)][point]
-        states = got["parameters"] + got["gradients"] + got["optimizer_state"]
-        formula = sum(zero.model_state_bytes_per_param(3 if stage == 2 else stage, n).values())  # FSDP2: see the notebook
-        assert states == pytest.approx(formula, rel=0.05), point
+        assert set(got) == {*STATE_KINDS, "other"}  # at rest: no activations, the rest is "other"
+        want = zero.model_state_bytes_per_param(3 if stage == 2 else stage, n)  # FSDP2: see the notebook
+        for kind in STATE_KINDS:
+            assert got[kind] == pytest.approx(want[kind], rel=0.05), (point, kind)
+            assert m["zero_formula_rel_error_by_category"][str(n)][point][kind] <= 0.05, (point, kind)  # every rank
+        assert set(peak[point]) == {*STATE_KINDS, "activations", "other"}
     assert m["zero_formula_rel_error_by_stage"][str(n)]["FSDP2 ZeRO-2"] > 0.05  # the paper's stage 2 keeps whole parameters
+    assert per_param[str(n)]["DDP"]["other"] - per_param[str(n)]["FSDP2 ZeRO-3"]["other"] == pytest.approx(4)  # buckets
+    assert peak["DDP"]["other"] == 4 and peak["DDP"]["activations"] == peak["ZeRO-1"]["activations"]
+    assert peak["FSDP2 ZeRO-2"]["parameters"] > peak["FSDP2 ZeRO-3"]["parameters"]  # gathered from forward to backward
     psi = labkit.running_example().config.n_params()
     ring = zero.ring_factor(n)
     comm = m["comm_bytes_per_step_by_stage"]
     for point, elements in (("DDP", 2), ("ZeRO-1", 3), ("FSDP2 ZeRO-2", 2), ("FSDP2 ZeRO-3", 3)):
         assert comm[point] == pytest.approx(elements * psi * 4 * ring, rel=0.01), point
-    assert isinstance(m["fits_in_budget_per_rank"], bool)
+    by_kind = m["comm_bytes_by_collective_by_stage"]
+    assert by_kind["DDP"]["all_reduce"]["input_bytes"] == 4 * psi and by_kind["DDP"]["reduce_scatter"]["calls"] == 0
+    assert by_kind["FSDP2 ZeRO-3"]["all_gather"]["sent_bytes"] == pytest.approx(2 * 4 * psi * ring, rel=0.01)
+    assert by_kind["FSDP2 ZeRO-3"]["reduce_scatter"]["sent_bytes"] == pytest.approx(4 * psi * ring, rel=0.01)
+    for point, kinds in by_kind.items():
+        assert sum(k["sent_bytes"] for k in kinds.values()) == pytest.approx(comm[point]), point
+    # the budget verdict, checked against the recorded per-rank peaks and budget
+    peaks, budget = m["checkpointing_peak_bytes_per_rank"], m["rank_budget_bytes"]
+    assert len(peaks) == n and budget == labkit.running_example().budget_bytes // n
+    assert m["fits_in_budget_per_rank"] is True
+    assert all(p is not None and 0 < p <= budget for p in peaks)
     assert all(0 <= e <= 0.02 for e in m["estimate_rel_error_by_stage"].values())
     by_stage = m["estimate_7b_per_rank_bytes_by_ranks"]["8"]
     assert by_stage["0"] > by_stage["1"] > by_stage["3"] > 0
     assert m["bf16_all_gather_ratio"] == 0.5
+
+
+def test_rank_script_reports_a_budget_refusal_as_does_not_fit(tmp_path, monkeypatch):
+    """A rank over its budget returns fits=False with the refused allocation instead of raising (one rank, in process)."""
+    import importlib.util
+
+    import torch.distributed as dist
+
+    nb = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / f"{STEM}.ipynb", as_version=4)
+    (name, text), = [f for f in written_files(nb) if f[0].endswith("_ranks.py")]
+    script = tmp_path / name
+    script.write_text(text)
+    spec = importlib.util.spec_from_file_location("nb07_ranks", script)
+    ranks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ranks)
+    monkeypatch.setenv(DEVICE_ENV, "cpu")  # this rank computes on the CPU, as a launched one would here
+    budget = 256 * 1024
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        results = ranks.main(n_layer=1, n_head=2, batch=2, seq_len=8, points=[], mixed_precision=False,
+                             checkpoint_budget_bytes=budget)
+    finally:
+        dist.destroy_process_group()
+    (point, value), = results.items()
+    assert point == "FSDP2 ZeRO-3 + checkpointing" and value["fits"] is False
+    refused = value["refused"]
+    assert refused["budget_bytes"] == budget and refused["in_use_bytes"] + refused["requested_bytes"] > budget
+    assert value["max_rel_grad_diff"] <= 1e-5  # the unbudgeted first step ran and was right

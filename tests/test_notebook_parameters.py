@@ -56,6 +56,7 @@ BAD = [  # (chapter, parameters, words the error must contain)
     ("07_sharded_data_parallel", dict(MEMORY_RANKS=3), ["BATCH", "MEMORY_RANKS", "divisible"]),
     ("07_sharded_data_parallel", dict(ESTIMATE_RANKS=[8, 1]), ["ESTIMATE_RANKS", "[2, 4096]"]),
     ("07_sharded_data_parallel", dict(ESTIMATE_RANKS=64), ["ESTIMATE_RANKS", "list"]),
+    ("07_sharded_data_parallel", dict(ESTIMATE_RANKS=[512, 8]), ["ESTIMATE_RANKS", "increasing"]),
     ("07_sharded_data_parallel", dict(N_HEAD=3), ["N_HEAD", "divisible"]),
     ("07_sharded_data_parallel", dict(DEVICE="tpu"), ["DEVICE", "'auto', 'cpu', 'cuda'"]),
     ("08_memory_aware_search", dict(N_TRIALS=3), ["N_TRIALS", "[6, 1000]"]),  # the five chapters' settings and one more
