@@ -134,7 +134,8 @@ def test_a_rank_killed_by_a_signal_ends_the_group(ranks_script, tmp_path):
 
 
 DRIVER = textwrap.dedent('''
-    import sys, labkit.dist as ld
+    import faulthandler, signal, sys, labkit.dist as ld
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung driver shows where it hangs
     ld.launch(sys.argv[1], 2, params={"mode": "wait", "marker": sys.argv[2]}, timeout_s=120, echo=False)
 ''')
 
@@ -154,7 +155,14 @@ def test_interrupting_the_cell_stops_every_rank(ranks_script, tmp_path):
     marker = str(tmp_path / "m")
     driver = _start_driver(ranks_script, marker)
     driver.send_signal(signal.SIGINT)  # what JupyterLab's interrupt button sends the kernel
-    _, err = driver.communicate(timeout=30)
+    try:
+        _, err = driver.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        driver.send_signal(signal.SIGUSR1)  # every thread's stack to stderr, then stop it
+        time.sleep(2)
+        driver.kill()
+        _, err = driver.communicate(timeout=30)
+        raise AssertionError(f"the launch did not end within 60 s of SIGINT; its stacks:\n{err[-6000:]}") from None
     assert driver.returncode != 0 and "KeyboardInterrupt" in err
     _assert_none_left(marker, 2)
 
