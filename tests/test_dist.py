@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
+from pathlib import Path
 
 import pytest
 
@@ -136,6 +138,12 @@ def test_a_rank_killed_by_a_signal_ends_the_group(ranks_script, tmp_path):
 DRIVER = textwrap.dedent('''
     import faulthandler, signal, sys, labkit.dist as ld
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung driver shows where it hangs
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    print(f"driver started with SIGINT handler {signal.getsignal(signal.SIGINT)!r}, blocked {blocked}", file=sys.stderr)
+    # A kernel runs a cell with SIGINT unblocked and raising KeyboardInterrupt, whatever its parent set
+    # (a process inherits an ignored or blocked SIGINT from the one that started it):
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     ld.launch(sys.argv[1], 2, params={"mode": "wait", "marker": sys.argv[2]}, timeout_s=120, echo=False)
 ''')
 
@@ -158,13 +166,19 @@ def test_interrupting_the_cell_stops_every_rank(ranks_script, tmp_path):
     try:
         _, err = driver.communicate(timeout=60)
     except subprocess.TimeoutExpired:
+        status = Path(f"/proc/{driver.pid}/status")
+        sig_lines = [l for l in status.read_text().splitlines() if l.startswith("Sig")] if status.exists() else []
         driver.send_signal(signal.SIGUSR1)  # every thread's stack to stderr, then stop it
         time.sleep(2)
         driver.kill()
         _, err = driver.communicate(timeout=30)
-        raise AssertionError(f"the launch did not end within 60 s of SIGINT; its stacks:\n{err[-6000:]}") from None
+        raise AssertionError(f"the launch did not end within 60 s of SIGINT; its signal state {sig_lines}; "
+                             f"its stderr and stacks:\n{err[-6000:]}") from None
     assert driver.returncode != 0 and "KeyboardInterrupt" in err
     _assert_none_left(marker, 2)
+    first = err.splitlines()[0] if err else ""
+    if "default_int_handler" not in first or "blocked False" not in first:  # which earlier test changed it? say so
+        warnings.warn(f"the test process passed a changed SIGINT on to its children: {first}")
 
 
 def test_ranks_die_with_a_launcher_that_is_killed(ranks_script, tmp_path):
