@@ -93,3 +93,17 @@ def test_katib_parameters_are_strings_in_katibs_types():
     lr = params["lr"]
     assert lr["parameterType"] == "double" and lr["feasibleSpace"]["distribution"] == "logUniform"
     assert math.isclose(float(lr["feasibleSpace"]["min"]), 1e-4)
+
+
+def test_enumerate_settings_lists_each_active_combination_once():
+    from labkit.search.space import enumerate_settings
+
+    knobs = [p for p in SPACE if p.name != "lr"]
+    settings = enumerate_settings(knobs)
+    # none/offload: 2 precisions x 4 micro-batches; checkpoint: x 4 segments; l2l: one
+    assert len(settings) == 8 + 8 + 32 + 1 == len({tuple(sorted(s.items())) for s in settings})
+    for s in settings:
+        check_params(dict(s, lr=1e-3), SPACE)
+    assert {"technique": "l2l"} in settings
+    with pytest.raises(ValueError, match="float"):
+        enumerate_settings(SPACE)

@@ -102,7 +102,7 @@ def test_the_speed_objective_times_what_fits_and_scores_the_rest_zero(config, st
     fn = studies.objective(study)
     knobs = {k: v for k, v in DOES_NOT_FIT.items() if k != "lr"}
     small, big = optuna.trial.FixedTrial({"technique": "l2l"}), optuna.trial.FixedTrial(knobs)
-    assert fn(small) > 0 and small.user_attrs["status"] == "ok"
+    assert fn(small) > 0 and small.user_attrs["status"] == "ok" and small.user_attrs["tokens_per_s"] > 0
     assert small.constraints["peak_over_budget_bytes"] <= 0
     assert small.user_attrs["peak_bytes"] == search.predict_peak_bytes(FITS, config)  # measured, under the budget
     assert fn(big) == 0.0 and big.user_attrs["status"] == "predicted_oom"  # not run: no time to measure
@@ -246,3 +246,13 @@ def test_the_front_keeps_settings_no_other_beats_on_speed_and_memory(config, sto
 def test_fresh_study_names_differ_between_processes_and_seconds():
     name = studies.fresh_study_name("fit")
     assert name.startswith("fit-") and name.endswith(f"-{os.getpid()}")
+
+
+def test_a_brute_force_speed_study_tries_every_setting_once(config, storage):
+    from labkit.search.space import enumerate_settings
+
+    everything = enumerate_settings(config.space(only=search.MEMORY_KNOBS))
+    study = studies.create_study("all", storage, config, "speed", sampler="bruteforce", seed=1)
+    studies.optimize(study, len(everything) + 5, total_trials=len(everything))
+    tried = [dict(t.params) for t in study.trials]
+    assert len(tried) == len(everything) and all(s in tried for s in everything)

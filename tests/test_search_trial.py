@@ -91,9 +91,26 @@ def test_measure_setting_meters_then_times(tiny):
     result = search.measure_setting(SETTINGS[1], tiny)
     assert result.status == "ok" and result.peak_bytes == result.predicted_peak_bytes <= tiny.budget_bytes
     assert result.steps_run == tiny.metered_steps + tiny.timed_steps and result.tokens_per_s > 0
-    assert result.val_loss is None  # nothing learned changes speed: no validation
+    assert result.val_loss is None and result.relative_speed is None  # no validation; no reference given
     skipped = search.measure_setting(dict(PLAIN, micro_batch=8), tiny)
     assert (skipped.status, skipped.steps_run, skipped.tokens_per_s) == ("predicted_oom", 0, None)
+
+
+def test_relative_speed_pairs_each_step_with_the_references(tiny, monkeypatch):
+    """The reference's steps alternate with the setting's; a slow moment slows both and the ratio stays."""
+    clock = iter(range(1000))
+    seen = []
+
+    def fake_timed_step(step, batch, device):  # the reference takes 2 units, the setting 1, every other pair 10x slower
+        seen.append(step.technique)
+        slow = 10 if (len(seen) - 1) // 2 % 2 else 1
+        next(clock)
+        return (2.0 if step.params == search.plain_setting(tiny) else 1.0) * slow
+
+    monkeypatch.setattr(search.trial, "_timed_step", fake_timed_step)
+    result = search.measure_setting(SETTINGS[0], tiny, reference=search.plain_setting(tiny))
+    assert result.relative_speed == 2.0  # paired: the slow pairs cancel
+    assert len(seen) == 2 * tiny.timed_steps
 
 
 def test_time_settings_interleaves_rounds_without_a_budget(tiny):

@@ -9,9 +9,9 @@
 
 from labkit.search.space import Param, active, check_params, suggest, workbook_space
 from labkit.search.trial import (MEMORY_KNOBS, STATUSES, SettingStep, StudyConfig, TrialResult, chapter_settings,
-                                 confirm_oom, measure_setting, predict_peak_bytes, time_settings, train, untrained_loss,
-                                 validation_batch)
+                                 confirm_oom, measure_setting, plain_setting, predict_peak_bytes, time_settings, train,
+                                 untrained_loss, validation_batch)
 
 __all__ = ["MEMORY_KNOBS", "Param", "STATUSES", "SettingStep", "StudyConfig", "TrialResult", "active",
-           "chapter_settings", "check_params", "confirm_oom", "measure_setting", "predict_peak_bytes", "suggest",
+           "chapter_settings", "check_params", "confirm_oom", "measure_setting", "plain_setting", "predict_peak_bytes", "suggest",
            "time_settings", "train", "untrained_loss", "validation_batch", "workbook_space"]

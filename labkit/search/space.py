@@ -89,6 +89,18 @@ def check_params(params: dict, space: list[Param]) -> dict:
     return params
 
 
+def enumerate_settings(space: list[Param]) -> list[dict]:
+    """Return every setting of a space of categorical and int parameters, each with its active parameters only."""
+    settings = [{}]
+    for p in space:
+        if p.kind == "float":
+            raise ValueError(f"{p.name!r} is a float: a space with one has no finite list of settings")
+        values = p.choices if p.kind == "categorical" else range(int(p.low), int(p.high) + 1)
+        settings = [grown for s in settings
+                    for grown in ([{**s, p.name: v} for v in values] if is_active(p, s) else [s])]
+    return settings
+
+
 # -- the workbook's space ---------------------------------------------------------------------------
 TECHNIQUES = ("none", "checkpoint", "offload", "l2l")
 """How a step's activations fit: kept (none), recomputed (02), moved to the host (04), one layer at a time (05)."""

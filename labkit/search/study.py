@@ -9,10 +9,11 @@ work on it, the notebook's kernel or `python -m labkit.tools.search worker`:
     study.optimize(objective(study), n_trials=20)              # or: workers on many processes/machines
     lost_trials(study)                                         # trials whose work never completed: []
 
-Objectives: "speed" maximises tokens/s over the memory knobs (technique, segments, precision,
-micro-batch), with the budget as an Optuna constraint (`trial.set_constraint`: peak - budget <= 0
-is feasible, and `study.best_trial` is the fastest feasible one; a setting predicted not to fit
-is not run and scores 0 tokens/s). "loss" minimises the validation loss after `train_steps` steps,
+Objectives: "speed" maximises the speed over the memory knobs (technique, segments, precision,
+micro-batch), in units of the plain step's speed (each trial times its step alternating with the
+plain step's, and takes the median of the paired ratios), with the budget as an Optuna constraint
+(`trial.set_constraint`: peak - budget <= 0 is feasible, and `study.best_trial` is the fastest
+feasible one; a setting predicted not to fit is not run and scores 0). "loss" minimises the validation loss after `train_steps` steps,
 reported every `eval_every` steps before the last for the pruner, with the same constraint; with
 `fixed` (a setting's memory knobs) it tunes that setting's learning rate alone.
 """
@@ -32,10 +33,10 @@ from optuna.trial import TrialState
 
 from labkit.meter import live_tensor_bytes
 from labkit.search.space import suggest
-from labkit.search.trial import MEMORY_KNOBS, StudyConfig, check_setting, measure_setting, train
+from labkit.search.trial import MEMORY_KNOBS, StudyConfig, check_setting, measure_setting, plain_setting, train
 
 OBJECTIVES = ("speed", "loss")
-SAMPLERS = ("tpe", "random", "replay")
+SAMPLERS = ("tpe", "random", "bruteforce", "replay")
 PRUNERS = ("median", "hyperband", "none")
 DIRECTIONS = {"speed": "maximize", "loss": "minimize"}
 
@@ -105,6 +106,8 @@ def make_sampler(name: str, seed: int | None, n_startup_trials: int = 5, setting
                                               group=True, constant_liar=True)
         if name == "random":
             return optuna.samplers.RandomSampler(seed=seed)
+        if name == "bruteforce":  # every setting of a discrete space once, in an order shuffled by the seed
+            return optuna.samplers.BruteForceSampler(seed=seed)
     raise ValueError(f"sampler must be one of {SAMPLERS}, got {name!r}")
 
 
@@ -193,16 +196,18 @@ def objective(study: optuna.Study, on_result=None):
         trial.set_user_attr("live_tensor_bytes_at_start", live_tensor_bytes(collect=False))  # a leak would grow
         _mark_worker(trial)
         params = suggest(trial, config.space(only=MEMORY_KNOBS))
-        result = measure_setting({**params, "lr": 1e-3}, config)  # the learning rate changes no byte and no time
+        # timed against the plain step, alternating: the value is its speed in units of the plain step's
+        result = measure_setting({**params, "lr": 1e-3}, config, reference=plain_setting(config))
         peak = result.peak_bytes if result.peak_bytes is not None else result.predicted_peak_bytes
         trial.set_user_attr("status", result.status)
         trial.set_user_attr("predicted_peak_bytes", result.predicted_peak_bytes)
         trial.set_user_attr("peak_bytes", peak)
         trial.set_user_attr("steps_run", result.steps_run)
+        trial.set_user_attr("tokens_per_s", result.tokens_per_s)
         trial.set_constraint("peak_over_budget_bytes", float(peak - config.budget_bytes))  # <= 0: fits
         if on_result is not None:
             on_result(trial, result)
-        return result.tokens_per_s or 0.0  # a setting that did not fit ran no timed step: 0 tokens/s
+        return result.relative_speed or 0.0  # a setting that did not fit ran no timed step: speed 0
 
     def loss(trial):
         trial.set_user_attr("live_tensor_bytes_at_start", live_tensor_bytes(collect=False))
@@ -362,3 +367,16 @@ def speed_memory_front(trials) -> list:
 def fresh_study_name(prefix: str) -> str:
     """Return a study name no earlier run used: `prefix`, the time to the second, and this process's id."""
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def check_storage_url(name: str, url: str) -> str:
+    """Return `url` if it names a database every worker process can reach; else raise a ParameterError naming `name`."""
+    from labkit.validate import ParameterError
+
+    if not isinstance(url, str) or "://" not in url:
+        raise ParameterError(f"{name} must be a database URL like sqlite:///path/studies.db or "
+                             f"postgresql+psycopg://user@host/db, got {url!r}")
+    if url.startswith("sqlite") and url.split("://", 1)[1] in ("", "/", "/:memory:"):
+        raise ParameterError(f"{name} = {url!r} is an in-memory database that worker processes cannot share: "
+                             "give a file, sqlite:///path/studies.db")
+    return url

@@ -130,6 +130,7 @@ class TrialResult:
     steps_run: int = 0  # optimizer steps trained
     step_s: float | None = None  # median seconds per step of the unmetered steps
     tokens_per_s: float | None = None  # tokens per second from step_s
+    relative_speed: float | None = None  # median over timed rounds of a reference step's seconds over this one's
     error: str = ""  # the budget's message for an "oom"
 
     @property
@@ -293,11 +294,14 @@ def train(params: dict, config: StudyConfig, report=None) -> TrialResult:
     return result
 
 
-def measure_setting(params: dict, config: StudyConfig) -> TrialResult:
+def measure_setting(params: dict, config: StudyConfig, reference: dict | None = None) -> TrialResult:
     """Predict the setting's peak; if it fits, run `metered_steps` under the budget, then time `timed_steps` steps.
 
     What one trial of the speed study measures: the peak (metered) and the tokens per second
     (median of the timed steps, outside the meter). No validation: no number learned changes speed.
+    With a `reference` setting, each timed step alternates with a step of the reference (built
+    once per process, no budget), and `relative_speed` is the median of the paired ratios: what
+    else the machine does in that moment slows both alike and cancels out.
     """
     result, step, batches = _start(params, config)
     if step is None:
@@ -307,10 +311,38 @@ def measure_setting(params: dict, config: StudyConfig) -> TrialResult:
     except torch.OutOfMemoryError as e:
         _out_of_memory(result, e)
         return result
-    times = [_timed_step(step, next(batches), step.device) for _ in range(config.timed_steps)]
+    if reference is None:
+        times = [_timed_step(step, next(batches), step.device) for _ in range(config.timed_steps)]
+    else:
+        ref_step, ref_batches = _reference(reference, config, step.device)
+        times, ref_times = [], []
+        for i in range(config.timed_steps):
+            pair = [(step, batches, times), (ref_step, ref_batches, ref_times)]
+            for s, b, out in pair if i % 2 == 0 else pair[::-1]:
+                out.append(_timed_step(s, next(b), step.device))
+        result.relative_speed = statistics.median(r / t for r, t in zip(ref_times, times))
     result.steps_run += len(times)
     _set_speed(result, times, config)
     return result
+
+
+_REFERENCES: dict = {}  # memory key -> (SettingStep, batches): one warm reference per setting and process
+
+
+def _reference(params: dict, config: StudyConfig, device):
+    """Return the reference setting's step and batches, built (and warmed up) once per process."""
+    key = _memory_key(params, config)
+    if key not in _REFERENCES:
+        step, batches = SettingStep(params, config, device), _batches(config, device)
+        step.step(next(batches))  # warm-up: allocator, kernels, Adam's state
+        _REFERENCES.clear()  # one at a time: a study has one reference
+        _REFERENCES[key] = (step, batches)
+    return _REFERENCES[key]
+
+
+def plain_setting(config: StudyConfig, lr: float = 1e-3) -> dict:
+    """Return the plain step's setting (fp32, the whole batch at once): chapter 00's step, the unit of speed."""
+    return {"technique": "none", "precision": "fp32", "micro_batch": config.batch, "lr": lr}
 
 
 def _start(params: dict, config: StudyConfig):
@@ -431,5 +463,5 @@ def chapter_settings(config: StudyConfig, lr: float = 1e-3) -> dict[str, dict]:
 
 
 def _plain(config: StudyConfig, micro_batch: int, lr: float) -> dict:
-    return {"technique": "none", "precision": "fp32", "micro_batch": micro_batch, "lr": lr}
+    return dict(plain_setting(config, lr), micro_batch=micro_batch)
 
