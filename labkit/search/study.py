@@ -426,15 +426,15 @@ def _engine(name: str, parsed: sqlalchemy.engine.URL, timeout_s: float) -> sqlal
     try:
         return sqlalchemy.create_engine(parsed, **_engine_kwargs(parsed, timeout_s))
     except ImportError as e:
-        raise ParameterError(f"{name}: the driver of {parsed.drivername!r} is not installed ({e}); "
-                             "for PostgreSQL: pip install 'psycopg[binary]'") from None
+        raise ParameterError(f"{name}: the driver of {parsed.drivername!r} is not installed ({e}); install it, or "
+                             "name one that is (PostgreSQL: postgresql+psycopg://, pip install 'psycopg[binary]')") from None
 
 
 def _unreachable(name: str, parsed: sqlalchemy.engine.URL, timeout_s: float, error: Exception) -> str:
     """Return the message for a database that refused or did not answer."""
     shown = parsed.render_as_string(hide_password=True)
     cause = str(getattr(error, "orig", error)).strip().splitlines()[0]
-    return f"{name}: the database {shown} did not accept a connection within {timeout_s:g} s: {cause}"
+    return f"{name}: could not connect to the database {shown} within {timeout_s:g} s: {cause}"
 
 
 class _LockingRDBStorage(RDBStorage):
