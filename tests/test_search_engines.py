@@ -28,7 +28,7 @@ def config():
 
 
 def _check_run(run, config, n):
-    assert len(run.values) == len(run.fits) == len(run.params) == n
+    assert len(run.values) == len(run.fits) == len(run.params) == len(run.steps_run) == n
     for params, value, fits in zip(run.params, run.values, run.fits):
         check_params(params, config.space())
         assert fits == (search.predict_peak_bytes(params, config) <= config.budget_bytes)
@@ -41,17 +41,38 @@ def _check_run(run, config, n):
 
 def test_hyperopt_runs_the_same_trials(config):
     pytest.importorskip("hyperopt", reason="Hyperopt is not installed (the engines extra)")
-    run = engines.run_hyperopt(config, n_trials=6, seed=0)
+    run = engines.run_hyperopt(config, n_trials=6, seed=0, startup_trials=3)
     _check_run(run, config, 6)
-    again = engines.run_hyperopt(config, n_trials=6, seed=0)
+    again = engines.run_hyperopt(config, n_trials=6, seed=0, startup_trials=3)
     assert again.params == run.params  # seeded
 
 
-def test_ray_tune_runs_the_same_trials(config, tmp_path):
+def test_hyperopts_tpe_runs_after_fewer_start_up_draws_than_trials(config, monkeypatch):
+    """tpe.suggest's default n_startup_jobs is 20: a 6-trial search would be random search under TPE's name."""
+    hyperopt = pytest.importorskip("hyperopt", reason="Hyperopt is not installed (the engines extra)")
+    seen = []
+    real = hyperopt.tpe.suggest
+    monkeypatch.setattr(hyperopt.tpe, "suggest", lambda *a, **k: seen.append(k.get("n_startup_jobs")) or real(*a, **k))
+    engines.run_hyperopt(config, n_trials=4, seed=0, fixed={"technique": "l2l"}, startup_trials=2)
+    assert seen and set(seen) == {2}
+    with pytest.raises(ValueError, match="startup_trials"):
+        engines.run_hyperopt(config, n_trials=4, startup_trials=4)
+
+
+def test_hyperopt_tunes_the_learning_rate_of_a_fixed_setting(config):
+    pytest.importorskip("hyperopt", reason="Hyperopt is not installed (the engines extra)")
+    run = engines.run_hyperopt(config, n_trials=3, seed=1, fixed={"technique": "l2l", "lr": 5.0}, startup_trials=2)
+    assert all(set(p) == {"technique", "lr"} and p["lr"] < 1 for p in run.params)  # the fixed lr is not used
+    assert all(run.fits)
+
+
+def test_ray_tune_runs_the_same_trials_with_optunas_tpe_and_asha(config, tmp_path):
     pytest.importorskip("ray", reason="Ray is not installed (the engines extra)")
-    run = engines.run_ray(config, n_trials=3, seed=0, num_cpus=2, storage_path=str(tmp_path))
+    run = engines.run_ray(config, n_trials=3, seed=0, num_cpus=2, startup_trials=2, storage_path=str(tmp_path))
     _check_run(run, config, 3)
     assert run.engine == "ray" and run.wall_s > 0
+    half = config.train_steps // 2  # ASHA's grace period: no trial stops before it
+    assert all(s == 0 or half <= s <= config.train_steps for s in run.steps_run), run.steps_run
 
 
 def test_katib_experiment_is_read_back_unchanged_by_katibs_models(config):
@@ -71,6 +92,18 @@ def test_katib_experiment_is_read_back_unchanged_by_katibs_models(config):
         assert "${trialParameters." + p["name"] + "}" in command  # every parameter reaches the trial
     with pytest.raises(ValueError, match="algorithm must be one of"):
         engines.katib_experiment(config, algorithm="bohb")
+    assert "nvidia.com/gpu" not in template["spec"]["containers"][0]["resources"]["limits"]  # a CPU study
+
+
+def test_katib_asks_for_a_gpu_per_trial_on_cuda(config):
+    import dataclasses
+
+    cuda = dataclasses.replace(config, device="cuda", precisions=("fp32", "bf16", "fp16"))
+    doc = engines.katib_experiment(cuda)
+    container = doc["spec"]["trialTemplate"]["trialSpec"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    precision = next(p for p in doc["spec"]["parameters"] if p["name"] == "precision")
+    assert "fp16" in precision["feasibleSpace"]["list"]
 
 
 def test_katib_trial_command_prints_the_metrics_katib_collects(config):

@@ -8,7 +8,7 @@ import optuna
 import pytest
 
 from labkit.search.space import (TECHNIQUES, Param, active, check_params, divisors, from_hyperopt, katib_parameters,
-                                 suggest, to_hyperopt, to_ray, workbook_space)
+                                 suggest, to_hyperopt, workbook_space)
 
 SPACE = workbook_space(n_layer=4, batch=16)
 
@@ -82,17 +82,6 @@ def test_hyperopt_samples_are_points_of_the_space():
         assert all(type(v) in (int, float, str) for v in params.values()), params
         techniques.add(params["technique"])
     assert techniques == set(TECHNIQUES)
-
-
-def test_ray_space_covers_every_parameter():
-    pytest.importorskip("ray", reason="Ray is not installed (the engines extra)")
-    from ray.tune.search.sample import Categorical, Float, Integer
-
-    ray_space = to_ray(SPACE)
-    assert set(ray_space) == {p.name for p in SPACE}
-    assert isinstance(ray_space["technique"], Categorical) and isinstance(ray_space["segments"], Integer)
-    assert (ray_space["segments"].lower, ray_space["segments"].upper) == (1, 5)  # Ray's upper bound is exclusive
-    assert isinstance(ray_space["lr"], Float)
 
 
 def test_katib_parameters_are_strings_in_katibs_types():

@@ -48,7 +48,10 @@ def test_a_study_stores_what_a_worker_needs(config, storage):
 
 
 @pytest.mark.parametrize("call, words", [
-    (lambda c, s: studies.create_study("x", s, c, "speed"), "objective must be one of"),
+    (lambda c, s: studies.create_study("x", s, c, "speed_memory"), "objective must be one of"),
+    (lambda c, s: studies.create_study("x", s, c, "speed", pruner="median"), "reports no intermediate values"),
+    (lambda c, s: studies.create_study("x", s, c, "speed", fixed=FITS), "for objective 'loss' only"),
+    (lambda c, s: studies.create_study("x", s, c, "loss", fixed={"technique": "warp"}), "technique must be one of"),
     (lambda c, s: studies.create_study("x", s, c, "loss", sampler="grid"), "sampler must be one of"),
     (lambda c, s: studies.create_study("x", s, c, "loss", pruner="patient"), "pruner must be one of"),
     (lambda c, s: studies.create_study("x", s, c, "loss", sampler="replay"), "at least one setting"),
@@ -97,15 +100,52 @@ def test_pruned_trials_record_their_steps(config, storage):
     assert second.user_attrs["peak_bytes"] == second.user_attrs["predicted_peak_bytes"]
 
 
-def test_speed_memory_objective_gives_two_values(config, storage):
-    study = studies.create_study("m", storage, config, "speed_memory", sampler="nsga2", pruner="none")
-    study.enqueue_trial(FITS)
-    study.enqueue_trial(DOES_NOT_FIT)
+def test_the_speed_objective_times_what_fits_and_scores_the_rest_zero(config, storage):
+    study = studies.create_study("m", storage, config, "speed", sampler="tpe", pruner="none")
+    fn = studies.objective(study)
+    knobs = {k: v for k, v in DOES_NOT_FIT.items() if k != "lr"}
+    small, big = optuna.trial.FixedTrial({"technique": "l2l"}), optuna.trial.FixedTrial(knobs)
+    assert fn(small) > 0 and small.user_attrs["status"] == "ok"
+    assert small.constraints["peak_over_budget_bytes"] <= 0
+    assert small.user_attrs["peak_bytes"] == search.predict_peak_bytes(FITS, config)  # measured, under the budget
+    assert fn(big) == 0.0 and big.user_attrs["status"] == "predicted_oom"  # not run: no time to measure
+    assert big.constraints["peak_over_budget_bytes"] > 0
+
+
+def test_the_fastest_feasible_trial_is_the_best(config, storage):
+    """A faster setting that does not fit must not be the best: Optuna reads the constraints."""
+    study = studies.create_study("f", storage, config, "speed", sampler="random", pruner="none")
+    study.enqueue_trial({"technique": "l2l"})
+    studies.optimize(study, 1)
+    fitting = study.trials[0]
+    cheat = optuna.trial.create_trial(params={"technique": "l2l"}, distributions=fitting.distributions,
+                                      value=fitting.value * 10, constraints={"peak_over_budget_bytes": 1.0})
+    study.add_trial(cheat)
+    assert study.best_trial.number == fitting.number
+
+
+def test_a_learning_rate_study_draws_only_the_learning_rate(config, storage):
+    knobs = {"technique": "checkpoint", "segments": 1, "precision": "fp32", "micro_batch": 4}
+    study = studies.create_study("lr", storage, config, "loss", sampler="random", pruner="none", fixed=knobs)
     studies.optimize(study, 2)
-    small, big = study.trials
-    assert small.values[0] > 0 and small.values[1] == search.predict_peak_bytes(FITS, config)
-    assert big.values[1] > config.budget_bytes and big.user_attrs["fits"] is False  # timed all the same
-    assert {t.number for t in study.best_trials} <= {small.number, big.number}
+    assert all(set(t.params) == {"lr"} for t in study.trials)
+    assert all(t.user_attrs["status"] == "ok" and t.state == TrialState.COMPLETE for t in study.trials)
+    assert studies.load_study("lr", storage).user_attrs["settings"]["fixed"] == knobs
+
+
+def test_a_pruner_never_stops_a_trial_at_its_last_step(config, storage):
+    """Only the validations before the last are reported: a finished trial is never marked PRUNED."""
+    study = studies.create_study("z", storage, config, "loss", sampler="replay", pruner="median", startup_trials=1,
+                                 replay=[FITS, dict(FITS, lr=1e-4)])
+    studies.optimize(study, 2)
+    reported = [sorted(t.intermediate_values) for t in study.trials]
+    assert all(max(steps) < config.train_steps for steps in reported), reported
+
+
+def test_median_pruner_warm_up_is_the_documented_one(config):
+    pruner = studies.make_pruner("median", studies.warmup_steps(config))
+    assert studies.warmup_steps(config) == 2 == config.train_steps // 2
+    assert pruner._n_warmup_steps == 2  # MedianPruner compares from step n_warmup_steps on (Optuna's docs)
 
 
 def test_replay_gives_trial_i_setting_i(config, storage):
@@ -230,3 +270,21 @@ def test_default_build_dir_is_the_repositorys(tmp_path):
     d = studies.default_build_dir()
     assert d.is_dir() and d.parts[-2:] == ("build", "search") and (d.parent.parent / "pyproject.toml").exists()
     assert studies.storage_url(tmp_path / "a" / "b.db").startswith("sqlite:///") and (tmp_path / "a").is_dir()
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_the_front_keeps_settings_no_other_beats_on_speed_and_memory(config, storage):
+    study = studies.create_study("front", storage, config, "speed", sampler="random", pruner="none")
+    dist = {"technique": optuna.distributions.CategoricalDistribution(search.space.TECHNIQUES)}
+    points = [(100.0, 30), (80.0, 20), (90.0, 40), (100.0, 35), (50.0, 20), (120.0, 50)]  # tokens/s, peak bytes
+    for tokens_per_s, peak in points:
+        study.add_trial(optuna.trial.create_trial(params={"technique": "l2l"}, distributions=dist, value=tokens_per_s,
+                                                  user_attrs={"peak_bytes": peak}))
+    study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL, params={"technique": "l2l"}, distributions=dist))
+    front = studies.speed_memory_front(study.trials)
+    assert [(t.value, t.user_attrs["peak_bytes"]) for t in front] == [(80.0, 20), (100.0, 30), (120.0, 50)]
+
+
+def test_fresh_study_names_differ_between_processes_and_seconds():
+    name = studies.fresh_study_name("fit")
+    assert name.startswith("fit-") and name.endswith(f"-{os.getpid()}")

@@ -87,10 +87,35 @@ def test_report_can_stop_a_trial(tiny):
     assert len(seen) == 1 and seen[0][0] == 2 and seen[0][2] == search.predict_peak_bytes(SETTINGS[1], tiny)
 
 
-def test_time_setting_times_without_a_budget(tiny):
-    result = search.time_setting(dict(PLAIN, micro_batch=8), tiny)  # does not fit, still timed: a point of the front
-    assert result.status == "ok" and not result.fits_predicted
-    assert result.peak_bytes == result.predicted_peak_bytes and result.tokens_per_s > 0
+def test_measure_setting_meters_then_times(tiny):
+    result = search.measure_setting(SETTINGS[1], tiny)
+    assert result.status == "ok" and result.peak_bytes == result.predicted_peak_bytes <= tiny.budget_bytes
+    assert result.steps_run == tiny.metered_steps + tiny.timed_steps and result.tokens_per_s > 0
+    assert result.val_loss is None  # nothing learned changes speed: no validation
+    skipped = search.measure_setting(dict(PLAIN, micro_batch=8), tiny)
+    assert (skipped.status, skipped.steps_run, skipped.tokens_per_s) == ("predicted_oom", 0, None)
+
+
+def test_time_settings_interleaves_rounds_without_a_budget(tiny):
+    settings = {"fits": SETTINGS[0], "does not fit": dict(PLAIN, micro_batch=8)}
+    timed = search.time_settings(settings, tiny, rounds=3)
+    assert set(timed) == set(settings)
+    assert all(t.steps == 3 and len(t.step_times_s) == 3 and t.tokens_per_s > 0 for t in timed.values())
+    with pytest.raises(ValueError, match="rounds"):
+        search.time_settings(settings, tiny, rounds=0)
+
+
+def test_fp16_steps_use_a_grad_scaler_on_cuda_only(tiny):
+    import dataclasses
+
+    on_cpu = SettingStep(SETTINGS[0], tiny, "cpu")
+    assert on_cpu.scaler is None  # fp32: no scaling
+    cuda = dataclasses.replace(tiny, device="cuda", precisions=("fp32", "bf16", "fp16"))
+    fp16 = dict(SETTINGS[0], precision="fp16")
+    with pytest.raises(ValueError, match="fp16"):
+        SettingStep(fp16, tiny, "cpu")  # never fp16 compute on a CPU
+    if torch.cuda.is_available():
+        assert isinstance(SettingStep(fp16, cuda, "cuda").scaler, torch.amp.GradScaler)
 
 
 def test_chapter_settings_all_fit(tiny):

@@ -2,14 +2,16 @@
 
     from labkit import search
     config = search.StudyConfig(budget_bytes=ex.budget_bytes)
-    search.train(params, config)                    # one trial (labkit.search.trial)
+    search.measure_setting(params, config)          # one trial: peak under the budget, then tokens/s
+    search.train(params, config)                    # one trial trained with validation losses (labkit.search.trial)
     space = config.space()                          # the chapters' knobs (labkit.search.space)
 """
 
 from labkit.search.space import Param, active, check_params, suggest, workbook_space
-from labkit.search.trial import (STATUSES, SettingStep, StudyConfig, TrialResult, chapter_settings, confirm_oom,
-                                 predict_peak_bytes, time_setting, train, untrained_loss, validation_batch)
+from labkit.search.trial import (MEMORY_KNOBS, STATUSES, SettingStep, StudyConfig, TrialResult, chapter_settings,
+                                 confirm_oom, measure_setting, predict_peak_bytes, time_settings, train, untrained_loss,
+                                 validation_batch)
 
-__all__ = ["Param", "STATUSES", "SettingStep", "StudyConfig", "TrialResult", "active", "chapter_settings",
-           "check_params", "confirm_oom", "predict_peak_bytes", "suggest", "time_setting", "train", "untrained_loss",
-           "validation_batch", "workbook_space"]
+__all__ = ["MEMORY_KNOBS", "Param", "STATUSES", "SettingStep", "StudyConfig", "TrialResult", "active",
+           "chapter_settings", "check_params", "confirm_oom", "measure_setting", "predict_peak_bytes", "suggest",
+           "time_settings", "train", "untrained_loss", "validation_batch", "workbook_space"]

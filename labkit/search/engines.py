@@ -1,10 +1,11 @@
 """The same search space and trial on other engines: Hyperopt and Ray Tune run it; Katib gets an Experiment.
 
 Reference for notebook 08. Each engine draws from `labkit.search.space` and trains with
-`labkit.search.trial.train`, so the values are comparable with Optuna's at equal trial counts:
+`labkit.search.trial.train`, so the values are comparable with Optuna's at equal trial counts;
+`fixed` holds a setting's memory knobs, to tune its learning rate alone:
 
-    run_hyperopt(config, n_trials=8, seed=0)      # Hyperopt's TPE; infeasible settings: status "fail"
-    run_ray(config, n_trials=8, seed=0)           # Ray Tune's own (random) search on local worker processes
+    run_hyperopt(config, n_trials=8, seed=0)      # Hyperopt's TPE after 3 random start-up draws
+    run_ray(config, n_trials=8, seed=0)           # Ray Tune: Optuna's TPE as searcher, ASHA stopping laggards
     katib_experiment(config, image=...)           # Kubeflow Katib's Experiment (a dict; to_yaml for kubectl)
 
 Hyperopt and Ray are optional (`pip install -e '.[engines]'`); Katib needs a Kubernetes cluster,
@@ -13,6 +14,7 @@ so the Experiment is generated and checked against Katib's own API models, not s
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -20,7 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from labkit.search.space import active, from_hyperopt, katib_parameters, to_hyperopt, to_ray
+from labkit.search.space import active, from_hyperopt, katib_parameters, suggest, to_hyperopt
 from labkit.search.trial import StudyConfig, train
 from labkit.validate import check_int
 
@@ -32,8 +34,9 @@ class EngineRun:
     engine: str  # "hyperopt" or "ray"
     values: list  # validation loss of each trial in order (the untrained loss for a setting that did not fit)
     fits: list  # whether each trial's setting fit the budget
-    params: list  # each trial's setting (active parameters only)
+    params: list  # each trial's setting (active parameters only, the fixed ones included)
     wall_s: float  # the whole search, engine start-up included
+    steps_run: list | None = None  # optimizer steps each trial trained (Ray's ASHA stops some early)
 
     def best_so_far(self) -> list[float]:
         """Return the best feasible value after each trial (nan until one fits)."""
@@ -50,68 +53,116 @@ class EngineRun:
         return self.best_so_far()[-1] if self.values else math.nan
 
 
-def run_hyperopt(config: StudyConfig, n_trials: int, seed: int = 0) -> EngineRun:
-    """Search with Hyperopt's TPE for `n_trials` trials; a setting that does not fit is a failed evaluation."""
+def _searched(config: StudyConfig, fixed: dict | None):
+    """Return the parameters an engine draws: the whole space, or the learning rate of a fixed setting."""
+    fixed = {k: v for k, v in (fixed or {}).items() if k != "lr"}
+    return fixed, [p for p in config.space() if p.name not in fixed]
+
+
+def run_hyperopt(config: StudyConfig, n_trials: int, seed: int = 0, fixed: dict | None = None,
+                 startup_trials: int = 3) -> EngineRun:
+    """Search with Hyperopt's TPE for `n_trials` trials, the first `startup_trials` drawn at random.
+
+    A setting that does not fit is a failed evaluation (Hyperopt has no constraints).
+    """
     import numpy as np
     from hyperopt import STATUS_FAIL, STATUS_OK, Trials, fmin, tpe
 
-    check_int("n_trials", n_trials, 1)
-    space = config.space()
-    run = EngineRun("hyperopt", [], [], [], 0.0)
+    check_int("n_trials", n_trials, 2)
+    check_int("startup_trials", startup_trials, 1, n_trials - 1)  # else TPE never runs: random search
+    fixed, space = _searched(config, fixed)
+    run = EngineRun("hyperopt", [], [], [], 0.0, [])
 
     def objective(sample):
-        params = active(from_hyperopt(sample, space), space)
+        params = {**fixed, **active(from_hyperopt(sample, space), space)}
         result = train(params, config)
         run.values.append(result.val_loss)
         run.fits.append(result.fits)
         run.params.append(params)
+        run.steps_run.append(result.steps_run)
         # Hyperopt has no constraints: a setting that does not fit is a failure its TPE learns to avoid
         return {"loss": result.val_loss, "status": STATUS_OK if result.fits else STATUS_FAIL}
 
     start = time.perf_counter()
-    fmin(objective, to_hyperopt(space), algo=tpe.suggest, max_evals=n_trials, trials=Trials(),
-         rstate=np.random.default_rng(seed), show_progressbar=False)
+    fmin(objective, to_hyperopt(space), algo=functools.partial(tpe.suggest, n_startup_jobs=startup_trials),
+         max_evals=n_trials, trials=Trials(), rstate=np.random.default_rng(seed), show_progressbar=False)
     run.wall_s = time.perf_counter() - start
     return run
 
 
-def _ray_trial(ray_config: dict) -> dict:
-    """Ray Tune's function trainable: one trial of the workbook's search (module level: Ray pickles it)."""
-    config = StudyConfig.from_dict(json.loads(ray_config["study_config"]))
-    params = active({k: v for k, v in ray_config.items() if k != "study_config"}, config.space())
-    result = train(params, config)
-    return {"val_loss": result.val_loss, "fits": result.fits, "params_json": json.dumps(params)}
-
-
-def run_ray(config: StudyConfig, n_trials: int, seed: int = 0, num_cpus: int = 2,
-            storage_path: str | None = None) -> EngineRun:
-    """Search with Ray Tune (its default random search) on `num_cpus` local worker processes."""
-    import ray
+def _ray_trial(ray_config: dict) -> None:
+    """Ray Tune's function trainable: one trial, reporting each validation (module level: Ray pickles it)."""
     from ray import tune
 
-    check_int("n_trials", n_trials, 1)
-    space = to_ray(config.space())
-    space["study_config"] = json.dumps(config.to_dict())
+    config = StudyConfig.from_dict(json.loads(ray_config["study_config"]))
+    params = active({**json.loads(ray_config["fixed"]),
+                     **{k: v for k, v in ray_config.items() if k not in ("study_config", "fixed")}}, config.space())
+
+    def report(progress):  # ASHA compares trials at these reports and stops the laggards
+        tune.report({"val_loss": progress.val_loss, "fits": True, "steps_run": progress.steps_run,
+                     "params_json": json.dumps(params)})
+
+    result = train(params, config, report=report)
+    if not result.fits:  # nothing was reported: report the outcome once
+        tune.report({"val_loss": result.val_loss, "fits": False, "steps_run": result.steps_run,
+                     "params_json": json.dumps(params)})
+
+
+class _DefineByRun:
+    """The workbook's own conditional space, drawn by Optuna inside Ray (a class: Ray pickles its searcher)."""
+
+    def __init__(self, space, constants: dict):
+        self.space, self.constants = space, constants
+
+    def __call__(self, trial) -> dict:
+        suggest(trial, self.space)
+        return self.constants
+
+
+def run_ray(config: StudyConfig, n_trials: int, seed: int = 0, num_cpus: int = 2, fixed: dict | None = None,
+            startup_trials: int = 3, storage_path: str | None = None) -> EngineRun:
+    """Search with Ray Tune: Optuna's TPE as its searcher, ASHA stopping trials that lag, on local workers.
+
+    Each trial asks Ray for one CPU, and one GPU when `config.device` is "cuda".
+    """
+    import optuna
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search.optuna import OptunaSearch
+
+    check_int("n_trials", n_trials, 2)
+    check_int("startup_trials", startup_trials, 1, n_trials - 1)
+    fixed, space = _searched(config, fixed)
+    constants = {"study_config": json.dumps(config.to_dict()), "fixed": json.dumps(fixed)}
+
+    validations = config.train_steps // config.eval_every
+    searcher = OptunaSearch(_DefineByRun(space, constants), metric="val_loss", mode="min",
+                            sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup_trials))
+    scheduler = ASHAScheduler(time_attr="training_iteration", max_t=validations,
+                              grace_period=max(1, validations // 2), reduction_factor=2)
+    resources = {"cpu": 1, "gpu": 1 if config.device == "cuda" else 0}
     start = time.perf_counter()
     storage_path = storage_path or tempfile.mkdtemp(prefix="labkit-ray-")
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    ray.init(num_cpus=num_cpus, num_gpus=1 if config.device == "cuda" else 0, include_dashboard=False,
+             log_to_driver=False, configure_logging=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     try:
         tuner = tune.Tuner(
-            tune.with_resources(_ray_trial, {"cpu": 1}), param_space=space,
-            tune_config=tune.TuneConfig(num_samples=n_trials, metric="val_loss", mode="min",
-                                        search_alg=tune.search.BasicVariantGenerator(random_state=seed)),
+            tune.with_resources(_ray_trial, resources),
+            tune_config=tune.TuneConfig(num_samples=n_trials, metric="val_loss", mode="min", search_alg=searcher,
+                                        scheduler=scheduler),
             run_config=tune.RunConfig(storage_path=os.path.abspath(storage_path), name="fit-the-model", verbose=0))
         grid = tuner.fit()
     finally:
         ray.shutdown()
-    run = EngineRun("ray", [], [], [], time.perf_counter() - start)
+    run = EngineRun("ray", [], [], [], time.perf_counter() - start, [])
     rows = sorted((r for r in grid if r.metrics), key=lambda r: r.metrics.get("trial_id", ""))
-    for r in rows:
+    for r in rows:  # each trial's last report: where it finished or where ASHA stopped it
         run.values.append(float(r.metrics["val_loss"]))
         run.fits.append(bool(r.metrics["fits"]))
         run.params.append(json.loads(r.metrics["params_json"]))
+        run.steps_run.append(int(r.metrics["steps_run"]))
     return run
 
 
@@ -131,9 +182,12 @@ def katib_experiment(config: StudyConfig, image: str = "fit-the-model:latest", n
         raise ValueError(f"algorithm must be one of {KATIB_ALGORITHMS}, got {algorithm!r}")
     check_int("max_trials", max_trials, 1)
     check_int("parallel", parallel, 1)
-    space = config.space(precisions=("fp32", "bf16"))  # fp16 needs a GPU in the pod: add it where there is one
+    space = config.space()  # fp16 is in config.precisions only on CUDA, where each pod asks for a GPU
     params = katib_parameters(space)
     command = ["python", "-m", "labkit.tools.search", "trial", "--config", json.dumps(config.to_dict())]
+    limits = {"cpu": "1", "memory": "2Gi"}
+    if config.device == "cuda":
+        limits["nvidia.com/gpu"] = "1"  # the device plugin's resource: one GPU per trial pod
     for p in space:
         command += [f"--{p.name}", "${trialParameters." + p.name + "}"]
     return {
@@ -159,7 +213,7 @@ def katib_experiment(config: StudyConfig, image: str = "fit-the-model:latest", n
                     "spec": {"template": {"spec": {
                         "containers": [{"name": "training", "image": image, "command": command,
                                         "env": [{"name": "OMP_NUM_THREADS", "value": "1"}],
-                                        "resources": {"limits": {"cpu": "1", "memory": "2Gi"}}}],
+                                        "resources": {"limits": limits}}],
                         "restartPolicy": "Never"}}},
                 },
             },

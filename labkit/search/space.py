@@ -7,10 +7,9 @@ segments only when the technique is checkpointing):
     space = workbook_space(n_layer=4, batch=16)
     params = suggest(trial, space)          # Optuna, define-by-run: inactive parameters are never drawn
     hp_space = to_hyperopt(space)           # nested hp.choice branches, one per parent value
-    ray_space = to_ray(space)               # flat: Ray Tune draws everything, `active` drops the rest
     katib_parameters(space)                 # Katib's `parameters` list (flat, strings, as Katib wants)
 
-Engines without conditional spaces (Ray's default search, Katib) draw every parameter;
+Engines without conditional spaces (Katib) draw every parameter;
 `active(params, space)` keeps the ones that exist for the drawn parents, so a trial sees the same
 dict whichever engine drew it.
 """
@@ -196,23 +195,6 @@ def from_hyperopt(sample: dict, space: list[Param]) -> dict:
         elif hasattr(v, "item"):  # a numpy scalar among the choices
             v = v.item()
         out[k] = v
-    return out
-
-
-def to_ray(space: list[Param]) -> dict:
-    """Return a flat Ray Tune param_space (every parameter drawn; `active` drops what does not exist)."""
-    from ray import tune
-
-    out = {}
-    for p in space:
-        if p.kind == "categorical":
-            out[p.name] = tune.choice(list(p.choices))
-        elif p.kind == "int":
-            out[p.name] = tune.randint(int(p.low), int(p.high) + 1)  # Ray's upper bound is exclusive
-        elif p.log:
-            out[p.name] = tune.loguniform(p.low, p.high)
-        else:
-            out[p.name] = tune.uniform(p.low, p.high)
     return out
 
 

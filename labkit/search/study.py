@@ -5,15 +5,16 @@ the sampler and pruner names) as user attributes, so any process that can reach 
 work on it, the notebook's kernel or `python -m labkit.tools.search worker`:
 
     storage = make_storage("sqlite:///build/search.db")        # RDBStorage with heartbeats: a killed
-    study = create_study("fit", storage, config, "loss")       # worker's trial is failed, then retried
+    study = create_study("fit", storage, config, "speed")      # worker's trial is failed, then retried
     study.optimize(objective(study), n_trials=20)              # or: workers on many processes/machines
     lost_trials(study)                                         # trials whose work never completed: []
 
-Objectives: "loss" minimises the validation loss after `train_steps` steps, with the budget as an
-Optuna constraint (`trial.set_constraint`: peak - budget <= 0 is feasible, and `study.best_trial`
-is the best feasible one; a setting predicted not to fit is not trained)
-and pruning on the intermediate losses; "speed_memory" maximises tokens/s and minimises the
-predicted peak (two objectives, a Pareto front; no budget, the front shows where it cuts).
+Objectives: "speed" maximises tokens/s over the memory knobs (technique, segments, precision,
+micro-batch), with the budget as an Optuna constraint (`trial.set_constraint`: peak - budget <= 0
+is feasible, and `study.best_trial` is the fastest feasible one; a setting predicted not to fit
+is not run and scores 0 tokens/s). "loss" minimises the validation loss after `train_steps` steps,
+reported every `eval_every` steps before the last for the pruner, with the same constraint; with
+`fixed` (a setting's memory knobs) it tunes that setting's learning rate alone.
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from optuna.trial import TrialState
 from labkit.children import machine_id, process_alive, process_start
 from labkit.meter import live_tensor_bytes
 from labkit.search.space import suggest
-from labkit.search.trial import StudyConfig, time_setting, train
+from labkit.search.trial import MEMORY_KNOBS, StudyConfig, check_setting, measure_setting, train
 from labkit.validate import ParameterError
 
-OBJECTIVES = ("loss", "speed_memory")
-SAMPLERS = ("tpe", "random", "nsga2", "replay")
+OBJECTIVES = ("speed", "loss")
+SAMPLERS = ("tpe", "random", "replay")
 PRUNERS = ("median", "hyperband", "none")
-DIRECTIONS = {"loss": ["minimize"], "speed_memory": ["maximize", "minimize"]}
+DIRECTIONS = {"speed": "maximize", "loss": "minimize"}
 
 
 def storage_url(path: str | Path) -> str:
@@ -103,51 +104,69 @@ class ReplaySampler(optuna.samplers.BaseSampler):
 
 
 def make_sampler(name: str, seed: int | None, n_startup_trials: int = 5, settings: list | None = None):
-    """Return a sampler by name (TPE and NSGA-II read the constraints each trial sets: infeasible ranks last)."""
+    """Return a sampler by name; TPE reads the constraints each trial sets (an infeasible trial ranks last).
+
+    TPE draws its first `n_startup_trials` settings at random (queued trials count among them:
+    queue none before a TPE study whose start-up should stay random), then models the good and the
+    bad settings seen so far. `constant_liar`: workers running at once do not draw the same setting.
+    """
     if name == "replay":
         return ReplaySampler(settings or [])
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # multivariate, group, constant_liar
         if name == "tpe":  # multivariate + group: the conditional space (segments only with checkpointing)
             return optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials, multivariate=True,
-                                              group=True)
+                                              group=True, constant_liar=True)
         if name == "random":
             return optuna.samplers.RandomSampler(seed=seed)
-        if name == "nsga2":
-            return optuna.samplers.NSGAIISampler(seed=seed, population_size=8)
     raise ValueError(f"sampler must be one of {SAMPLERS}, got {name!r}")
 
 
-def make_pruner(name: str, n_startup_trials: int = 5, warmup_steps: int = 1):
+def make_pruner(name: str, warmup_steps: int, n_startup_trials: int = 3, max_steps: int | None = None):
     """Return a pruner by name: "median" (MedianPruner), "hyperband" (HyperbandPruner) or "none".
 
-    Neither prunes before `warmup_steps` optimizer steps: early losses rank learning rates badly.
+    Neither prunes before `warmup_steps` optimizer steps (early losses rank learning rates badly):
+    MedianPruner first compares at step `warmup_steps`, after `n_startup_trials` trials finished;
+    Hyperband's smallest budget is `warmup_steps`, its largest `max_steps`.
     """
     if name == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=n_startup_trials, n_warmup_steps=warmup_steps - 1)
+        return optuna.pruners.MedianPruner(n_startup_trials=n_startup_trials, n_warmup_steps=warmup_steps)
     if name == "hyperband":
-        return optuna.pruners.HyperbandPruner(min_resource=warmup_steps, reduction_factor=2)
+        return optuna.pruners.HyperbandPruner(min_resource=warmup_steps, max_resource=max_steps or "auto",
+                                              reduction_factor=2)
     if name == "none":
         return optuna.pruners.NopPruner()
     raise ValueError(f"pruner must be one of {PRUNERS}, got {name!r}")
 
 
-def create_study(name: str, storage, config: StudyConfig, objective: str = "loss", sampler: str = "tpe",
-                 pruner: str = "median", seed: int = 0, load_if_exists: bool = True,
-                 replay: list | None = None, startup_trials: int = 5) -> optuna.Study:
+def warmup_steps(config: StudyConfig) -> int:
+    """Return the steps a trial trains before a pruner may stop it: half of them, at a validation."""
+    half = max(config.eval_every, config.train_steps // 2)
+    return half - half % config.eval_every
+
+
+def create_study(name: str, storage, config: StudyConfig, objective: str = "speed", sampler: str = "tpe",
+                 pruner: str = "none", seed: int = 0, load_if_exists: bool = True, replay: list | None = None,
+                 startup_trials: int = 5, fixed: dict | None = None) -> optuna.Study:
     """Create (or load, resuming it) a study whose user attributes say everything a worker needs.
 
-    sampler "replay" gives trial i the setting replay[i % len(replay)] (the same work for 1 or N workers).
+    objective "loss" with `fixed` (a setting's memory knobs) tunes that setting's learning rate; sampler
+    "replay" gives trial i the setting replay[i % len(replay)] (the same work for 1 or N workers).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if fixed is not None:
+        if objective != "loss":
+            raise ValueError("`fixed` is for objective 'loss' only (the speed study searches every memory knob)")
+        fixed = {k: v for k, v in fixed.items() if k != "lr"}
+        check_setting({**fixed, "lr": 1e-3}, config)
+    if objective == "speed" and pruner != "none":
+        raise ValueError("the speed objective reports no intermediate values: use pruner 'none'")
     chosen = make_sampler(sampler, seed, startup_trials, settings=replay)  # refuses unknown names first
-    warmup = max(1, config.train_steps // 2)
-    study = optuna.create_study(study_name=name, storage=storage, directions=DIRECTIONS[objective],
-                                sampler=chosen, pruner=make_pruner(pruner, startup_trials, warmup),
-                                load_if_exists=load_if_exists)
+    study = optuna.create_study(study_name=name, storage=storage, direction=DIRECTIONS[objective], sampler=chosen,
+                                pruner=_pruner_of(pruner, config, startup_trials), load_if_exists=load_if_exists)
     settings = {"config": config.to_dict(), "objective": objective, "sampler": sampler, "pruner": pruner, "seed": seed,
-                "replay": replay, "startup_trials": startup_trials}
+                "replay": replay, "startup_trials": startup_trials, "fixed": fixed}
     stored = study.user_attrs.get("settings")
     if stored is None:
         study.set_user_attr("settings", settings)
@@ -157,15 +176,19 @@ def create_study(name: str, storage, config: StudyConfig, objective: str = "loss
     return study
 
 
+def _pruner_of(name: str, config: StudyConfig, startup_trials: int):
+    return make_pruner(name, warmup_steps(config), n_startup_trials=min(3, startup_trials), max_steps=config.train_steps)
+
+
 def load_study(name: str, storage, worker: int = 0) -> optuna.Study:
     """Load a study created by `create_study`, with its sampler (seeded per worker) and pruner."""
     summary = optuna.load_study(study_name=name, storage=storage)
     s = summary.user_attrs["settings"]
+    config = StudyConfig.from_dict(s["config"])
     return optuna.load_study(study_name=name, storage=storage,
                              sampler=make_sampler(s["sampler"], s["seed"] + 1000 * worker, s["startup_trials"],
                                                   settings=s["replay"]),
-                             pruner=make_pruner(s["pruner"], s["startup_trials"],
-                                                max(1, s["config"]["train_steps"] // 2)))
+                             pruner=_pruner_of(s["pruner"], config, s["startup_trials"]))
 
 
 def settings_of(study: optuna.Study) -> tuple[StudyConfig, str]:
@@ -178,16 +201,32 @@ def settings_of(study: optuna.Study) -> tuple[StudyConfig, str]:
 def objective(study: optuna.Study, on_result=None):
     """Return the objective function of the study's stored objective (the worker's and the notebook's)."""
     config, name = settings_of(study)
-    space = config.space()
+    fixed = study.user_attrs["settings"].get("fixed")
+
+    def speed(trial):
+        trial.set_user_attr("live_tensor_bytes_at_start", live_tensor_bytes(collect=False))  # a leak would grow
+        _mark_worker(trial)
+        params = suggest(trial, config.space(only=MEMORY_KNOBS))
+        result = measure_setting({**params, "lr": 1e-3}, config)  # the learning rate changes no byte and no time
+        peak = result.peak_bytes if result.peak_bytes is not None else result.predicted_peak_bytes
+        trial.set_user_attr("status", result.status)
+        trial.set_user_attr("predicted_peak_bytes", result.predicted_peak_bytes)
+        trial.set_user_attr("peak_bytes", peak)
+        trial.set_user_attr("steps_run", result.steps_run)
+        trial.set_constraint("peak_over_budget_bytes", float(peak - config.budget_bytes))  # <= 0: fits
+        if on_result is not None:
+            on_result(trial, result)
+        return result.tokens_per_s or 0.0  # a setting that did not fit ran no timed step: 0 tokens/s
 
     def loss(trial):
-        # what earlier trials left behind (Optuna collected the garbage after each: gc_after_trial)
         trial.set_user_attr("live_tensor_bytes_at_start", live_tensor_bytes(collect=False))
-        params = suggest(trial, space)
-        trial.set_user_attr("pid", os.getpid())  # which worker runs it, once its setting is drawn
-        trial.set_user_attr("host", socket.gethostname())
+        _mark_worker(trial)
+        searched = [p for p in config.space() if p.name not in (fixed or {})]
+        params = {**(fixed or {}), **suggest(trial, searched)}
 
-        def report(progress):  # after each validation: the pruner's input
+        def report(progress):  # after each validation before the last: the pruner's input
+            if progress.steps_run >= config.train_steps:
+                return  # the trial is finished: its value is its result, not a reason to prune
             trial.report(progress.val_loss, progress.steps_run)
             if trial.should_prune():
                 trial.set_user_attr("status", "pruned")
@@ -208,22 +247,13 @@ def objective(study: optuna.Study, on_result=None):
             on_result(trial, result)
         return result.val_loss
 
-    def speed_memory(trial):
-        params = suggest(trial, space)
-        trial.set_user_attr("pid", os.getpid())
-        trial.set_user_attr("host", socket.gethostname())
-        result = time_setting(params, config)
-        trial.set_user_attr("status", result.status)
-        trial.set_user_attr("predicted_peak_bytes", result.predicted_peak_bytes)
-        trial.set_user_attr("fits", result.fits_predicted)
-        if result.status != "ok":
-            raise optuna.TrialPruned("predicted beyond the device's memory: not run")
-        trial.set_user_attr("tokens_per_s", result.tokens_per_s)
-        if on_result is not None:
-            on_result(trial, result)
-        return result.tokens_per_s, float(result.predicted_peak_bytes)
+    return speed if name == "speed" else loss
 
-    return loss if name == "loss" else speed_memory
+
+def _mark_worker(trial) -> None:
+    """Record which worker runs the trial (its liveness is judged by it)."""
+    trial.set_user_attr("pid", os.getpid())
+    trial.set_user_attr("host", socket.gethostname())
 
 
 def optimize(study: optuna.Study, n_trials: int, total_trials: int | None = None, on_result=None,
@@ -491,3 +521,22 @@ def lost_trials(study: optuna.Study) -> list[int]:
 def feasible(trial) -> bool:
     """Return True for a completed trial whose constraints all hold (it fit the budget)."""
     return trial.state == TrialState.COMPLETE and all(v <= 0 for v in trial.constraints.values())
+
+
+def speed_memory_front(trials) -> list:
+    """Return the completed trials no other completed trial beats on both tokens/s (more) and peak bytes (fewer).
+
+    The Pareto front of a speed study: each point on it is the fastest setting for its memory.
+    A trial needs its value (tokens/s) and its user attribute `peak_bytes`.
+    """
+    done = [t for t in trials if t.state == TrialState.COMPLETE and t.value and "peak_bytes" in t.user_attrs]
+
+    def beaten(t):
+        return any(o.value >= t.value and o.user_attrs["peak_bytes"] <= t.user_attrs["peak_bytes"]
+                   and (o.value > t.value or o.user_attrs["peak_bytes"] < t.user_attrs["peak_bytes"]) for o in done)
+    return sorted((t for t in done if not beaten(t)), key=lambda t: t.user_attrs["peak_bytes"])
+
+
+def fresh_study_name(prefix: str) -> str:
+    """Return a study name no earlier run used: `prefix`, the time to the second, and this process's id."""
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"

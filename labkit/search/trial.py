@@ -6,8 +6,9 @@ Katib pod) can run it from the study's stored settings:
     config = StudyConfig(budget_bytes=ex.budget_bytes)          # shared by every trial of a study
     params = {"technique": "checkpoint", "segments": 2, "precision": "fp32", "micro_batch": 8, "lr": 3e-3}
     predict_peak_bytes(params, config)     # the same step on fake tensors: seconds, nothing allocated
-    result = train(params, config)         # predicted not to fit: skipped; else trained under the budget
-    result.status, result.val_loss, result.peak_bytes, result.tokens_per_s
+    measure_setting(params, config)        # predicted not to fit: skipped; else metered under the budget, then timed
+    train(params, config)                  # the same, trained for `train_steps` with validation losses
+    time_settings({"a": params, ...}, config, rounds=5)   # step times of several settings, interleaved
 
 The step is built from the chapters' tested references: micro-batches and autocast
 (`precision.amp_train_step`: 01, 03), checkpointed blocks (`checkpointing.checkpoint_blocks`: 02),
@@ -38,10 +39,13 @@ from labkit.models import GPT, GPTConfig
 from labkit.offload import OffloadHooks
 from labkit.precision import amp_train_step, check_precision
 from labkit.search.space import check_params, workbook_space
+from labkit.throughput import Throughput, measure_throughputs
 from labkit.train import make_optimizer
 from labkit.validate import check_int
 
 STATUSES = ("ok", "predicted_oom", "oom", "pruned")
+MEMORY_KNOBS = ("technique", "segments", "precision", "micro_batch")
+"""The parameters that change a step's memory and speed; the learning rate changes neither."""
 """ok: trained; predicted_oom: the estimate said it does not fit, nothing ran; oom: the budget
 refused an allocation during training; pruned: stopped early by the study's pruner."""
 
@@ -95,9 +99,10 @@ class StudyConfig:
         """Return the tokens of one optimizer step."""
         return self.batch * self.seq_len
 
-    def space(self, precisions: tuple | None = None):
-        """Return the workbook's search space for this model and batch."""
-        return workbook_space(self.n_layer, self.batch, precisions=precisions or self.precisions)
+    def space(self, precisions: tuple | None = None, only: tuple | None = None):
+        """Return the workbook's search space for this model and batch (`only`: just these parameters)."""
+        full = workbook_space(self.n_layer, self.batch, precisions=precisions or self.precisions)
+        return full if only is None else [p for p in full if p.name in only]
 
     def to_dict(self) -> dict:
         """Return the config as plain data (what a study stores for its workers)."""
@@ -162,6 +167,9 @@ class SettingStep:
         self.hooks = OffloadHooks(self.model).track_layers(self.model.blocks) if self.technique == "offload" else None
         self.micro_batch = params["micro_batch"]  # 01: batch / micro_batch accumulation steps
         self.precision = params["precision"]  # 03
+        # 03: fp16 needs loss scaling (a GradScaler); fp16 runs only on CUDA, and the fake-tensor prediction on
+        # "cpu" leaves the scaler's two scalars out
+        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" and self.device.type == "cuda" else None
 
     def step(self, batch) -> None:
         """Run one optimizer step on `batch` = (inputs, targets)."""
@@ -169,7 +177,8 @@ class SettingStep:
             self.l2l.step(batch)
             return
         with self.hooks if self.hooks is not None else contextlib.nullcontext():  # 04: saved tensors to the host
-            amp_train_step(self.model, self.optimizer, split_batch(batch, self.micro_batch), precision=self.precision)
+            amp_train_step(self.model, self.optimizer, split_batch(batch, self.micro_batch), precision=self.precision,
+                           scaler=self.scaler)
 
     def create_optimizer_state(self) -> None:
         """Create Adam's state without a forward pass (zero gradients, one update): a steady step's bytes."""
@@ -258,48 +267,89 @@ def train(params: dict, config: StudyConfig, report=None) -> TrialResult:
     """Predict the setting's peak; if it fits, train it under the budget and return what it measured.
 
     `report(result)` is called after each validation with the result so far (`steps_run`,
-    `val_loss`, `peak_bytes`); a pruner raises from it. The
-    first `metered_steps` steps run under a MemoryMeter with the budget (a real OutOfMemory gives
-    status "oom"); the others are timed, outside the meter.
+    `val_loss`, `peak_bytes`); a pruner raises from it. The first `metered_steps` steps run under a
+    MemoryMeter with the budget (a real OutOfMemory gives status "oom"); the others are timed,
+    outside the meter.
     """
-    predicted = predict_peak_bytes(params, config)
-    result = TrialResult(params, "predicted_oom", predicted, predicted <= config.budget_bytes)
-    if not result.fits_predicted:
+    result, step, batches = _start(params, config)
+    if step is None:
         result.val_loss = untrained_loss(config)
         return result
-    device = resolve_device(config.device, "config.device")
-    step = SettingStep(params, config, device)
-    batches = _batches(config, device)
-    val = validation_batch(config, device)
+    val = validation_batch(config, step.device)
     times = []
-    result.status = "ok"
     try:
-        result.peak_bytes = 0
-        for _ in range(config.metered_steps):  # one meter per step: the batch is drawn outside it (the data's
-            batch = next(batches)             # lookup tables are not the step's bytes)
-            with MemoryMeter(device, budget_bytes=config.budget_bytes, timeline=False) as meter:
-                step.attach(meter)
-                meter.track(*batch)
-                step.step(batch)
-            del batch
-            result.steps_run += 1
-            result.peak_bytes = max(result.peak_bytes, meter.peak_bytes)
+        _metered_steps(step, batches, config, result)
         if result.steps_run % config.eval_every == 0:
             _validate(step, val, result, report)
         while result.steps_run < config.train_steps:
-            times.append(_timed_step(step, next(batches), device))
+            times.append(_timed_step(step, next(batches), step.device))
             result.steps_run += 1
             if result.steps_run % config.eval_every == 0 or result.steps_run == config.train_steps:
                 _validate(step, val, result, report)
     except torch.OutOfMemoryError as e:  # the budget's OutOfMemory, or a real device's
-        result.status, result.error = "oom", str(e).splitlines()[0]
-        if isinstance(e, OutOfMemory):
-            result.peak_bytes = e.requested_bytes + e.in_use_bytes  # what the step asked for when refused
+        _out_of_memory(result, e)
         result.val_loss = untrained_loss(config)
+    _set_speed(result, times, config)
+    return result
+
+
+def measure_setting(params: dict, config: StudyConfig) -> TrialResult:
+    """Predict the setting's peak; if it fits, run `metered_steps` under the budget, then time `timed_steps` steps.
+
+    What one trial of the speed study measures: the peak (metered) and the tokens per second
+    (median of the timed steps, outside the meter). No validation: no number learned changes speed.
+    """
+    result, step, batches = _start(params, config)
+    if step is None:
+        return result
+    try:
+        _metered_steps(step, batches, config, result)
+    except torch.OutOfMemoryError as e:
+        _out_of_memory(result, e)
+        return result
+    times = [_timed_step(step, next(batches), step.device) for _ in range(config.timed_steps)]
+    result.steps_run += len(times)
+    _set_speed(result, times, config)
+    return result
+
+
+def _start(params: dict, config: StudyConfig):
+    """Return (result, step, batches) of a setting predicted to fit, or (result, None, None) of one that does not."""
+    predicted = predict_peak_bytes(params, config)
+    result = TrialResult(params, "predicted_oom", predicted, predicted <= config.budget_bytes)
+    if not result.fits_predicted:
+        return result, None, None
+    device = resolve_device(config.device, "config.device")
+    result.status = "ok"
+    return result, SettingStep(params, config, device), _batches(config, device)
+
+
+def _metered_steps(step: SettingStep, batches, config: StudyConfig, result: TrialResult) -> None:
+    """Run `metered_steps` steps, each under its own MemoryMeter with the budget; record the largest peak."""
+    result.peak_bytes = 0
+    for _ in range(config.metered_steps):  # one meter per step: the batch is drawn outside it (the data's
+        batch = next(batches)             # lookup tables are not the step's bytes)
+        with MemoryMeter(step.device, budget_bytes=config.budget_bytes, timeline=False) as meter:
+            step.attach(meter)
+            meter.track(*batch)
+            step.step(batch)
+        del batch
+        result.steps_run += 1
+        result.peak_bytes = max(result.peak_bytes, meter.peak_bytes)
+
+
+def _out_of_memory(result: TrialResult, error: torch.OutOfMemoryError) -> None:
+    """Mark `result` as refused by the budget (or a real device), keeping what the step asked for."""
+    result.status, result.error = "oom", str(error).splitlines()[0]
+    if isinstance(error, OutOfMemory):
+        result.peak_bytes = error.requested_bytes + error.in_use_bytes  # what the step asked for when refused
+
+
+def _set_speed(result: TrialResult, times: list, config: StudyConfig) -> None:
+    """Set the result's median step time and tokens per second from the timed steps (none: left unset)."""
     if times:
         result.step_s = statistics.median(times)
         result.tokens_per_s = config.tokens_per_step / result.step_s
-    return result
 
 
 def _validate(step: SettingStep, val, result: TrialResult, report) -> None:
@@ -341,29 +391,22 @@ def _timed_step(step: SettingStep, batch, device) -> float:
     return time.perf_counter() - t0
 
 
-def time_setting(params: dict, config: StudyConfig) -> TrialResult:
-    """Time the setting's step (median of `timed_steps` after a warm-up) without a budget; peak = the prediction.
+def time_settings(settings: dict[str, dict], config: StudyConfig, rounds: int) -> dict[str, Throughput]:
+    """Return each setting's Throughput over `rounds` interleaved rounds (one step of each per round), after a warm-up.
 
-    For the speed-against-memory study: every setting is a point, including those beyond the
-    budget. On a real device a setting predicted beyond its capacity is not run (status predicted_oom).
+    What else the machine does falls on every setting alike: compare settings round by round
+    (`step_times_s` are paired by round) or by medians. No budget here: check what fits first.
     """
-    predicted = predict_peak_bytes(params, config)
-    result = TrialResult(params, "ok", predicted, predicted <= config.budget_bytes, peak_bytes=predicted)
+    check_int("rounds", rounds, 1)
+    if not settings:
+        raise ValueError("time_settings needs at least one setting")
     device = resolve_device(config.device, "config.device")
-    capacity = device_memory_bytes(device)
-    if capacity is not None and predicted > capacity:
-        result.status = "predicted_oom"
-        return result
-    step = SettingStep(params, config, device)
-    batches = _batches(config, device)
-    step.step(next(batches))
-    times = []
-    for _ in range(config.timed_steps):
-        times.append(_timed_step(step, next(batches), device))
-    result.steps_run = 1 + config.timed_steps
-    result.step_s = statistics.median(times)
-    result.tokens_per_s = config.tokens_per_step / result.step_s
-    return result
+    fns = {}
+    for name, params in settings.items():
+        step, batches = SettingStep(params, config, device), _batches(config, device)
+        fns[name] = lambda step=step, batches=batches: step.step(next(batches))
+    return measure_throughputs(fns, samples_per_step=config.batch, tokens_per_step=config.tokens_per_step,
+                               device=device, warmup_steps=1, steps=rounds)
 
 
 # -- the chapters' own settings ------------------------------------------------------------------------
