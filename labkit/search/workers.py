@@ -55,9 +55,16 @@ def search_span_s(study: optuna.Study) -> float:
     return (end - start).total_seconds()
 
 
-def running_trial(study: optuna.Study, timeout_s: float = 60.0, min_running_s: float = 0.0):
-    """Wait for a trial running `min_running_s` in some worker with its setting drawn; return (trial number, worker pid)."""
-    space = settings_of(study)[0].space()
+def running_trial(study: optuna.Study, timeout_s: float = 60.0, min_running_s: float = 0.0, space: list | None = None):
+    """Wait for a trial running `min_running_s` in some worker with its setting drawn; return (trial number, worker pid).
+
+    Drawn: every active parameter of `space` (default: the study's space less its `fixed` knobs, what
+    the "loss" objective draws; pass `config.space(only=MEMORY_KNOBS)` for the "speed" objective).
+    """
+    if space is None:
+        config = settings_of(study)[0]
+        fixed = study.user_attrs["settings"].get("fixed") or {}
+        space = [p for p in config.space() if p.name not in fixed]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
