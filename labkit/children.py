@@ -7,16 +7,24 @@
 A child started here gets the parent's pid in LABKIT_PARENT_PID; calling `die_with_parent()`
 first thing makes it die with the parent even when the parent is killed outright (Linux:
 PR_SET_PDEATHSIG; elsewhere a watcher thread).
+
+Liveness of a process recorded elsewhere (a search worker's, in its trial): a pid means something
+only where it was taken, so it is recorded with `machine_id()` (this boot of this kernel and its pid
+namespace: machines cloned from one image differ, containers with their own pids differ) and
+`process_start(pid)` (a reused pid differs); `process_alive(pid, start)` answers only for this machine.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
 
 PARENT_ENV = "LABKIT_PARENT_PID"  # the starting process's pid: a child that calls die_with_parent dies with it
 
@@ -89,3 +97,52 @@ class ChildProcesses:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# -- liveness -----------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def machine_id() -> str | None:
+    """Return an id shared by exactly the processes whose pids this one can check; None where pids cannot be checked.
+
+    Linux: the kernel's boot id (random at each boot: machines cloned from one image differ, unlike
+    their hostname and /etc/machine-id) and this process's pid namespace (containers with their own
+    pids differ). Other POSIX systems: hostname and a hardware (MAC) address. Windows: None (os.kill
+    there ends the process it probes).
+    """
+    if os.name == "nt":
+        return None
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"linux:{boot}:{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return f"{sys.platform}:{socket.gethostname()}:{uuid.getnode():012x}"
+
+
+def process_start(pid: int) -> int | None:
+    """Return when process `pid` started, in clock ticks since boot (Linux), to tell a reused pid apart; else None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[-1].split()[19])  # field 22, starttime (proc(5))
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_alive(pid: int, start: int | None = None) -> bool:
+    """Return whether process `pid` of this machine runs (a zombie does not), and, given `start`, is the one started then."""
+    if os.name == "nt":
+        return True  # cannot tell without ending it (os.kill there terminates)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's process: it exists
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[-1].split()[0] == "Z":
+                return False
+    except OSError:
+        return True  # no /proc: trust kill(pid, 0)
+    now = process_start(pid)
+    return start is None or now is None or now == start

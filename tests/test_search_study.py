@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import optuna
@@ -11,6 +13,7 @@ from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
 from labkit import search
+from labkit.children import machine_id
 from labkit.search import study as studies
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -173,31 +176,70 @@ def test_optimize_waits_for_a_silent_trial_and_runs_its_retry(config, storage):
     assert studies.lost_trials(study) == []
 
 
-@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
-def test_a_local_workers_death_is_seen_without_a_heartbeat(config, storage):
-    """A worker killed before its heartbeat thread wrote once (seen: that thread crashed) leaves no heartbeat."""
-    import socket
-    import subprocess
+def _dead_worker_trials(url: str, name: str, n: int = 1) -> list[int]:
+    """Have a worker process start `n` trials (marked, never a heartbeat) and exit; return their numbers."""
+    code = ("import sys; from labkit.search import study as s\n"
+            "st = s.load_study(sys.argv[2], s.make_storage(sys.argv[1]))\n"
+            "for _ in range(int(sys.argv[3])):\n"
+            "    t = st.ask(); s.mark_worker(t); print(t.number)")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code, url, name, str(n)], check=True,
+                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return [int(x) for x in out.stdout.split()]  # run() reaped it: its pid names no process now
 
-    study = studies.create_study("p", storage, config, "loss", sampler="replay", pruner="none", replay=[FITS])
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
+def test_a_local_workers_death_is_seen_without_a_heartbeat(config, tmp_path):
+    """A worker killed before its heartbeat thread wrote once (seen: that thread crashed) leaves no heartbeat."""
+    url = studies.storage_url(tmp_path / "d.db")
+    study = studies.create_study("p", studies.make_storage(url, heartbeat_s=1, grace_s=2), config, "loss",
+                                 sampler="replay", pruner="none", replay=[FITS])
     assert studies.optimize(study, 1) == 1
-    gone = subprocess.Popen(["true"])
-    gone.wait()  # reaped: its pid names no process now
-    silent = study.ask()  # no heartbeat recorded, ever
-    silent.set_user_attr("pid", gone.pid)
-    silent.set_user_attr("host", socket.gethostname())
+    [silent] = _dead_worker_trials(url, "p")
     start = time.monotonic()
     assert studies.optimize(study, 5, total_trials=1) == 1  # its retry, at once: no grace period to wait out
     assert time.monotonic() - start < 10  # the trial's own run (2.5 s seen on a loaded machine), far from max_wait_s=60
     assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
-    assert study.trials[2].system_attrs["failed_trial"] == silent.number
+    assert study.trials[2].system_attrs["failed_trial"] == silent
+    assert studies.worker_of(study.trials[2])["pid"] == os.getpid()  # the retry's own worker, recorded first
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
+def test_a_retry_is_not_failed_for_the_dead_worker_it_copied(config, tmp_path):
+    """The retry copies the dead trial's user attributes: a third worker must not take them for the retry's worker."""
+    url = studies.storage_url(tmp_path / "r.db")
+    storage = studies.make_storage(url, heartbeat_s=1, grace_s=2)
+    study = studies.create_study("r", storage, config, "loss", sampler="replay", pruner="none", replay=[FITS])
+    [dead] = _dead_worker_trials(url, "r")
+    assert studies.fail_dead_trials(study) == [dead]
+    retry = study.ask()  # a live worker pops the retry; its objective has not recorded it yet
+    frozen = study.trials[retry.number]
+    assert frozen.system_attrs["failed_trial"] == dead and frozen.user_attrs["worker"]["pid"]  # the copy
+    assert studies.worker_of(frozen) is None  # written for another trial
+    assert studies.fail_dead_trials(study) == []  # the third worker leaves it alone
+    assert study.trials[retry.number].state == TrialState.RUNNING
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
+def test_another_machines_trial_is_not_failed_here(config, storage):
+    """Machines cloned from one image share a hostname: only the machine id tells whose pid a trial names."""
+    import socket
+
+    study = studies.create_study("o", storage, config, "loss", sampler="replay", pruner="none", replay=[FITS])
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that names no process here
+    for machine in ("linux:another-boot:pid:[1]", machine_id()):
+        t = study.ask()
+        t.set_user_attr("worker", {"trial": t.number, "host": socket.gethostname(), "pid": gone.pid,
+                                   "machine": machine, "start": None})
+    assert studies.fail_dead_trials(study) == [1]  # this machine's dead worker only
+    assert [t.state for t in study.trials] == [TrialState.RUNNING, TrialState.FAIL, TrialState.WAITING]
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
 def test_a_worker_waits_for_a_live_trial_at_most_max_wait_s(config, storage):
     study = studies.create_study("m", storage, config, "loss", sampler="replay", pruner="none", replay=[FITS])
     busy = study.ask()  # this very process runs it: it is alive (and without a heartbeat, never stale)
-    busy.set_user_attr("pid", os.getpid())
+    studies.mark_worker(busy)
     start = time.monotonic()
     assert studies.optimize(study, 5, total_trials=0, max_wait_s=1.5) == 0
     assert 1.5 <= time.monotonic() - start < 5

@@ -168,6 +168,7 @@ def test_two_workers_on_a_postgresql_server(postgres_url):
     """The many-machine set-up on one machine: workers share the study through a real database server."""
     config = _config(train_steps=4)
     settings = [dict(FITS, lr=1e-3 * (1 + i)) for i in range(6)]
+    assert studies.check_storage_url("STORAGE", postgres_url) == postgres_url  # it answers
     storage = studies.make_storage(postgres_url)
     study = studies.create_study("pg", storage, config, "loss", sampler="replay", pruner="none", replay=settings)
     with ChildProcesses() as kids:
@@ -177,5 +178,5 @@ def test_two_workers_on_a_postgresql_server(postgres_url):
     trials = study.get_trials(deepcopy=False)
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 6
     assert [t.params for t in trials] == settings
-    assert len({t.user_attrs["pid"] for t in trials}) == 2  # both workers ran trials
+    assert len({studies.worker_of(t)["pid"] for t in trials}) == 2  # both workers ran trials, and recorded it
     assert optuna.load_study(study_name="pg", storage=postgres_url).best_trial.value == study.best_trial.value

@@ -20,6 +20,8 @@ reported every `eval_every` steps before the last for the pruner, with the same 
 
 from __future__ import annotations
 
+import copy
+import math
 import os
 import socket
 import time
@@ -27,13 +29,15 @@ import warnings
 from pathlib import Path
 
 import optuna
+import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
-from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
 from optuna.trial import TrialState
 
+from labkit.children import machine_id, process_alive, process_start
 from labkit.meter import live_tensor_bytes
 from labkit.search.space import suggest
 from labkit.search.trial import MEMORY_KNOBS, StudyConfig, check_setting, measure_setting, plain_setting, train
+from labkit.validate import ParameterError
 
 OBJECTIVES = ("speed", "loss")
 SAMPLERS = ("tpe", "random", "bruteforce", "replay")
@@ -57,15 +61,25 @@ def default_build_dir() -> Path:
     return out
 
 
-def make_storage(url: str, heartbeat_s: int = 2, grace_s: int = 6, max_retry: int = 2) -> RDBStorage:
-    """Return an RDBStorage with heartbeats: a trial silent for `grace_s` is failed and retried (up to max_retry)."""
-    kwargs = {}
-    if url.startswith("sqlite"):
-        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}  # several worker processes on one file
+def make_storage(url: str, heartbeat_s: int = 2, grace_s: int = 6, max_retry: int = 2, connect_timeout_s: float = 10,
+                 name: str = "url") -> RDBStorage:
+    """Return an RDBStorage with heartbeats: a trial silent for `grace_s` is failed and retried (up to max_retry).
+
+    A URL no worker could share (in-memory SQLite, malformed) or a database that does not answer
+    within `connect_timeout_s` raises ParameterError naming `name`. On SQLite, a transaction locks the
+    file from its first read, so one process at a time reads and changes a trial's state (two workers
+    cannot both fail one trial and queue two retries, nor both pop one queued trial).
+    """
+    parsed = _storage_url(name, url)
+    kwargs = {"engine_kwargs": _engine_kwargs(parsed, connect_timeout_s)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return RDBStorage(url, heartbeat_interval=heartbeat_s, grace_period=grace_s,
-                          heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=max_retry), **kwargs)
+        try:
+            return _LockingRDBStorage(url, heartbeat_interval=heartbeat_s, grace_period=grace_s,
+                                      heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=max_retry),
+                                      **kwargs)
+        except sqlalchemy.exc.DBAPIError as e:
+            raise ParameterError(_unreachable(name, parsed, connect_timeout_s, e)) from None
 
 
 class ReplaySampler(optuna.samplers.BaseSampler):
@@ -194,7 +208,6 @@ def objective(study: optuna.Study, on_result=None):
 
     def speed(trial):
         trial.set_user_attr("live_tensor_bytes_at_start", live_tensor_bytes(collect=False))  # a leak would grow
-        _mark_worker(trial)
         params = suggest(trial, config.space(only=MEMORY_KNOBS))
         # timed against the plain step, alternating: the value is its speed in units of the plain step's
         result = measure_setting({**params, "lr": 1e-3}, config, reference=plain_setting(config))
@@ -211,7 +224,6 @@ def objective(study: optuna.Study, on_result=None):
 
     def loss(trial):
         trial.set_user_attr("live_tensor_bytes_at_start", live_tensor_bytes(collect=False))
-        _mark_worker(trial)
         searched = [p for p in config.space() if p.name not in (fixed or {})]
         params = {**(fixed or {}), **suggest(trial, searched)}
 
@@ -241,25 +253,31 @@ def objective(study: optuna.Study, on_result=None):
     return speed if name == "speed" else loss
 
 
-def _mark_worker(trial) -> None:
-    """Record which worker runs the trial (its liveness is judged by it)."""
-    trial.set_user_attr("pid", os.getpid())
-    trial.set_user_attr("host", socket.gethostname())
-
-
 def optimize(study: optuna.Study, n_trials: int, total_trials: int | None = None, on_result=None,
              poll_s: float = 0.5, max_wait_s: float = 60.0) -> int:
     """Run up to `n_trials` trials here, stopping once the study holds `total_trials` finished ones; return trials run.
 
-    With `total_trials`, a worker does not leave at once while a trial is still running elsewhere:
-    that worker may have died. Its trial is failed and queued again, for a worker still here to run,
-    once its heartbeat is stale, or at once when its worker was a process of this machine that no
-    longer exists (a worker killed before its first heartbeat leaves no heartbeat to go stale). After
-    `max_wait_s` with nothing left to run, the worker leaves. A trial another process already
-    finished is skipped, not fatal: two SQLite workers can pop the same waiting trial (a retried
-    one), since SQLite cannot lock the row (optuna #4621).
+    Each trial records its worker first thing (`mark_worker`). With `total_trials`, a worker does not
+    leave at once while a trial is still running elsewhere: that worker may have died. Its trial is
+    failed and queued again, for a worker still here to run, once its heartbeat is stale, or at once
+    when its worker was a process of this machine that no longer exists (a worker killed before its
+    first heartbeat leaves no heartbeat to go stale). After `max_wait_s` with nothing left to run, the
+    worker leaves. A trial another process finished first (its worker was thought dead and it was
+    retried, or a storage that cannot lock a row let two workers pop it) is skipped, not fatal.
     """
     fn = objective(study, on_result)
+    this: dict = {}  # the trial this worker runs now, and what its objective raised
+
+    def run(trial):
+        this.clear()
+        this["number"] = trial.number
+        try:
+            mark_worker(trial)
+            return fn(trial)
+        except BaseException as e:
+            this["raised"] = e
+            raise
+
     finished = (TrialState.COMPLETE, TrialState.PRUNED)
     ran, waited_since = 0, None
     while ran < n_trials:
@@ -274,61 +292,213 @@ def optimize(study: optuna.Study, n_trials: int, total_trials: int | None = None
                 time.sleep(poll_s)  # someone's trial is running: wait for it to finish, or to be found dead
                 continue
         waited_since = None
+        this.clear()
         try:
-            study.optimize(fn, n_trials=1, gc_after_trial=True)
-        except ValueError as e:
-            if "Cannot tell a" not in str(e):
+            study.optimize(run, n_trials=1, gc_after_trial=True)
+        except Exception as e:
+            # Optuna could not record this trial's end (study.tell raises ValueError on a finished
+            # trial): skip it only when the storage says someone else ended it, never the objective's own error
+            if e is this.get("raised") or not _finished_elsewhere(study, this.get("number")):
                 raise
-            continue  # another worker finished this trial first
+            continue
         ran += 1
     return ran
 
 
 def fail_dead_trials(study: optuna.Study) -> list[int]:
-    """Fail the running trials whose worker is gone, run the storage's retry callback; return their numbers.
+    """Fail the running trials whose worker is gone, run the storage's retry callback once each; return their numbers.
 
-    Gone: its heartbeat is stale (Optuna's fail_stale_trials), or it ran in a process of this
-    machine (user attrs `host` and `pid`) that no longer exists.
+    Gone: its heartbeat is stale (Optuna's fail_stale_trials), or its worker (`worker_of`) was a
+    process of this machine that no longer exists. A trial is failed by one process only (the
+    storage locks it: PostgreSQL's row lock, SQLite's file lock in `make_storage`), and only that
+    process queues its retry.
     """
-    storage = study._storage  # Optuna's own fail_stale_trials reads it the same way
     before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         fail_stale_trials(study)
-    host = socket.gethostname()
-    callback = storage.get_heartbeat_stale_trial_callback() if _has_heartbeat(study) else None
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        pid = t.user_attrs.get("pid")
-        if pid is None or t.user_attrs.get("host") != host or pid == os.getpid() or _process_exists(pid):
-            continue
-        try:
-            if storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
-                if callback is not None:
-                    callback(study, storage.get_trial(t._trial_id))
-        except optuna.exceptions.UpdateFinishedTrialError:
-            pass  # another worker failed it first
+        worker = worker_of(t)
+        if worker is not None and _worker_gone(worker):
+            _fail_and_retry(study, t)
     return sorted({t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))} - before)
-
-
-def _process_exists(pid: int) -> bool:
-    """Return whether a process `pid` runs on this machine (a zombie, killed and not yet reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return True  # no /proc: trust kill(pid, 0)
 
 
 def _has_heartbeat(study: optuna.Study) -> bool:
     """Return whether the study's storage fails trials whose worker stopped beating."""
-    storage = study._storage  # Optuna's own fail_stale_trials reads it the same way
-    return isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage)
+    return _heartbeat_interval(study) is not None
+
+
+# -- liveness: which worker runs a trial, and whether it still does ------------------------------------
+WORKER_ATTR = "worker"  # the user attribute `mark_worker` writes
+
+
+def mark_worker(trial) -> None:
+    """Record in `trial` the process that runs it (machine, pid, start, this trial's number): call it first in a trial.
+
+    The record names the trial it was written for: a retry, which copies the failed trial's user
+    attributes, carries its dead worker's record under another number, and `worker_of` ignores it.
+    """
+    pid = os.getpid()
+    trial.set_user_attr(WORKER_ATTR, {"trial": trial.number, "host": socket.gethostname(), "pid": pid,
+                                      "machine": machine_id(), "start": process_start(pid)})
+
+
+def worker_of(trial) -> dict | None:
+    """Return the worker record `mark_worker` wrote for this very trial (keys trial, host, pid, machine, start), else None."""
+    record = trial.user_attrs.get(WORKER_ATTR)
+    return record if isinstance(record, dict) and record.get("trial") == trial.number else None
+
+
+def _worker_gone(worker: dict) -> bool:
+    """Return whether a worker record names a process of this machine that no longer runs (another machine's: False)."""
+    here = machine_id()
+    if here is None or worker.get("machine") != here:
+        return False  # its pid means nothing here: its heartbeat tells
+    return not process_alive(worker["pid"], worker.get("start"))
+
+
+def _fail_and_retry(study: optuna.Study, trial) -> bool:
+    """Fail a running trial and run the retry callback, unless another process failed or finished it first; return whether this one did."""
+    storage = study._storage  # private attribute: Optuna's own fail_stale_trials fails trials through it the same way
+    try:
+        # trial._trial_id: private, the storage's key (Optuna's fail_stale_trials uses the same ids)
+        if not storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
+            return False
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return False  # another process failed (or finished) it first: it queued the retry, if any
+    callback = _stale_callback(study)
+    if callback is not None:
+        callback(study, copy.deepcopy(storage.get_trial(trial._trial_id)))
+    return True
+
+
+def _finished_elsewhere(study: optuna.Study, number: int | None) -> bool:
+    """Return whether trial `number` is finished in the storage (after this worker's tell failed: someone else ended it)."""
+    if number is None:
+        return False
+    return any(t.number == number and t.state.is_finished() for t in study.get_trials(deepcopy=False))
+
+
+def _heartbeat_interval(study: optuna.Study) -> int | None:
+    """Return the heartbeat interval of the study's storage, None without heartbeats (e.g. InMemoryStorage)."""
+    get = getattr(study._storage, "get_heartbeat_interval", None)  # private attribute, as in Optuna's fail_stale_trials
+    return get() if get is not None else None
+
+
+def _stale_callback(study: optuna.Study):
+    """Return the storage's heartbeat-stale trial callback (the retry), None without one."""
+    if _heartbeat_interval(study) is None:
+        return None
+    return study._storage.get_heartbeat_stale_trial_callback()  # private attribute, as in fail_stale_trials
+
+
+# -- storage URLs: refused before any work when no worker could share them -------------------------------
+STORAGE_EXAMPLES = "sqlite:///path/to/file.db, or a database server: postgresql+psycopg://user@host:5432/db"
+
+
+def check_storage_url(name: str, url, timeout_s: float = 10) -> str:
+    """Return `url` if it names a database every worker can share that answers within `timeout_s`; raise ParameterError naming `name` otherwise.
+
+    Refused: a malformed URL, an in-memory SQLite database (each process would hold its own), a
+    SQLite file whose folder does not exist, a driver that is not installed, a server that does not
+    accept a connection in time. A SQLite file is not created here.
+    """
+    parsed = _storage_url(name, url)
+    if parsed.get_backend_name() == "sqlite":
+        return url
+    engine = _engine(name, parsed, timeout_s)
+    try:
+        with engine.connect():
+            pass
+    except sqlalchemy.exc.DBAPIError as e:
+        raise ParameterError(_unreachable(name, parsed, timeout_s, e)) from None
+    finally:
+        engine.dispose()
+    return url
+
+
+def _storage_url(name: str, url) -> sqlalchemy.engine.URL:
+    """Return the parsed storage URL, or raise ParameterError naming `name` with what is allowed."""
+    if not isinstance(url, str) or not url:
+        raise ParameterError(f"{name} must be a database URL ({STORAGE_EXAMPLES}), got {url!r}")
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+        parsed.get_dialect()  # an unknown dialect raises here, before any connection
+    except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.NoSuchModuleError, ValueError) as e:
+        raise ParameterError(f"{name} must be a database URL ({STORAGE_EXAMPLES}), got {url!r}: {e}") from None
+    if parsed.get_backend_name() == "sqlite":
+        db = parsed.database or ""
+        if not db or ":memory:" in db or "mode=memory" in db or parsed.query.get("mode") == "memory":
+            raise ParameterError(f"{name} must name a file that every worker process opens ({STORAGE_EXAMPLES}), "
+                                 f"got {url!r}: an in-memory SQLite database exists only in the process that opened it")
+        folder = Path(db.removeprefix("file:").split("?")[0]).parent
+        if not folder.is_dir():
+            raise ParameterError(f"{name}: the folder of the SQLite file {db!r} does not exist ({folder})")
+    return parsed
+
+
+def _engine_kwargs(parsed: sqlalchemy.engine.URL, connect_timeout_s: float) -> dict:
+    """Return create_engine's arguments: a connect timeout for a server, a busy timeout for a SQLite file."""
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        return {"connect_args": {"timeout": 60}}  # several worker processes on one file wait for its lock
+    if backend in ("postgresql", "mysql", "mariadb"):
+        return {"connect_args": {"connect_timeout": max(1, math.ceil(connect_timeout_s))}}  # libpq, MySQL drivers
+    return {}
+
+
+def _engine(name: str, parsed: sqlalchemy.engine.URL, timeout_s: float) -> sqlalchemy.engine.Engine:
+    """Return an engine for the URL, or raise ParameterError naming the missing driver."""
+    try:
+        return sqlalchemy.create_engine(parsed, **_engine_kwargs(parsed, timeout_s))
+    except ImportError as e:
+        raise ParameterError(f"{name}: the driver of {parsed.drivername!r} is not installed ({e}); install it, or "
+                             "name one that is (PostgreSQL: postgresql+psycopg://, pip install 'psycopg[binary]')") from None
+
+
+def _unreachable(name: str, parsed: sqlalchemy.engine.URL, timeout_s: float, error: Exception) -> str:
+    """Return the message for a database that refused or did not answer."""
+    shown = parsed.render_as_string(hide_password=True)
+    cause = str(getattr(error, "orig", error)).strip().splitlines()[0]
+    return f"{name}: could not connect to the database {shown} within {timeout_s:g} s: {cause}"
+
+
+class _LockingRDBStorage(RDBStorage):
+    """RDBStorage whose SQLite transactions lock the file from their first read, as PostgreSQL's SELECT ... FOR UPDATE locks a row.
+
+    Optuna reads a trial's state and then changes it (RUNNING to FAIL, WAITING to RUNNING) in one
+    transaction; SQLite's default transaction locks only at the write, so two processes could both
+    read RUNNING and both fail the trial (two retries), or both pop one queued trial (optuna #4621).
+    BEGIN IMMEDIATE, SQLAlchemy's documented pysqlite recipe, serialises them.
+    """
+
+    def __init__(self, url: str, **kwargs):
+        super().__init__(url, **kwargs)
+        self._lock_on_first_read()
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._lock_on_first_read()
+
+    def _lock_on_first_read(self) -> None:
+        # self.engine: an RDBStorage attribute Optuna's docs do not offer users; SQLAlchemy's BEGIN
+        # recipe needs the engine, and engine_kwargs cannot carry event listeners
+        if self.engine.dialect.name != "sqlite":
+            return
+        sqlalchemy.event.listen(self.engine, "connect", _driver_autocommit)
+        sqlalchemy.event.listen(self.engine, "begin", _begin_immediate)
+        self.engine.dispose()  # the connections opened so far were set up without the listeners
+
+
+def _driver_autocommit(dbapi_connection, connection_record) -> None:
+    """Stop pysqlite from beginning transactions itself (it would BEGIN at the first write, not the first read)."""
+    dbapi_connection.isolation_level = None
+
+
+def _begin_immediate(connection) -> None:
+    """Begin each SQLAlchemy transaction with SQLite's write lock."""
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 # -- accounting ---------------------------------------------------------------------------------------
@@ -368,15 +538,3 @@ def fresh_study_name(prefix: str) -> str:
     """Return a study name no earlier run used: `prefix`, the time to the second, and this process's id."""
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
-
-def check_storage_url(name: str, url: str) -> str:
-    """Return `url` if it names a database every worker process can reach; else raise a ParameterError naming `name`."""
-    from labkit.validate import ParameterError
-
-    if not isinstance(url, str) or "://" not in url:
-        raise ParameterError(f"{name} must be a database URL like sqlite:///path/studies.db or "
-                             f"postgresql+psycopg://user@host/db, got {url!r}")
-    if url.startswith("sqlite") and url.split("://", 1)[1] in ("", "/", "/:memory:"):
-        raise ParameterError(f"{name} = {url!r} is an in-memory database that worker processes cannot share: "
-                             "give a file, sqlite:///path/studies.db")
-    return url

@@ -24,11 +24,16 @@ def _worker(args) -> int:
 
     from labkit.children import die_with_parent
     from labkit.search import study as studies
+    from labkit.validate import ParameterError
 
     die_with_parent()  # started by a notebook cell: never outlive it
     torch.set_num_threads(args.threads)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = studies.make_storage(args.storage)
+    try:  # an in-memory, malformed or silent database: said before any trial
+        storage = studies.make_storage(args.storage, connect_timeout_s=args.connect_timeout, name="--storage")
+    except ParameterError as e:
+        print(f"python -m labkit.tools.search worker: {e}", file=sys.stderr)
+        return 2
     for name in args.study:  # several studies: one after the other
         study = studies.load_study(name, storage, worker=args.index)
         studies.optimize(study, args.trials, total_trials=args.total)
@@ -72,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--total", type=int, default=None, help="stop once the study holds this many finished trials")
     w.add_argument("--index", type=int, default=0, help="this worker's number (seeds its sampler)")
     w.add_argument("--threads", type=int, default=1, help="torch threads (one per core among the workers)")
+    w.add_argument("--connect-timeout", type=float, default=10, help="seconds a database server has to accept a connection")
     t = sub.add_parser("trial", help="train one setting and print key=value lines")
     t.add_argument("--config", required=True, help="StudyConfig as JSON (at least budget_bytes)")
     t.add_argument("--technique", required=True)

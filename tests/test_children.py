@@ -1,0 +1,60 @@
+"""labkit.children's liveness: a pid is checked only on the machine that recorded it, and a reused pid is told apart."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from labkit import children
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")
+
+
+def test_machine_id_is_stable_and_shared_with_children():
+    here = children.machine_id()
+    assert here and here == children.machine_id()
+    out = subprocess.run([sys.executable, "-c", "from labkit.children import machine_id; print(machine_id())"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == here  # a worker this process starts sees the same pids
+
+
+@linux_only
+def test_machine_id_names_this_boot_not_the_hostname():
+    """Machines cloned from one image share hostname and /etc/machine-id; the boot id is drawn at each boot."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    assert boot in children.machine_id() and os.readlink("/proc/self/ns/pid") in children.machine_id()
+
+
+def test_a_reaped_process_is_not_alive():
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert not children.process_alive(gone.pid)
+    assert children.process_alive(os.getpid())
+
+
+@linux_only
+def test_a_zombie_is_not_alive():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until it exited, not yet reaped: kill(pid, 0) still succeeds
+        with open(f"/proc/{proc.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[-1].split()[0] == "Z":
+                break
+        time.sleep(0.01)
+    try:
+        assert not children.process_alive(proc.pid)
+    finally:
+        proc.wait()
+
+
+@linux_only
+def test_a_reused_pid_is_told_apart_by_its_start():
+    start = children.process_start(os.getpid())
+    assert isinstance(start, int) and start > 0
+    assert children.process_alive(os.getpid(), start)
+    assert not children.process_alive(os.getpid(), start - 1)  # another process that had this pid before
