@@ -6,12 +6,16 @@ STAMP  := $(VENV)/.installed-stamp
 
 .PHONY: setup run test unit lab student grade gpu-check clean
 
-$(STAMP): pyproject.toml
+# labkit declares a torch range; constraints.txt pins the exact versions the project is tested with
+# (here: the CPU wheel of torch on disk). Only `make setup` and CI use it.
+PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation -e '.[deepspeed]' \
+	$(PIP_INSTALL) -e '.[test,classroom]'
+	$(PIP_INSTALL) --no-build-isolation -e '.[deepspeed]' \
 		|| echo "DeepSpeed did not install: the test of the DeepSpeed configs will be skipped"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[engines]' \
+	$(PIP_INSTALL) -e '.[engines]' \
 		|| echo "The engines extra did not install: Hyperopt, Ray Tune, Katib and PostgreSQL tests will be skipped"
 	touch $(STAMP)
 

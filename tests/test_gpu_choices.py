@@ -1,0 +1,120 @@
+"""The GPUs hosted notebooks give: bf16 or fp16 + GradScaler by compute capability, ranks on GPUs or on the CPU.
+
+No GPU here: torch.cuda is faked by monkeypatching (device count, capability, name), as tests/test_device.py
+fakes it for the CUDA meter. The cards are the ones Colab and Kaggle hand out.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import types
+
+import pytest
+import torch
+
+from labkit import device as lkdevice
+from labkit.validate import ParameterError
+
+
+def fake_gpus(monkeypatch, count: int, capability=(7, 5), name="Tesla T4"):
+    """Make torch see `count` GPUs of one kind (never used for compute: only asked about)."""
+    props = types.SimpleNamespace(name=name, major=capability[0], minor=capability[1], total_memory=15 * 2**30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(lkdevice, "_announced", set())
+
+
+@pytest.mark.parametrize("name, capability, want", [
+    ("Tesla T4", (7, 5), "fp16"),  # Colab's and Kaggle's free GPU
+    ("Tesla P100-PCIE-16GB", (6, 0), "fp16"),  # Kaggle's other one
+    ("Tesla V100-SXM2-16GB", (7, 0), "fp16"),
+    ("NVIDIA L4", (8, 9), "bf16"),
+    ("NVIDIA A100-SXM4-40GB", (8, 0), "bf16"),
+    ("NVIDIA H100 80GB HBM3", (9, 0), "bf16"),
+])
+def test_half_precision_follows_the_compute_capability(monkeypatch, name, capability, want):
+    fake_gpus(monkeypatch, 1, capability, name)
+    choice = lkdevice.half_precision("cuda")
+    assert choice.precision == want
+    assert choice.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[want]
+    assert choice.needs_scaler == (want == "fp16")
+    assert name in choice.reason and f"{capability[0]}.{capability[1]}" in choice.reason
+    if want == "fp16":
+        assert "GradScaler" in choice.reason and "no bf16" in choice.reason
+        assert isinstance(choice.scaler("cuda:0"), torch.amp.GradScaler)
+    else:
+        assert choice.scaler("cuda") is None
+
+
+def test_a_t4_is_fp16_although_torch_calls_bf16_supported(monkeypatch):
+    """torch.cuda.is_bf16_supported() is True on a T4 (emulation): the choice asks for native bf16."""
+    fake_gpus(monkeypatch, 1, (7, 5))
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)  # a T4 makes bf16 tensors
+    assert torch.cuda.is_bf16_supported() is True
+    assert torch.cuda.is_bf16_supported(including_emulation=False) is False
+    assert lkdevice.half_precision("cuda").precision == "fp16"
+
+
+def test_a_cpu_always_gets_bf16_and_never_a_scaler():
+    choice = lkdevice.half_precision("cpu")
+    assert (choice.precision, choice.dtype, choice.needs_scaler) == ("bf16", torch.bfloat16, False)
+    assert "never run on a CPU" in choice.reason and choice.scaler("cpu") is None
+
+
+def test_rank_placement_without_gpus_is_gloo_on_the_cpu(monkeypatch, capsys):
+    fake_gpus(monkeypatch, 0)
+    p = lkdevice.rank_placement(2)
+    assert (p.device, p.backend) == ("cpu", "gloo") and "no GPU" in p.reason
+    assert capsys.readouterr().out == ""  # nothing to explain on a CPU machine
+
+
+def test_one_gpu_and_two_ranks_run_on_the_cpu_and_say_why_once(monkeypatch, capsys):
+    fake_gpus(monkeypatch, 1)  # Colab's single T4
+    p = lkdevice.rank_placement(2)
+    assert (p.device, p.backend) == ("cpu", "gloo")
+    assert "NCCL needs one GPU per rank" in p.reason
+    again = lkdevice.rank_placement(2)
+    out = capsys.readouterr().out
+    assert again == p and out.count("\n") == 1 and "NCCL needs one GPU per rank" in out  # said once per process
+    with pytest.raises(ParameterError, match="device='cuda' needs one GPU per rank: nproc=2 ranks, 1 GPUs"):
+        lkdevice.rank_placement(2, device="cuda")
+    assert lkdevice.rank_placement(1) == lkdevice.RankPlacement("cuda", "nccl", "1 ranks on 1 GPUs: one GPU per rank, nccl")
+
+
+def test_two_gpus_run_two_ranks_on_nccl_and_four_on_the_cpu(monkeypatch):
+    fake_gpus(monkeypatch, 2)  # Kaggle's T4 x2
+    p = lkdevice.rank_placement(2)
+    assert (p.device, p.backend) == ("cuda", "nccl")
+    assert lkdevice.rank_placement(2, backend="gloo").backend == "gloo"  # gloo also runs on GPUs
+    assert lkdevice.rank_placement(4).device == "cpu"  # the four-rank memory point of 06 and 07
+    assert lkdevice.rank_placement(4, device="cpu").reason.endswith("as asked (2 GPUs visible)")
+    with pytest.raises(ParameterError, match="backend='nccl' needs CUDA devices"):
+        lkdevice.rank_placement(4, backend="nccl")
+    with pytest.raises(ParameterError, match="backend must be one of"):
+        lkdevice.rank_placement(2, backend="mpi")
+
+
+def test_launch_places_its_ranks_with_rank_placement(monkeypatch, tmp_path, capsys):
+    """labkit.dist.launch on a one-GPU machine: "auto" runs both ranks on the CPU over gloo and says why."""
+    from labkit.dist import launch
+
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent("""
+        import torch.distributed as dist
+        import labkit.dist as ld
+
+        def main():
+            return {"device": str(ld.device()), "backend": dist.get_backend()}
+
+        if __name__ == "__main__":
+            ld.run(main)
+    """))
+    fake_gpus(monkeypatch, 1)
+    results = launch(script, 2, echo=False, timeout_s=120)
+    assert [r.value for r in results] == [{"device": "cpu", "backend": "gloo"}] * 2
+    assert "NCCL needs one GPU per rank" in capsys.readouterr().out
+    with pytest.raises(ParameterError, match="needs one GPU per rank"):
+        launch(script, 2, device="cuda")
