@@ -268,4 +268,6 @@ def test_a_chapter_runs_from_an_empty_folder_in_a_fresh_environment(tmp_path):
     made = subprocess.run([python, "-c", "from labkit.search.study import default_build_dir; print(default_build_dir())"],
                           capture_output=True, text=True, check=True, cwd=folder, env=environ).stdout.strip()
     assert made == str(folder / "build" / "search"), made  # the chapters write beside the notebook
+    check = subprocess.run([python, "-m", "labkit.tools.gpucheck"], capture_output=True, text=True, cwd=folder, env=environ)
+    assert check.returncode == 2 and check.stdout.startswith("make gpu-check needs CUDA:"), check.stdout + check.stderr
     print(f"hosted path: chapter {HOSTED_CHAPTER[:2]} with the install in {seconds:.1f} s")
