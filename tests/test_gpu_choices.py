@@ -143,3 +143,24 @@ def test_gpu_check_from_a_cell_and_outside_the_repository(monkeypatch, tmp_path,
     assert gpucheck.main(["--rehearse-on-cpu", "--skip", "offload", "--skip", "l2l", "--skip", "checkpoint"]) == 0
     report = (tmp_path / "build" / "gpu-check.json").read_text()  # build/ of the working directory
     assert '"chosen"' in report and "chapters use bf16" in capsys.readouterr().out
+
+
+def test_chapter_03_trains_in_the_format_of_its_device(monkeypatch, capsys):
+    """Chapter 03's choice, run on a faked T4: fp16 with a GradScaler, and the cell says why."""
+    import json
+    from pathlib import Path
+
+    import labkit
+
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "03_mixed_precision.ipynb").read_text())
+    (cell,) = [c for c in nb["cells"] if "labkit.device.half_precision(device)" in "".join(c["source"])]
+    lines = "".join(cell["source"]).splitlines()
+    choice = "\n".join(lines[:next(i for i, ln in enumerate(lines) if ln.startswith("AUTOCAST_DTYPE")) + 1])
+    fake_gpus(monkeypatch, 1, (7, 5), "Tesla T4")
+    namespace = {"labkit": labkit, "torch": torch, "device": torch.device("cuda", 0)}
+    exec(compile(choice, "<03 cell>", "exec"), namespace)
+    assert namespace["AUTOCAST_DTYPE"] == torch.float16 and namespace["half"].needs_scaler
+    assert capsys.readouterr().out.startswith("16-bit training on this device: Tesla T4 (compute capability 7.5) has no bf16")
+    namespace["device"] = torch.device("cpu")
+    exec(compile(choice, "<03 cell>", "exec"), namespace)
+    assert namespace["AUTOCAST_DTYPE"] == torch.bfloat16
