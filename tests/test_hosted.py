@@ -43,7 +43,8 @@ def test_every_chapter_has_the_links_and_the_canonical_install_cell():
         install = cells[1]
         assert install["id"] == hosted.INSTALL_CELL_ID and install["cell_type"] == "code"
         assert "".join(install["source"]) == hosted.install_cell_source() and install["outputs"] == []
-        first_import = next(i for i, c in enumerate(cells) if c["cell_type"] == "code" and "import labkit" in "".join(c["source"]))
+        first_import = next(i for i, c in enumerate(cells)
+                            if c["cell_type"] == "code" and "import labkit" in "".join(c["source"]))
         assert first_import > 1, f"{path.name}: labkit is imported before the cell that installs it"
 
 

@@ -48,7 +48,7 @@ def storage_url(path: str | Path) -> str:
 
 
 def default_build_dir() -> Path:
-    """Return build/search/ of $LABKIT_BUILD_DIR, the checkout, the working directory or the temp folder (results.build_dir)."""
+    """Return build/search/ of $LABKIT_BUILD_DIR, the checkout, the working directory or the temp folder."""
     return build_dir("search")
 
 

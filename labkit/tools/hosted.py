@@ -25,8 +25,9 @@ INSTALL_CELL_ID = "labkit-install"
 LINKS_MARK = "colab.research.google.com"  # how the links line is found again in the first markdown cell
 
 INSTALL_CELL = '''\
-# Colab, Kaggle or a Jupyter without labkit: install it, keeping this machine's torch. In the project's checkout
-# (`make setup`) labkit is there and nothing happens. LABKIT_SOURCE (a folder, git or wheel address) overrides the source.
+# Colab, Kaggle or a Jupyter without labkit: install it, keeping this machine's torch. In the project's
+# checkout (`make setup`) labkit is there and nothing happens. {env} (a folder, git or wheel address)
+# overrides where it comes from.
 import importlib.metadata, importlib.util, os, subprocess, sys
 
 if importlib.util.find_spec("labkit") is not None:
@@ -92,7 +93,7 @@ def chapters(folder: str | Path) -> list[Path]:
 
 
 def apply(folder: str | Path, check: bool = False, repository: str = REPOSITORY, branch: str = BRANCH) -> list[Path]:
-    """Write the links and install cell into every chapter of `folder` (check: write nothing); return those that differed."""
+    """Write the links and install cell into every chapter of `folder` (check: write nothing); return those changed."""
     differ = []
     for path in chapters(folder):
         text = path.read_text(encoding="utf-8")
