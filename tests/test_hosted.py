@@ -250,6 +250,11 @@ def test_a_chapter_runs_from_an_empty_folder_in_a_fresh_environment(tmp_path):
 
     before = torch_here()
     assert before.endswith(" None\n"), before  # labkit cannot be imported before the first cell runs
+    kernel = tmp_path / "jupyter" / "kernels" / "python3"  # the user's kernel dir comes before any system one
+    kernel.mkdir(parents=True)
+    (kernel / "kernel.json").write_text(json.dumps({"argv": [str(python), "-m", "ipykernel_launcher", "-f",
+                                                             "{connection_file}"],
+                                                    "display_name": "Python 3 (ipykernel)", "language": "python"}))
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "JUPYTER", "VIRTUAL_ENV"))}
     environ.update({**OFFLINE, hosted.SOURCE_ENV: str(_labkit_source(tmp_path)), "JUPYTER_DATA_DIR": str(tmp_path / "jupyter"),
                     "PATH": f"{env / 'bin'}:{environ.get('PATH', '')}", "LABKIT_BATCH": "1"})
