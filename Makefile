@@ -4,14 +4,18 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup run test unit lab student grade gpu-check clean
+.PHONY: setup run test unit lab student grade gpu-check dashboard clean
 
-$(STAMP): pyproject.toml
+# labkit declares a torch range; constraints.txt pins the exact versions the project is tested with
+# (here: the CPU wheel of torch on disk). Only `make setup` and CI use it.
+PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation -e '.[deepspeed]' \
+	$(PIP_INSTALL) -e '.[test,classroom]'
+	$(PIP_INSTALL) --no-build-isolation -e '.[deepspeed]' \
 		|| echo "DeepSpeed did not install: the test of the DeepSpeed configs will be skipped"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[engines]' \
+	$(PIP_INSTALL) -e '.[engines]' \
 		|| echo "The engines extra did not install: Hyperopt, Ray Tune, Katib and PostgreSQL tests will be skipped"
 	touch $(STAMP)
 
@@ -47,6 +51,11 @@ grade: $(STAMP)  ## autograde SUBMISSIONS=dir (<student>/<chapter>.ipynb); score
 GPU_CHECK_ARGS ?=
 gpu-check: $(STAMP)  ## every CUDA path at GPT-2 small: a table, and build/gpu-check.json (needs CUDA; exit 2 without)
 	@$(PY) -m labkit.tools.gpucheck --out build $(GPU_CHECK_ARGS)
+
+DASHBOARD_STORAGE ?= sqlite:///$(CURDIR)/build/search/studies.db
+DASHBOARD_PORT ?= 8080
+dashboard: $(STAMP)  ## Optuna's dashboard on chapter 08's studies (DASHBOARD_STORAGE=url), at http://127.0.0.1:8080
+	$(VENV)/bin/optuna-dashboard --host 127.0.0.1 --port $(DASHBOARD_PORT) "$(DASHBOARD_STORAGE)"
 
 clean:
 	rm -rf build

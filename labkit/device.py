@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import platform
+from dataclasses import dataclass
 
 import torch
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+RANK_BACKENDS = ("auto", "gloo", "nccl")  # auto: NCCL with one GPU per rank, gloo on the CPU
+BF16_MIN_CAPABILITY = (8, 0)  # NVIDIA GPUs compute bf16 natively from Ampere (compute capability 8.0) on
 
 _announced: set[str] = set()  # accelerators "auto" has already said it passes over, once per process
 
@@ -94,3 +97,90 @@ def synchronize(device: torch.device) -> None:
         acc = getattr(torch, "accelerator", None)
         if acc is not None:
             acc.synchronize(device)
+
+
+@dataclass(frozen=True)
+class HalfPrecision:
+    """The 16-bit format a device trains in, and why."""
+
+    precision: str  # "bf16" | "fp16": the name labkit.precision and the chapters use
+    dtype: torch.dtype  # torch.bfloat16 | torch.float16: autocast's dtype
+    needs_scaler: bool  # fp16 only: a GradScaler keeps small gradients from flushing to zero
+    reason: str  # one line: the device and why this format
+
+    def scaler(self, device: str | torch.device):
+        """Return a GradScaler for `device` when this format needs one, else None."""
+        return torch.amp.GradScaler(torch.device(device).type) if self.needs_scaler else None
+
+
+def half_precision(device: str | torch.device) -> HalfPrecision:
+    """Choose bf16 where `device` computes it natively, else fp16 with a GradScaler; say why in `reason`.
+
+    A CPU always gets bf16: fp16 compute is never run on a CPU (its fp16 matmuls use slow generic kernels).
+    A CUDA GPU gets bf16 from compute capability 8.0 (Ampere: A100, L4, RTX 30xx) and on ROCm; older cards
+    (T4, V100, P100) get fp16 with a GradScaler. `torch.cuda.is_bf16_supported()` is no guide there: it
+    returns True on a T4 too, because torch can emulate bf16 (slowly); this asks for native support, as
+    `torch.cuda.is_bf16_supported(including_emulation=False)` does, for the given device.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return HalfPrecision("bf16", torch.bfloat16, False,
+                             f"{dev.type}: bf16 (fp16 compute is never run on a CPU: its fp16 matmuls use slow "
+                             "generic kernels)")
+    props = torch.cuda.get_device_properties(as_device(dev))
+    if torch.version.hip:
+        return HalfPrecision("bf16", torch.bfloat16, False, f"{props.name} (ROCm): bf16 in hardware")
+    capability = (props.major, props.minor)
+    if capability >= BF16_MIN_CAPABILITY:
+        return HalfPrecision("bf16", torch.bfloat16, False,
+                             f"{props.name} (compute capability {props.major}.{props.minor}): bf16 in hardware, "
+                             "no loss scaling needed")
+    need = ".".join(map(str, BF16_MIN_CAPABILITY))
+    return HalfPrecision("fp16", torch.float16, True,
+                         f"{props.name} (compute capability {props.major}.{props.minor}) has no bf16 arithmetic "
+                         f"(it needs {need}, Ampere; torch would emulate it, slowly): fp16 with a GradScaler instead")
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where the ranks of a process group compute and how they talk, and why."""
+
+    device: str  # "cpu" | "cuda": each rank's compute device (cuda: GPU number = local rank)
+    backend: str  # "gloo" | "nccl": the process group's backend
+    reason: str  # one line: the GPUs seen and why this placement
+
+
+def rank_placement(nproc: int, device: str = "auto", backend: str = "auto") -> RankPlacement:
+    """Place `nproc` local ranks: NCCL with one GPU per rank when there are enough GPUs, else gloo on the CPU.
+
+    NCCL needs a GPU of its own for every rank (it refuses two ranks on one GPU), so with fewer GPUs than
+    ranks "auto" runs them on the CPU with gloo, and says so once per process (a Colab T4 running two ranks;
+    Kaggle's two T4s run two ranks with NCCL). device "cuda" with too few GPUs, and backend "nccl" on the
+    CPU, are refused with a ParameterError naming the parameter.
+    """
+    from labkit.validate import ParameterError, check_choice, check_int
+
+    check_int("nproc", nproc, 1)
+    check_choice("device", device, DEVICE_CHOICES)
+    check_choice("backend", backend, RANK_BACKENDS)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and gpus < nproc:
+        raise ParameterError(f"device='cuda' needs one GPU per rank: nproc={nproc} ranks, {gpus} GPUs visible")
+    dev = device if device != "auto" else ("cuda" if gpus >= nproc else "cpu")
+    chosen = backend if backend != "auto" else ("nccl" if dev == "cuda" else "gloo")
+    if chosen == "nccl" and dev != "cuda":
+        raise ParameterError(f"backend='nccl' needs CUDA devices; the ranks run on {dev}: use backend 'gloo'")
+    if dev == "cuda":
+        reason = f"{nproc} ranks on {gpus} GPUs: one GPU per rank, {chosen}"
+    elif gpus == 0:
+        reason = f"{nproc} ranks on the CPU with {chosen}: torch sees no GPU"
+    elif device == "cpu":
+        reason = f"{nproc} ranks on the CPU with {chosen}, as asked ({gpus} GPUs visible)"
+    else:
+        reason = (f"{nproc} ranks, {gpus} GPU{'s' if gpus > 1 else ''}: the ranks run on the CPU with gloo, because "
+                  f"NCCL needs one GPU per rank (it refuses two ranks on one GPU); {nproc} GPUs would run them "
+                  "on CUDA with NCCL")
+        if reason not in _announced:
+            _announced.add(reason)
+            print(f"device='auto': {reason}")
+    return RankPlacement(dev, chosen, reason)

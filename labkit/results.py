@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
+from pathlib import Path
 
 from labkit.kernel import in_kernel
 
 MIME_TYPE = "application/vnd.labkit.record+json"
+BUILD_DIR_ENV = "LABKIT_BUILD_DIR"  # where the workbook writes what it builds (studies, logs); overrides the rest
 
 _RECORDS: dict[str, object] = {}
 
@@ -69,6 +73,38 @@ def recorded() -> dict[str, object]:
 def clear() -> None:
     """Forget the measurements recorded in this process."""
     _RECORDS.clear()
+
+
+def checkout_root() -> Path | None:
+    """Return the project's checkout labkit runs from (editable install, `make setup`); None for an installed wheel."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() and (root / "notebooks").is_dir() else None
+
+
+def build_dir(*parts: str) -> Path:
+    """Return a writable folder under the workbook's build/, created: the first of the places below that works.
+
+    $LABKIT_BUILD_DIR; the checkout's build/ (labkit installed by `make setup`); build/ in the working directory
+    (a hosted notebook's: Colab's /content, Kaggle's /kaggle/working); build/ under the temporary folder, where
+    the working directory is read-only.
+    """
+    root = checkout_root()
+    if os.environ.get(BUILD_DIR_ENV):
+        places = [Path(os.environ[BUILD_DIR_ENV])]  # asked for: an error there is the user's to see
+    else:
+        user = getattr(os, "getuid", lambda: "user")()
+        places = ([root / "build"] if root else []) + [Path.cwd() / "build",
+                                                      Path(tempfile.gettempdir()) / f"labkit-build-{user}"]
+    for i, base in enumerate(places):
+        path = base.joinpath(*parts)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return path
+        except OSError:
+            if i == len(places) - 1:
+                raise
+    raise PermissionError(f"no writable build folder among {[str(p) for p in places]}; set {BUILD_DIR_ENV}")
 
 
 def records_from_notebook(nb) -> dict[str, object]:

@@ -23,11 +23,13 @@ ENVIRONMENT = ROOT / "environment.yml"
 README = ROOT / "README.md"
 MAKEFILE = ROOT / "Makefile"
 CI = ROOT / ".ci" / "run"
+CONSTRAINTS = ROOT / "constraints.txt"
 
 CONDA_TO_PIP = {"pytorch": "torch"}  # conda-forge package name -> PyPI name
 NOT_IN_PYPROJECT = {"python", "pip"}  # environment.yml entries with no pyproject dependency line
 
-SPEC = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:(==|>=|<=|~=|!=|=|>|<)\s*([A-Za-z0-9.*+!-]+))?\s*$")
+SPEC = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:(==|>=|<=|~=|!=|=|>|<)\s*([A-Za-z0-9.*+!-]+"
+                  r"(?:\s*,\s*(?:==|>=|<=|~=|!=|>|<)\s*[A-Za-z0-9.*+!-]+)*))?\s*$")  # name, or name and specifiers
 
 
 def _norm(name: str) -> str:
@@ -38,7 +40,7 @@ def _split(requirement: str, conda: bool) -> tuple[str, str]:
     """Return (normalised PyPI name, pip-style spec): 'numpy>=1.26' -> ('numpy', '>=1.26'); conda 'x=1' -> '==1'."""
     m = SPEC.match(requirement)
     assert m, f"cannot read the requirement {requirement!r} (expected name, name>=x, name==x or conda's name=x)"
-    name, op, version = m.group(1), m.group(2) or "", m.group(3) or ""
+    name, op, version = m.group(1), m.group(2) or "", re.sub(r"\s+", "", m.group(3) or "")
     if conda:
         name = CONDA_TO_PIP.get(name, name)
         if op == "=":
@@ -115,6 +117,7 @@ other:
                                        "pip": ["-e .", "extra==1.0"], "other": ["a"]}
     assert _split("pytorch=2.13.0", conda=True) == ("torch", "==2.13.0")
     assert _split("Foo_Bar>=1", conda=False) == ("foo-bar", ">=1")
+    assert _split("torch>=2.6, <3", conda=False) == ("torch", ">=2.6,<3")
     with pytest.raises(AssertionError, match="cannot read"):
         _split("numpy >= 1.26; python_version < '3.12'", conda=False)
 
@@ -133,9 +136,11 @@ def test_parser_agrees_with_pyyaml_where_installed():
 def test_environment_mirrors_pyproject():
     env = _environment()
     project = _pyproject()["project"]
-    declared = list(project["dependencies"]) + list(project["optional-dependencies"]["test"])
+    extras = project["optional-dependencies"]
+    declared = list(project["dependencies"]) + list(extras["test"]) + list(extras["classroom"])
     want = dict(_split(r, conda=False) for r in declared)
     assert len(want) == len(declared), "a dependency is listed twice in pyproject.toml"
+    want.update(_constraints())  # environment.yml installs the versions CI tests (torch's pin), not the ranges
 
     got: dict[str, str] = {}
     for item in env["dependencies"]:
@@ -168,12 +173,79 @@ def test_environment_installs_labkit_and_a_supported_python():
     assert version >= lowest
 
 
-def test_torch_is_pinned_exactly():
+def _constraints() -> dict[str, str]:
+    """Return {name: '==version'} of constraints.txt."""
+    out = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, spec = _split(line, conda=False)
+            assert spec.startswith("==") and "," not in spec, f"constraints.txt pins exact versions: {line!r}"
+            out[name] = spec
+    return out
+
+
+# The torch APIs labkit and the chapters use that set the floor of its torch range, with the release each
+# first appeared in (public, under this name). The floor in pyproject.toml is the newest of them.
+TORCH_API_FLOOR = {
+    "torch.distributed.fsdp.fully_shard": (2, 6),  # FSDP2, public in torch.distributed.fsdp (before: _composable)
+    "torch.distributed.fsdp.MixedPrecisionPolicy": (2, 6),
+    "torch.distributed.fsdp.CPUOffloadPolicy": (2, 6),
+    "torch.accelerator.is_available": (2, 6),
+    "torch.distributed.tensor.DTensor": (2, 5),  # public DTensor (before: torch.distributed._tensor)
+    "torch.OutOfMemoryError": (2, 5),
+    "torch.distributed.pipelining.ScheduleGPipe": (2, 4),
+    "torch.utils.checkpoint.create_selective_checkpoint_contexts": (2, 4),
+    "torch._functorch.config.activation_memory_budget": (2, 4),
+    "torch.amp.GradScaler": (2, 3),  # torch.amp.GradScaler("cpu")
+    "torch._subclasses.fake_tensor.FakeTensorMode": (2, 0),
+}
+
+
+def _torch_spec() -> str:
     deps = [_split(r, conda=False) for r in _pyproject()["project"]["dependencies"]]
-    torch_specs = [spec for name, spec in deps if name == "torch"]
-    assert len(torch_specs) == 1 and re.fullmatch(r"==\d+\.\d+\.\d+", torch_specs[0]), torch_specs
+    (spec,) = [spec for name, spec in deps if name == "torch"]
+    return spec
+
+
+def test_torch_is_a_range_and_its_exact_pin_lives_in_constraints():
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    spec = SpecifierSet(_torch_spec())
+    assert {s.operator for s in spec} == {">=", "<"}, f"torch must be a range labkit is tested with, got {spec}"
+    pin = _constraints()["torch"]
+    assert re.fullmatch(r"==\d+\.\d+\.\d+", pin), pin
+    assert Version(pin[2:]) in spec, f"the pinned torch {pin} is outside labkit's range {spec}"
     import torch
-    assert torch.__version__.split("+")[0] == torch_specs[0][2:], "the installed torch is not the pinned one"
+    assert torch.__version__.split("+")[0] == pin[2:], "the installed torch is not the pinned one: run make setup"
+    for version in ("2.6.0", "2.9.1+cu126", "2.13.0+cpu"):
+        assert Version(version) in spec, version
+    for version in ("2.5.1", "3.0.0"):
+        assert Version(version) not in spec, version
+
+
+def test_the_torch_floor_is_the_newest_api_labkit_uses():
+    import importlib
+
+    import torch
+    from packaging.specifiers import SpecifierSet
+
+    floor = next(s.version for s in SpecifierSet(_torch_spec()) if s.operator == ">=")
+    assert tuple(int(v) for v in floor.split(".")[:2]) == max(TORCH_API_FLOOR.values()), floor
+    for dotted in TORCH_API_FLOOR:
+        module, _, attr = dotted.rpartition(".")
+        assert hasattr(importlib.import_module(module), attr), f"{dotted} is gone from torch {torch.__version__}"
+
+
+def test_make_setup_and_only_it_uses_the_constraints():
+    setup = _make_targets()["$(STAMP)"]
+    makefile = MAKEFILE.read_text()
+    assert "PIP_INSTALL := $(PY) -m pip install" in makefile and "-c constraints.txt" in makefile
+    installs = [line for line in setup if "pip install" in line or "$(PIP_INSTALL)" in line]
+    assert len(installs) == 3 and all(line.startswith("$(PIP_INSTALL)") for line in installs), installs
+    assert "classroom" in installs[0] and "test" in installs[0]
+    assert not re.search(r"==", " ".join(_pyproject()["project"]["dependencies"])), "pins belong in constraints.txt"
 
 
 def _make_targets() -> dict[str, list[str]]:

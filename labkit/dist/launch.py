@@ -33,13 +33,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
+from labkit.device import DEVICE_CHOICES, RANK_BACKENDS, rank_placement
 from labkit.dist.rank import BACKEND_ENV, DEVICE_ENV, PARENT_ENV, RESULT_DIR_ENV, TIMEOUT_ENV
 from labkit.validate import ParameterError, check_choice, check_float, check_int
 
-DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "gloo", "nccl")  # auto: NCCL with a GPU per rank, gloo on CPU
+DEVICES = DEVICE_CHOICES
+BACKENDS = RANK_BACKENDS  # auto: NCCL with a GPU per rank, gloo on CPU
 OUTPUT_CHARS = 20_000  # the tail of each rank's stdout/stderr kept in its result
 
 
@@ -103,16 +102,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _device(device: str, nproc: int) -> str:
-    check_choice("device", device, DEVICES)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device == "cuda" and gpus < nproc:
-        raise ParameterError(f"device='cuda' needs one GPU per rank: nproc={nproc} ranks, {gpus} GPUs visible")
-    if device == "auto":
-        return "cuda" if gpus >= nproc else "cpu"
-    return device
-
-
 def _cli(params: dict) -> list[str]:
     """Turn {"micro_batches": 4, "schedule": "1F1B"} into ["--micro_batches", "4", "--schedule", "'1F1B'"]."""
     out = []
@@ -140,11 +129,8 @@ def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = N
     script = Path(script)
     if not script.is_file():
         raise ParameterError(f"script: no such file {str(script)!r}")
-    dev = _device(device, nproc)
-    if backend == "auto":
-        backend = "nccl" if dev == "cuda" else "gloo"
-    if backend == "nccl" and dev != "cuda":
-        raise ParameterError(f"backend='nccl' needs CUDA devices; the ranks run on {dev}: use backend 'gloo'")
+    placement = rank_placement(nproc, device, backend)  # NCCL with one GPU per rank, else gloo on the CPU
+    dev, backend = placement.device, placement.backend
     cli = _cli(params or {})
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     check_int("threads_per_rank", threads, 1)

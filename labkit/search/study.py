@@ -35,6 +35,7 @@ from optuna.trial import TrialState
 
 from labkit.children import machine_id, process_alive, process_start
 from labkit.meter import live_tensor_bytes
+from labkit.results import build_dir
 from labkit.search.space import suggest
 from labkit.search.trial import MEMORY_KNOBS, StudyConfig, check_setting, measure_setting, plain_setting, train
 from labkit.validate import ParameterError
@@ -53,12 +54,8 @@ def storage_url(path: str | Path) -> str:
 
 
 def default_build_dir() -> Path:
-    """Return build/search/ of $LABKIT_BUILD_DIR, else of the repository labkit runs from, else of the working directory."""
-    root = Path(__file__).resolve().parents[2]
-    base = root / "build" if (root / "pyproject.toml").exists() else Path.cwd() / "build"
-    out = Path(os.environ.get("LABKIT_BUILD_DIR") or base) / "search"
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+    """Return build/search/ of $LABKIT_BUILD_DIR, the checkout, the working directory or the temp folder."""
+    return build_dir("search")
 
 
 def make_storage(url: str, heartbeat_s: int = 2, grace_s: int = 6, max_retry: int = 2, connect_timeout_s: float = 10,

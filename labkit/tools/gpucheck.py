@@ -12,6 +12,14 @@ every notebook with DEVICE="cuda". Without CUDA it says so in one line and exits
 
 `--rehearse-on-cpu` runs the same code on the CPU at a tiny size, with the CUDA-only figures left
 out: labkit's tests use it so that this tool's code runs on every commit, GPU or not.
+
+From a notebook (Colab, Kaggle: labkit installed by a chapter's first cell), one cell runs the same rows:
+
+    !python -m labkit.tools.gpucheck --n-layer 6 --batch 2          # or, in the kernel itself:
+    from labkit.tools import gpucheck; gpucheck.main(["--n-layer", "6", "--batch", "2"])
+
+Without the repository (labkit installed from its address) the `tests` and `notebooks` rows say so and
+are not run; the figures go to build/ of the working directory (`labkit.results.build_dir`).
 """
 
 from __future__ import annotations
@@ -30,13 +38,14 @@ import torch
 
 from labkit.checkpointing import checkpoint_blocks
 from labkit.data import MarkovTokens
-from labkit.device import as_device, hardware_report, synchronize
+from labkit.device import as_device, half_precision, hardware_report, synchronize
 from labkit.hosttier import copy_bandwidth
 from labkit.l2l import L2LTrainer, measure_l2l_step
 from labkit.meter import MemoryMeter, OutOfMemory, format_bytes, try_fit
 from labkit.models import GPT, GPTConfig, count_params
 from labkit.offload import OffloadHooks
 from labkit.precision import amp_train_step, forward_activation_bytes
+from labkit.results import build_dir, checkout_root
 from labkit.throughput import measure_throughputs
 from labkit.train import make_optimizer, measure_step, train_step
 
@@ -239,7 +248,10 @@ def check_precision(setup: Setup) -> Row:
     act_ratio = {p: _ratio(act[p], act["fp32"]) for p in precisions if p != "fp32"}
     figures.update(step_s={p: t.step_s for p, t in times.items()}, speedup_over_fp32=speedup,
                    activation_bytes=act, activation_ratio_to_fp32=act_ratio)
-    measured = ", ".join(f"{p} at {speedup[p]:.2f}x fp32's speed, activations {act_ratio[p]:.2f}x" for p in speedup)
+    choice = half_precision(setup.device)  # what the chapters train in here: bf16, or fp16 + GradScaler before Ampere
+    figures["chosen"] = {"precision": choice.precision, "needs_scaler": choice.needs_scaler, "reason": choice.reason}
+    measured = (f"chapters use {choice.precision}{' + GradScaler' if choice.needs_scaler else ''}; "
+                + ", ".join(f"{p} at {speedup[p]:.2f}x fp32's speed, activations {act_ratio[p]:.2f}x" for p in speedup))
     ok = all(r < 1.0 for r in act_ratio.values())
     expected = "16-bit activations < fp32's"
     if cuda:
@@ -278,10 +290,15 @@ def check_checkpoint(setup: Setup) -> Row:
                "sit below it)" if _cuda(setup) else "rehearsal on cpu: one timed round, not judged", figures)
 
 
-def check_tests(setup: Setup, repo: Path) -> Row:
-    """Run the tests marked `cuda`."""
+NO_CHECKOUT = "labkit is installed without its repository (a hosted notebook): the repository's {} are not here"
+
+
+def check_tests(setup: Setup, repo: Path | None) -> Row:
+    """Run the tests marked `cuda` (repo None: labkit installed without its repository; not run, said so)."""
     if not _cuda(setup):
         return Row("tests", "not run", "pytest -m cuda passes", None, "rehearsal on cpu")
+    if repo is None:
+        return Row("tests", "not run", "pytest -m cuda passes", None, NO_CHECKOUT.format("tests"))
     proc = subprocess.run([sys.executable, "-m", "pytest", "tests", "-m", "cuda", "-q", "-p", "no:cacheprovider"],
                           cwd=repo, capture_output=True, text=True)
     last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
@@ -289,10 +306,12 @@ def check_tests(setup: Setup, repo: Path) -> Row:
                "" if proc.returncode == 0 else proc.stdout[-2000:], {"returncode": proc.returncode})
 
 
-def check_notebooks(setup: Setup, repo: Path, out: Path) -> Row:
+def check_notebooks(setup: Setup, repo: Path | None, out: Path) -> Row:
     """Execute every notebook with DEVICE="cuda" (the multi-rank chapters: "auto" with fewer GPUs than ranks)."""
     if not _cuda(setup):
         return Row("notebooks", "not run", "every notebook ok with DEVICE='cuda'", None, "rehearsal on cpu")
+    if repo is None:
+        return Row("notebooks", "not run", "every notebook ok with DEVICE='cuda'", None, NO_CHECKOUT.format("notebooks"))
     gpus = torch.cuda.device_count()
     status, seconds = {}, {}
     for nb in sorted((repo / "notebooks").glob("[0-9][0-9]_*.ipynb")):
@@ -312,7 +331,7 @@ def check_notebooks(setup: Setup, repo: Path, out: Path) -> Row:
 
 
 # -- running and reporting -----------------------------------------------------------------------
-def run_checks(setup: Setup, only=CHECKS, repo: Path = Path("."), out: Path = Path("build")) -> list[Row]:
+def run_checks(setup: Setup, only=CHECKS, repo: Path | None = Path("."), out: Path = Path("build")) -> list[Row]:
     """Run the chosen checks in order; a check that raises becomes a failed row with its error."""
     funcs = {"meter": check_meter, "budget": check_budget, "offload": check_offload, "l2l": check_l2l,
              "precision": check_precision, "checkpoint": check_checkpoint,
@@ -358,7 +377,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5, help="timed rounds per comparison (default 5)")
     p.add_argument("--train-steps", type=int, default=40, help="fp16 GradScaler optimizer steps (default 40)")
     p.add_argument("--skip", action="append", default=[], choices=CHECKS, help="leave a check out (repeatable)")
-    p.add_argument("--out", default="build", help="folder for gpu-check.json (default build)")
+    p.add_argument("--out", default=None, help="folder for gpu-check.json (default: build/ of the checkout, else of the "
+                                               "working directory)")
     p.add_argument("--rehearse-on-cpu", action="store_true",
                    help="run the checks' code on the CPU at a tiny size (labkit's own tests); no GPU figures")
     args = p.parse_args(argv)
@@ -377,8 +397,8 @@ def main(argv=None) -> int:
         cfg = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq_len,
                         vocab_size=args.vocab_size, attn="sdpa")
     setup = Setup(device, cfg, args.batch, args.seq_len, args.steps, args.train_steps, min_offload_bytes)
-    out = Path(args.out)
-    repo = Path(__file__).resolve().parents[2]
+    out = Path(args.out) if args.out else build_dir()
+    repo = checkout_root()
     header = (f"{hardware_report(device)}\nmodel: {count_params(GPT(cfg)) / 1e6:.1f}M parameters "
               f"({cfg.n_layer} layers, width {cfg.n_embd}), batch {args.batch} x {args.seq_len} tokens")
     print(header, flush=True)

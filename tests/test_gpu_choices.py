@@ -1,0 +1,166 @@
+"""The GPUs hosted notebooks give: bf16 or fp16 + GradScaler by compute capability, ranks on GPUs or on the CPU.
+
+No GPU here: torch.cuda is faked by monkeypatching (device count, capability, name), as tests/test_device.py
+fakes it for the CUDA meter. The cards are the ones Colab and Kaggle hand out.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import types
+
+import pytest
+import torch
+
+from labkit import device as lkdevice
+from labkit.validate import ParameterError
+
+
+def fake_gpus(monkeypatch, count: int, capability=(7, 5), name="Tesla T4"):
+    """Make torch see `count` GPUs of one kind (never used for compute: only asked about)."""
+    props = types.SimpleNamespace(name=name, major=capability[0], minor=capability[1], total_memory=15 * 2**30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(lkdevice, "_announced", set())
+
+
+@pytest.mark.parametrize("name, capability, want", [
+    ("Tesla T4", (7, 5), "fp16"),  # Colab's and Kaggle's free GPU
+    ("Tesla P100-PCIE-16GB", (6, 0), "fp16"),  # Kaggle's other one
+    ("Tesla V100-SXM2-16GB", (7, 0), "fp16"),
+    ("NVIDIA L4", (8, 9), "bf16"),
+    ("NVIDIA A100-SXM4-40GB", (8, 0), "bf16"),
+    ("NVIDIA H100 80GB HBM3", (9, 0), "bf16"),
+])
+def test_half_precision_follows_the_compute_capability(monkeypatch, name, capability, want):
+    fake_gpus(monkeypatch, 1, capability, name)
+    choice = lkdevice.half_precision("cuda")
+    assert choice.precision == want
+    assert choice.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[want]
+    assert choice.needs_scaler == (want == "fp16")
+    assert name in choice.reason and f"{capability[0]}.{capability[1]}" in choice.reason
+    if want == "fp16":
+        assert "GradScaler" in choice.reason and "no bf16" in choice.reason
+        assert isinstance(choice.scaler("cuda:0"), torch.amp.GradScaler)
+    else:
+        assert choice.scaler("cuda") is None
+
+
+def test_a_t4_is_fp16_although_torch_calls_bf16_supported(monkeypatch):
+    """torch.cuda.is_bf16_supported() is True on a T4 (emulation): the choice asks for native bf16."""
+    fake_gpus(monkeypatch, 1, (7, 5))
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)  # a T4 makes bf16 tensors
+    assert torch.cuda.is_bf16_supported() is True
+    assert torch.cuda.is_bf16_supported(including_emulation=False) is False
+    assert lkdevice.half_precision("cuda").precision == "fp16"
+
+
+def test_a_cpu_always_gets_bf16_and_never_a_scaler():
+    choice = lkdevice.half_precision("cpu")
+    assert (choice.precision, choice.dtype, choice.needs_scaler) == ("bf16", torch.bfloat16, False)
+    assert "never run on a CPU" in choice.reason and choice.scaler("cpu") is None
+
+
+def test_rank_placement_without_gpus_is_gloo_on_the_cpu(monkeypatch, capsys):
+    fake_gpus(monkeypatch, 0)
+    p = lkdevice.rank_placement(2)
+    assert (p.device, p.backend) == ("cpu", "gloo") and "no GPU" in p.reason
+    assert capsys.readouterr().out == ""  # nothing to explain on a CPU machine
+
+
+def test_one_gpu_and_two_ranks_run_on_the_cpu_and_say_why_once(monkeypatch, capsys):
+    fake_gpus(monkeypatch, 1)  # Colab's single T4
+    p = lkdevice.rank_placement(2)
+    assert (p.device, p.backend) == ("cpu", "gloo")
+    assert "NCCL needs one GPU per rank" in p.reason
+    again = lkdevice.rank_placement(2)
+    out = capsys.readouterr().out
+    assert again == p and out.count("\n") == 1 and "NCCL needs one GPU per rank" in out  # said once per process
+    with pytest.raises(ParameterError, match="device='cuda' needs one GPU per rank: nproc=2 ranks, 1 GPUs"):
+        lkdevice.rank_placement(2, device="cuda")
+    assert lkdevice.rank_placement(1) == lkdevice.RankPlacement("cuda", "nccl", "1 ranks on 1 GPUs: one GPU per rank, nccl")
+
+
+def test_two_gpus_run_two_ranks_on_nccl_and_four_on_the_cpu(monkeypatch):
+    fake_gpus(monkeypatch, 2)  # Kaggle's T4 x2
+    p = lkdevice.rank_placement(2)
+    assert (p.device, p.backend) == ("cuda", "nccl")
+    assert lkdevice.rank_placement(2, backend="gloo").backend == "gloo"  # gloo also runs on GPUs
+    assert lkdevice.rank_placement(4).device == "cpu"  # the four-rank memory point of 06 and 07
+    assert lkdevice.rank_placement(4, device="cpu").reason.endswith("as asked (2 GPUs visible)")
+    with pytest.raises(ParameterError, match="backend='nccl' needs CUDA devices"):
+        lkdevice.rank_placement(4, backend="nccl")
+    with pytest.raises(ParameterError, match="backend must be one of"):
+        lkdevice.rank_placement(2, backend="mpi")
+
+
+def test_launch_places_its_ranks_with_rank_placement(monkeypatch, tmp_path, capsys):
+    """labkit.dist.launch on a one-GPU machine: "auto" runs both ranks on the CPU over gloo and says why."""
+    from labkit.dist import launch
+
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent("""
+        import torch.distributed as dist
+        import labkit.dist as ld
+
+        def main():
+            return {"device": str(ld.device()), "backend": dist.get_backend()}
+
+        if __name__ == "__main__":
+            ld.run(main)
+    """))
+    fake_gpus(monkeypatch, 1)
+    results = launch(script, 2, echo=False, timeout_s=120)
+    assert [r.value for r in results] == [{"device": "cpu", "backend": "gloo"}] * 2
+    assert "NCCL needs one GPU per rank" in capsys.readouterr().out
+    with pytest.raises(ParameterError, match="needs one GPU per rank"):
+        launch(script, 2, device="cuda")
+
+
+def test_gpu_check_without_the_repository_says_which_rows_it_cannot_run(monkeypatch, tmp_path, one_thread):
+    """In a hosted notebook labkit has no checkout: tests and notebooks rows are "not run" with the reason, not FAIL."""
+    from labkit.tools import gpucheck
+
+    monkeypatch.setattr(gpucheck, "_cuda", lambda setup: True)  # past the rehearsal's own "not run"
+    setup = gpucheck.Setup(torch.device("cpu"), gpucheck.GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=8,
+                                                                   vocab_size=32), 1, 8, 1, 1)
+    rows = gpucheck.run_checks(setup, ["tests", "notebooks"], repo=None, out=tmp_path)
+    assert [(r.check, r.ok) for r in rows] == [("tests", None), ("notebooks", None)]
+    assert all("installed without its repository" in r.note for r in rows)
+
+
+def test_gpu_check_from_a_cell_and_outside_the_repository(monkeypatch, tmp_path, capsys, one_thread):
+    from labkit import results
+    from labkit.tools import gpucheck
+
+    monkeypatch.setattr(results, "checkout_root", lambda: None)
+    monkeypatch.setattr(gpucheck, "checkout_root", lambda: None)
+    monkeypatch.delenv(results.BUILD_DIR_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert gpucheck.main(["--rehearse-on-cpu", "--skip", "offload", "--skip", "l2l", "--skip", "checkpoint"]) == 0
+    report = (tmp_path / "build" / "gpu-check.json").read_text()  # build/ of the working directory
+    assert '"chosen"' in report and "chapters use bf16" in capsys.readouterr().out
+
+
+def test_chapter_03_trains_in_the_format_of_its_device(monkeypatch, capsys):
+    """Chapter 03's choice, run on a faked T4: fp16 with a GradScaler, and the cell says why."""
+    import json
+    from pathlib import Path
+
+    import labkit
+
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "03_mixed_precision.ipynb").read_text())
+    (cell,) = [c for c in nb["cells"] if "labkit.device.half_precision(device)" in "".join(c["source"])]
+    lines = "".join(cell["source"]).splitlines()
+    choice = "\n".join(lines[:next(i for i, ln in enumerate(lines) if ln.startswith("AUTOCAST_DTYPE")) + 1])
+    fake_gpus(monkeypatch, 1, (7, 5), "Tesla T4")
+    namespace = {"labkit": labkit, "torch": torch, "device": torch.device("cuda", 0)}
+    exec(compile(choice, "<03 cell>", "exec"), namespace)
+    assert namespace["AUTOCAST_DTYPE"] == torch.float16 and namespace["half"].needs_scaler
+    assert capsys.readouterr().out.startswith("16-bit training on this device: Tesla T4 (compute capability 7.5) has no bf16")
+    namespace["device"] = torch.device("cpu")
+    exec(compile(choice, "<03 cell>", "exec"), namespace)
+    assert namespace["AUTOCAST_DTYPE"] == torch.bfloat16
