@@ -446,7 +446,8 @@ def chapter_settings(config: StudyConfig, lr: float = 1e-3) -> dict[str, dict]:
     """Return each single-device chapter's fitting setting (01–05), as that chapter trains it (Adam, lr 1e-3).
 
     01: the fewest accumulation steps whose micro-batch fits (predicted); 02: every block
-    checkpointed; 03: bf16 autocast; 04: saved activations offloaded; 05: layer to layer.
+    checkpointed; 03: bf16 autocast (fp16 with a GradScaler where the config searches fp16 and not
+    bf16; left out where it searches neither); 04: saved activations offloaded; 05: layer to layer.
     """
     choices = next(p.choices for p in config.space() if p.name == "micro_batch")  # largest first
     micro = [m for m in choices
@@ -456,7 +457,10 @@ def chapter_settings(config: StudyConfig, lr: float = 1e-3) -> dict[str, dict]:
         out["01 gradient accumulation"] = _plain(config, micro[0], lr)
     out["02 activation checkpointing"] = {"technique": "checkpoint", "segments": config.n_layer, "precision": "fp32",
                                           "micro_batch": config.batch, "lr": lr}
-    out["03 mixed precision (bf16)"] = {"technique": "none", "precision": "bf16", "micro_batch": config.batch, "lr": lr}
+    half = next((p for p in ("bf16", "fp16") if p in config.precisions), None)  # fp16 where a GPU lacks bf16
+    if half is not None:
+        out[f"03 mixed precision ({half})"] = {"technique": "none", "precision": half, "micro_batch": config.batch,
+                                               "lr": lr}
     out["04 activation offload"] = {"technique": "offload", "precision": "fp32", "micro_batch": config.batch, "lr": lr}
     out["05 layer to layer"] = {"technique": "l2l", "lr": lr}
     return out
