@@ -699,3 +699,18 @@ def test_adam_state_of_fsdp2_shards_counts_its_local_shard(fake_world_of_4):
         split = m.current_split()
     assert split["parameters"] == split["gradients"] == 2 * 16 * F32  # the local shard, not the global 8 x 16
     assert split["optimizer_state"] == 2 * (2 * 16 * F32) + F32  # two local moment shards and the step counter
+
+
+@pytest.mark.cuda
+def test_a_cuda_backward_on_autograds_device_thread_counts_the_resize():
+    """On CUDA the backward runs on autograd's device thread: the resize there is counted, as the allocator saw it."""
+    with MemoryMeter(device="cuda") as m:
+        gathered = torch.empty(1000, device="cuda")
+        gathered.untyped_storage().resize_(0)
+        x = torch.ones(100, device="cuda", requires_grad=True)
+        loss = _GatherAndFree.apply(x, gathered).sum()
+        before = m.current_bytes
+        m.reset_peak()
+        loss.backward()
+        assert m.peak_bytes >= before + 1000 * F32 + 100 * F32, (m.peak_bytes, before)
+    assert m.cuda_max_allocated_bytes >= m.peak_bytes  # the allocator rounds up; it never holds less
