@@ -38,7 +38,7 @@ def test_notebook_06_invariants_with_other_parameters(execute_notebook):
     held = {name: {int(k): v for k, v in by_m.items()}
             for name, by_m in m["micro_batches_held_by_microbatches"].items()}
     assert all(abs(h - (2 - s)) <= 0.25 for by_stage in held["1F1B"].values() for s, h in enumerate(by_stage))
-    assert all(abs(h - mb) <= 0.25 + 0.05 * mb for mb, by_stage in held["GPipe"].items() for h in by_stage)
+    assert all(abs(h - mb) <= 0.25 + 0.07 * mb for mb, by_stage in held["GPipe"].items() for h in by_stage)
     gpipe = {int(k): v for k, v in m["stage_peak_bytes_gpipe_by_microbatches"].items()}
     one_f = {int(k): v for k, v in m["stage_peak_bytes_1f1b_by_microbatches"].items()}
     assert all(a < g for a, g in zip(one_f[8], gpipe[8]))  # 1F1B holds fewer micro-batches than GPipe
