@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack,
+                                          is_traceable_wrapper_subclass)
 
 from labkit.validate import check_budget
 
@@ -54,7 +55,7 @@ def _resize_and_count(storage, size):
     each gathered parameter that way after use and grows it back before the next all-gather.
     """
     out = _RESIZE(storage, size)
-    meter = getattr(_ACTIVE, "meter", None)
+    meter = active_meter()
     if meter is not None:
         meter._storage_resized(storage)
     return out
@@ -365,6 +366,17 @@ class MemoryMeter(TorchDispatchMode):
         assert sum(out.values()) == self.peak_bytes, (out, self.peak_bytes)
         return out
 
+    def peak_bytes_of(self, *tensors: torch.Tensor) -> int:
+        """Return the device bytes these live tensors' storages held at the peak (each storage once; 0 if unseen)."""
+        total = 0
+        for key in {k for t in tensors for k in _storage_ids(t)}:
+            rec = self._records.get(key)
+            if rec is None or rec.host or rec.alloc_seq > self._peak_seq:
+                continue
+            if rec.free_seq is None or rec.free_seq > self._peak_seq:
+                total += rec.nbytes
+        return total
+
     def current_split(self) -> dict[str, int]:
         """Return device bytes live now by category (sums to `current_bytes`)."""
         self._classify()
@@ -616,8 +628,18 @@ def _optimizer_state_tensors(opt: torch.optim.Optimizer):
 
 
 def active_meter() -> MemoryMeter | None:
-    """Return the meter active in this thread, if any."""
-    return getattr(_ACTIVE, "meter", None)
+    """Return the meter active in this thread, or the open meter whose dispatch mode this thread runs under.
+
+    A CUDA backward runs on autograd's device thread: the engine hands it the caller's dispatch
+    modes (the meter among them) but not Python's thread-locals, so the mode stack is asked too.
+    """
+    meter = getattr(_ACTIVE, "meter", None)
+    if meter is not None:
+        return meter
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, MemoryMeter) and mode._open:
+            return mode
+    return None
 
 
 @dataclass

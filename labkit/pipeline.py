@@ -6,9 +6,12 @@ t_f, its backward t_b (about 2·t_f for matmuls).
     ideal_schedule("1F1B", K, M)           # {stage: [(label, start, end), ...]} with every stage alike
     replay(actions_by_rank)                # measured actions again, communication free and no waiting
     bubble_theory(K, M)                    # (K - 1) / (M + K - 1), GPipe's bubble fraction
-    time_actions(stage)                    # inside a rank: every forward/backward of a PipelineStage
+    time_actions(stage, schedule=sched)    # inside a rank: every forward/backward of a PipelineStage
                                            # becomes a labkit.dist span "F3", "B3" (or "F3/s2", naming
-                                           # the stage, when a rank holds several)
+                                           # the stage, when a rank holds several); the last stage's
+                                           # loss is added to its forward
+    torch_schedule_order("1F1B", K, M)     # torch's own action order (its schedule IR), to compare
+    simulate_order(orders)                 # the step an order implies with free communication
     actions_within(spans, "GPipe M=4 #0")  # the actions inside one labelled span (one timed step)
     measured_bubble(actions_by_rank)       # the same fraction, from measured actions
 
@@ -28,6 +31,7 @@ from labkit.validate import check_choice, check_int
 
 SCHEDULES = ("GPipe", "1F1B")
 ACTION_KINDS = ("F", "B", "W")  # forward, backward (input and weights), weight-only backward (zero bubble)
+LOSS_KIND = "L"  # the last stage's loss of one micro-batch: part of that micro-batch's forward
 
 
 def bubble_theory(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
@@ -111,6 +115,45 @@ def ideal_schedule(schedule: str, stages: int, micro_batches: int, t_f=1.0,
     return _simulate(orders, stages)
 
 
+def simulate_order(orders: dict[int, list[str]], t_f=1.0, t_b=2.0) -> dict[int, list[tuple[str, float, float]]]:
+    """Simulate given per-rank action orders ("F0", "B3", or "F0/s2" naming the stage) with free communication.
+
+    t_f, t_b: a forward's and a backward's time on every stage. Each action starts when its rank is
+    free and its input is ready (see ideal_schedule); an order that breaks the dependencies raises.
+    """
+    stages = 1 + max(int(label.split("/s")[1]) if "/s" in label else r for r, labels in orders.items() for label in labels)
+    rows = {r: [(label, int(label.split("/s")[1]) if "/s" in label else r, t_f if label[0] == "F" else t_b)
+                for label in labels] for r, labels in orders.items()}
+    return _simulate(rows, stages)
+
+
+def torch_schedule_order(schedule: str, ranks: int, micro_batches: int,
+                         stages_per_rank: int = 1) -> dict[int, list[str]]:
+    """Return torch.distributed.pipelining's own action order for a schedule, per rank, as labkit labels.
+
+    From `torch.distributed.pipelining._schedule_visualizer.get_schedule_ops` (private; its use
+    here is pinned by tests/test_pipeline.py): the schedule's IR (`pipeline_order`), idle slots and
+    the gradient reduction left out. Labels name the stage ("F0/s2") when a rank holds several.
+    """
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    check_int("ranks", ranks, 1)
+    check_int("micro_batches", micro_batches, 1)
+    ops = get_schedule_ops(schedule, ranks, micro_batches, num_stages_per_rank=stages_per_rank)
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+    out = {}
+    for r, actions in enumerate(ops):
+        labels = []
+        for a in actions:
+            kind = kinds.get(a.computation_type.name) if a is not None else None
+            if kind is None:  # an idle slot, or bookkeeping (REDUCE_GRAD, ...)
+                continue
+            suffix = f"/s{a.stage_index}" if stages_per_rank > 1 else ""
+            labels.append(f"{kind}{a.microbatch_index}{suffix}")
+        out[r] = labels
+    return out
+
+
 def replay(actions_by_rank: dict[int, list]) -> dict[int, list[tuple[str, float, float]]]:
     """Replay measured actions with free communication: same order on each rank, same durations, no waiting.
 
@@ -131,16 +174,30 @@ def replay(actions_by_rank: dict[int, list]) -> dict[int, list[tuple[str, float,
     return _simulate(orders, stages)
 
 
-def time_actions(stage, name_stage: bool = False) -> None:
+def time_actions(stage, name_stage: bool = False, schedule=None) -> None:
     """Make every forward and backward of a torch.distributed.pipelining stage a labkit.dist span.
 
     The schedules call `stage.forward_one_chunk(...)` and `stage.backward_one_chunk(...)` on the
     stage object, so wrapping those two methods (and the zero-bubble schedules' weight-only
-    backward) times compute alone: waiting for a neighbour's send is left out.
+    backward) times compute alone: waiting for a neighbour's send is left out. Given the
+    `schedule`, the last stage's loss of each micro-batch (the schedule's `_maybe_compute_loss`,
+    called right after that micro-batch's forward) is timed too, as a span "L3" that
+    `actions_within` adds to the forward "F3": compute, not bubble.
     """
     from labkit.dist import span
 
     suffix = f"/s{stage.stage_index}" if name_stage else ""
+    if schedule is not None and not getattr(schedule, "_labkit_timed_loss", False):
+        compute_loss = schedule._maybe_compute_loss  # private: pinned by tests/test_pipeline.py
+
+        @functools.wraps(compute_loss)
+        def timed_loss(st, output, target_mbs, mb_index, *args, **kwargs):
+            if not st.is_last or getattr(schedule, "_loss_fn", None) is None:
+                return compute_loss(st, output, target_mbs, mb_index, *args, **kwargs)
+            with span(f"{LOSS_KIND}{mb_index}" + (f"/s{st.stage_index}" if name_stage else "")):
+                return compute_loss(st, output, target_mbs, mb_index, *args, **kwargs)
+        schedule._maybe_compute_loss = timed_loss
+        schedule._labkit_timed_loss = True
 
     def wrap(method: str, kind: str):
         fn = getattr(stage, method)
@@ -169,8 +226,19 @@ def actions_within(spans: list, window: str, core_waits: list | None = None) -> 
     if len(frames) != 1:
         raise ValueError(f"expected one span labelled {window!r}, found {len(frames)}")
     lo, hi = frames[0]
-    return [(label, float(a), float(b) - float(w)) for (label, a, b), w in zip(spans, waits)
-            if label[:1] in ACTION_KINDS and label != window and lo <= a and b <= hi]
+    inside = [(label, float(a), float(b), float(w)) for (label, a, b), w in zip(spans, waits)
+              if label[:1] in (*ACTION_KINDS, LOSS_KIND) and label != window and lo <= a and b <= hi]
+    out, forward_at = [], {}
+    for label, a, b, w in inside:
+        if label[0] == LOSS_KIND and ("F" + label[1:]) in forward_at:  # the loss ends its micro-batch's forward
+            i = forward_at["F" + label[1:]]
+            f_label, f_a, f_b, f_w = out[i]
+            out[i] = (f_label, f_a, b, f_w + w)
+            continue
+        if label[0] == "F":
+            forward_at[label] = len(out)
+        out.append((label, a, b, w))
+    return [(label, a, b - w) for label, a, b, w in out]
 
 
 def measured_bubble(actions_by_rank: dict[int, list]) -> dict:

@@ -27,8 +27,10 @@ RANKS = textwrap.dedent('''
     import torch, torch.distributed as dist
     import labkit, labkit.dist as ld
 
-    def main(mode="ok", marker="", scale=1.0):
+    def main(mode="ok", marker="", scale=1.0, env="", pad=0):
         r = ld.rank()
+        if env:
+            labkit.record("env", os.environ.get(env, ""))
         if marker:
             with open(f"{marker}.{r}", "w") as f:
                 f.write(str(os.getpid()))
@@ -45,7 +47,7 @@ RANKS = textwrap.dedent('''
             x = torch.full((256,), float(r + 1) * scale)
             dist.all_reduce(x)  # the other ranks wait here for a rank that failed
         labkit.record("total", float(x[0]))
-        return {"rank": r, "sum": float(x.sum()), "device": str(ld.device())}
+        return {"rank": r, "sum": float(x.sum()), "device": str(ld.device())} | ({"pad": "x" * pad} if pad else {})
 
     if __name__ == "__main__":
         ld.run(main)
@@ -84,12 +86,14 @@ def _assert_none_left(marker, expected: int):
 
 def test_values_records_meters_spans_and_output_come_back(ranks_script, tmp_path, capsys):
     marker = str(tmp_path / "m")
-    results = ld.launch(ranks_script, 2, params={"marker": marker, "scale": 0.5}, device="cpu")
+    results = ld.launch(ranks_script, 2, params={"marker": marker, "scale": 0.5, "env": "NCCL_SOCKET_IFNAME"},
+                        device="cpu")
     assert [r.rank for r in results] == [0, 1] and all(r.ok and r.exitcode == 0 for r in results)
     expected_sum = 256 * (0.5 + 1.0)  # (1 + 2) × 0.5 in each of 256 elements
     for r in results:
         assert r.value == {"rank": r.rank, "sum": expected_sum, "device": "cpu"}
-        assert r.records == {"total": 1.5}
+        # NCCL's sockets pinned to loopback as gloo's are, unless the user chose an interface
+        assert r.records == {"total": 1.5, "env": os.environ.get("NCCL_SOCKET_IFNAME", "lo")}
         assert r.meters["sum"]["peak_bytes"] >= 256 * 4  # the tensor the rank reduced
         (label, start, end), = r.spans
         assert label == "all_reduce" and 0 <= start < end
@@ -121,6 +125,7 @@ def test_a_hung_rank_ends_the_group_at_the_timeout(ranks_script, tmp_path):
     assert 5 <= time.monotonic() - start < 20
     assert all("did not finish within timeout_s=5 s" in r.error for r in info.value.results)
     assert str(info.value).splitlines()[0] == "rank 0: did not finish within timeout_s=5 s: stopped"
+    assert [r.exitcode for r in info.value.results] == [-signal.SIGTERM] * 2  # from the launcher's public result
     _assert_none_left(marker, 2)
 
 
@@ -262,7 +267,7 @@ def test_the_same_script_runs_under_torchrun(ranks_script, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
                            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(ranks_script),
-                           "--marker", repr(marker), "--scale", "0.5"],
+                           "--marker", repr(marker), "--scale", "0.5", "--pad", "3000"],
                           capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = {}
@@ -272,7 +277,8 @@ def test_the_same_script_runs_under_torchrun(ranks_script, tmp_path):
             reports[int(tag[len("[rank "):])] = __import__("json").loads(payload)
     assert sorted(reports) == [0, 1], proc.stdout
     for r, report in reports.items():
-        assert report["value"] == {"rank": r, "sum": 256 * 1.5, "device": "cpu"}  # (1 + 2) × 0.5, 256 elements
+        # (1 + 2) × 0.5, 256 elements; the line is whole JSON however long (3,000 characters of padding)
+        assert report["value"] == {"rank": r, "sum": 256 * 1.5, "device": "cpu", "pad": "x" * 3000}
         assert report["records"] == {"total": 1.5} and "sum" in report["meters"]
         assert f"hello from rank {r} of 2" in proc.stdout
     _assert_none_left(marker, 2)
@@ -307,6 +313,36 @@ def test_comm_counter_counts_calls_and_bytes_by_hand():
         # ring algorithms on K = 4 ranks: an all-reduce sends 2(K-1)/K of its payload, an all-gather K-1 shards
         assert comm.wire_bytes(4) == pytest.approx(1.5 * 1488 + 3 * 1024 + 0.75 * 64)
         assert float(y[0]) == 2.0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_comm_counter_counts_coalesced_collectives_and_refuses_an_unknown_one(monkeypatch):
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from labkit.dist import comm as comm_mod
+
+    # every c10d operator this torch registers is counted or known to carry no payload
+    ops = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+           if n.startswith(("c10d::", "_c10d_functional::"))}
+    assert ops <= set(comm_mod.COLLECTIVES) | comm_mod.NOT_COMMUNICATION | {"batch_p2p_ops"}, \
+        ops - set(comm_mod.COLLECTIVES) - comm_mod.NOT_COMMUNICATION
+    _one_rank_group()
+    try:
+        with ld.CommCounter() as comm, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # all_reduce_coalesced is deprecated
+            dist.all_reduce_coalesced([torch.ones(10), torch.ones(6)])  # one call, 64 B
+            out = funcol.all_reduce_coalesced([torch.ones(4), torch.ones(4)], "sum", dist.group.WORLD)  # 32 B
+            dist.barrier()  # no payload
+        assert float(out[0][0]) == float(out[1][0]) == 1.0  # (waits for both)
+        assert comm.calls == {"all_reduce": 2} and comm.bytes == {"all_reduce": 96}
+        monkeypatch.delitem(comm_mod.COLLECTIVES, "allreduce_")
+        with pytest.raises(NotImplementedError, match="c10d::allreduce_"), ld.CommCounter():
+            dist.all_reduce(torch.ones(1))
     finally:
         dist.destroy_process_group()
 
@@ -354,3 +390,78 @@ def test_the_suites_guard_finds_a_process_left_behind():
         sleeper.kill()
         sleeper.wait(timeout=10)
     assert leftover_processes(tag, wait_s=5) == []  # gone (and reaped): nothing to report
+
+
+class _FakeEvent:
+    """A CUDA event on a fake GPU clock: record() notes the clock; elapsed_time() in milliseconds, as torch's."""
+
+    clock_s = 0.0
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.at_s = None
+
+    def record(self, stream=None):
+        self.at_s = _FakeEvent.clock_s
+
+    def elapsed_time(self, end):
+        return (end.at_s - self.at_s) * 1e3
+
+
+@pytest.fixture
+def fake_cuda_rank(monkeypatch):
+    """A rank on a fake GPU: labkit.dist.rank sees a cuda device, CUDA events and synchronize are recorded fakes."""
+    import torch
+
+    rank_mod = sys.modules["labkit.dist.rank"]  # the module (labkit.dist.rank is also a function)
+
+    syncs = []
+    monkeypatch.setattr(rank_mod, "device", lambda: torch.device("cuda", 1))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    monkeypatch.setattr(rank_mod, "_state", {"t0": None, "t0_event": None, "spans": [], "core_waits": [], "meters": {}})
+    return rank_mod, syncs
+
+
+def test_cuda_spans_are_timed_with_events_and_never_synchronise(fake_cuda_rank, monkeypatch):
+    import torch.distributed as dist
+
+    rank_mod, syncs = fake_cuda_rank
+    joined = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.update(backend=backend, **kw))
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    monkeypatch.delenv(rank_mod.BACKEND_ENV, raising=False)
+    from datetime import timedelta
+    _FakeEvent.clock_s = 10.0
+    rank_mod.join(rank_mod.device(), timedelta(seconds=5))
+    # NCCL bound to this rank's GPU (device_id): eager init, and no guessing from the global rank
+    assert joined["backend"] == "nccl" and joined["device_id"] == rank_mod.device()
+    syncs.clear()
+    with rank_mod.span("F0"):
+        _FakeEvent.clock_s = 10.25  # the GPU ran the block's work from 10.0 to 10.25 s
+        with rank_mod.span("send"):
+            _FakeEvent.clock_s = 10.5
+    assert syncs == []  # nothing waited for the device while the step ran
+    spans = rank_mod._spans()
+    assert spans == [["send", 0.25, 0.5], ["F0", 0.0, 0.5]]  # seconds since the barrier's event
+    assert len(syncs) == 1  # read back once, at the report
+
+
+def test_cpu_join_passes_no_device_id(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    rank_mod = sys.modules["labkit.dist.rank"]  # the module (labkit.dist.rank is also a function)
+
+    joined = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.update(backend=backend, **kw))
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    monkeypatch.setattr(rank_mod, "_state", {"t0": None, "t0_event": None, "spans": [], "core_waits": [], "meters": {}})
+    monkeypatch.delenv(rank_mod.BACKEND_ENV, raising=False)
+    from datetime import timedelta
+    rank_mod.join(torch.device("cpu"), timedelta(seconds=5))
+    assert joined["backend"] == "gloo" and joined["device_id"] is None
+    with rank_mod.span("x"):
+        pass
+    (label, a, b), = rank_mod._spans()
+    assert label == "x" and 0 <= a <= b

@@ -559,6 +559,99 @@ def test_storage_resize_outside_any_operator_is_counted():
     assert torch.UntypedStorage.resize_ is _RESIZE
 
 
+class _GatherAndFree(torch.autograd.Function):
+    """What FSDP2 does to a ZeRO-3 parameter around backward: grow its storage back, use it, free it again."""
+
+    @staticmethod
+    def forward(ctx, x, gathered):
+        ctx.gathered = gathered
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        st = ctx.gathered.untyped_storage()
+        st.resize_(1000 * F32)  # the backward's all-gather re-allocates the parameter: 4000 B
+        out = grad * 2  # 400 B while it is gathered
+        st.resize_(0)  # and frees it
+        return out, None
+
+
+def _backward_on_another_thread(meter, loss):
+    """Run loss.backward() on a new thread that, like autograd's device threads, has the caller's dispatch modes.
+
+    The autograd engine restores the caller's thread-local state (its dispatch-mode stack) on the
+    device thread that runs a CUDA backward; Python's threading.local does not travel with it.
+    """
+    import threading
+    from torch.utils._python_dispatch import _pop_mode, _push_mode
+
+    errors = []
+
+    def worker():
+        _push_mode(meter)
+        try:
+            loss.backward()
+        except BaseException as e:  # noqa: BLE001 - reported in the test's thread
+            errors.append(e)
+        finally:
+            _pop_mode()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+
+
+def test_a_resize_in_a_backward_on_another_thread_is_counted():
+    """A CUDA backward runs on autograd's device thread: the meter's resize_ accounting must find the meter there."""
+    with MemoryMeter(device="cpu") as m:
+        gathered = torch.empty(1000)
+        gathered.untyped_storage().resize_(0)  # a ZeRO-3 parameter, freed after forward
+        x = torch.ones(100, requires_grad=True)  # 400 B
+        y = _GatherAndFree.apply(x, gathered)  # 400 B
+        loss = y.sum()
+        before = m.current_bytes
+        m.reset_peak()
+        _backward_on_another_thread(m, loss)
+        # at the peak: x, y, the regathered 4000 B and at least the 400 B gradient being computed
+        assert m.peak_bytes >= before + 1000 * F32 + 100 * F32, (m.peak_bytes, before)
+        assert gathered.untyped_storage().nbytes() == 0
+        del gathered
+    assert m.current_bytes == x.nbytes + x.grad.nbytes + y.nbytes + loss.nbytes  # the gathered copy is freed again
+
+
+def test_the_active_meter_is_found_through_the_dispatch_modes_on_another_thread():
+    import threading
+    from torch.utils._python_dispatch import _pop_mode, _push_mode
+
+    seen = []
+    with MemoryMeter(device="cpu") as m:
+        def worker():
+            seen.append(active_meter())  # a plain new thread: no meter
+            _push_mode(m)
+            try:
+                seen.append(active_meter())
+            finally:
+                _pop_mode()
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    assert seen == [None, m]
+
+
+def test_peak_bytes_of_counts_only_what_was_live_at_the_peak():
+    with MemoryMeter(device="cpu") as m:
+        a = torch.empty(1000)  # 4000 B, live at the peak
+        b = torch.empty(500)  # 2000 B, live at the peak
+        peak = torch.empty(250)  # 1000 B: the peak is here
+        del peak
+        c = torch.empty(100)  # 400 B, after the peak
+        assert m.peak_bytes_of(a, a[:10], b) == 6000  # a storage counts once, however many views
+        assert m.peak_bytes_of(c) == 0
+        assert m.peak_bytes_of(torch.zeros(0)) == 0
+
+
 @pytest.fixture
 def fake_world_of_4():
     """A fake process group of 4 ranks in this process (nothing is sent), for DTensors with real local shards."""
@@ -606,3 +699,18 @@ def test_adam_state_of_fsdp2_shards_counts_its_local_shard(fake_world_of_4):
         split = m.current_split()
     assert split["parameters"] == split["gradients"] == 2 * 16 * F32  # the local shard, not the global 8 x 16
     assert split["optimizer_state"] == 2 * (2 * 16 * F32) + F32  # two local moment shards and the step counter
+
+
+@pytest.mark.cuda
+def test_a_cuda_backward_on_autograds_device_thread_counts_the_resize():
+    """On CUDA the backward runs on autograd's device thread: the resize there is counted, as the allocator saw it."""
+    with MemoryMeter(device="cuda") as m:
+        gathered = torch.empty(1000, device="cuda")
+        gathered.untyped_storage().resize_(0)
+        x = torch.ones(100, device="cuda", requires_grad=True)
+        loss = _GatherAndFree.apply(x, gathered).sum()
+        before = m.current_bytes
+        m.reset_peak()
+        loss.backward()
+        assert m.peak_bytes >= before + 1000 * F32 + 100 * F32, (m.peak_bytes, before)
+    assert m.cuda_max_allocated_bytes >= m.peak_bytes  # the allocator rounds up; it never holds less

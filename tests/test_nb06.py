@@ -1,5 +1,7 @@
 """Notebook 06 under papermill with another seed, depth and micro-batch sweep: the recorded invariants hold."""
 
+from pathlib import Path
+
 import pytest
 
 import labkit
@@ -36,8 +38,44 @@ def test_notebook_06_invariants_with_other_parameters(execute_notebook):
     held = {name: {int(k): v for k, v in by_m.items()}
             for name, by_m in m["micro_batches_held_by_microbatches"].items()}
     assert all(abs(h - (2 - s)) <= 0.25 for by_stage in held["1F1B"].values() for s, h in enumerate(by_stage))
-    assert all(abs(h - mb) <= 0.25 + 0.02 * mb for mb, by_stage in held["GPipe"].items() for h in by_stage)
+    assert all(abs(h - mb) <= 0.25 + 0.07 * mb for mb, by_stage in held["GPipe"].items() for h in by_stage)
     gpipe = {int(k): v for k, v in m["stage_peak_bytes_gpipe_by_microbatches"].items()}
     one_f = {int(k): v for k, v in m["stage_peak_bytes_1f1b_by_microbatches"].items()}
     assert all(a < g for a, g in zip(one_f[8], gpipe[8]))  # 1F1B holds fewer micro-batches than GPipe
     assert all(a8 < a2 for a2, a8 in zip(one_f[2], one_f[8]))  # and fewer bytes as M grows at a fixed batch
+
+
+def test_the_model_parallel_script_keeps_its_reference_on_the_batchs_device(monkeypatch, tmp_path):
+    """The rank script moves its one-process reference to the rank's device, where the batch is.
+
+    A stand-in for a GPU: the meta device (fake CUDA autograd aborts on CPU-only builds, and a
+    reference left on the CPU fails on meta as it would on cuda:rank: "Tensor on device cpu is not
+    on the expected device meta"). One rank, in this process; gradients are not compared (meta has
+    no values).
+    """
+    import importlib.util
+
+    import nbformat
+    import torch
+    import torch.distributed as dist
+
+    import labkit.dist as ld
+    from labkit.tools.writefiles import written_files
+
+    nb = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / f"{STEM}.ipynb", as_version=4)
+    path = tmp_path / "mp_ranks.py"
+    path.write_text(dict(written_files(nb))["06_model_parallel_ranks.py"])
+    spec = importlib.util.spec_from_file_location("mp_ranks", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(ld, "device", lambda: torch.device("meta"))
+    compared = []
+    monkeypatch.setattr(script, "max_rel_diff", lambda a, b: compared.append(
+        {t.device.type for t in (*a.values(), *b.values())}) or 0.0)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        out = script.main(seed=0, n_layer=2, n_head=2, batch=4, seq_len=8)
+    finally:
+        dist.destroy_process_group()
+    assert compared == [{"meta"}]  # the pieces' gradients and the reference's, on one device
+    assert out["param_bytes"] > 0 and out["comm_bytes"] == {}  # one rank: nothing to send

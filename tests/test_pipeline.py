@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.pipeline import (actions_within, bubble_theory, ideal_schedule, measured_bubble, replay, stage_order)
+from labkit.pipeline import (actions_within, bubble_theory, ideal_schedule, measured_bubble, replay, simulate_order,
+                             stage_order, time_actions, torch_schedule_order)
 from labkit.plots import plot_gantt
 
 
@@ -105,6 +106,94 @@ def test_actions_within_can_leave_out_the_wait_for_a_core():
                                                                            ("B0", 0.4, pytest.approx(0.7))]
     with pytest.raises(ValueError, match="one entry per span"):
         actions_within(spans, "step", core_waits=[0.0])
+
+
+def test_the_last_stages_loss_is_part_of_its_forward():
+    """A loss span "L0" right after "F0" (the schedule computes it then) extends F0: compute, not bubble."""
+    spans = [("step", 0.0, 1.0), ("F0", 0.1, 0.2), ("L0", 0.2, 0.35), ("F1", 0.4, 0.5), ("L1", 0.5, 0.6),
+             ("B0", 0.6, 0.8)]
+    assert actions_within(spans, "step", core_waits=[0, 0, 0.05, 0, 0, 0]) == [
+        ("F0", 0.1, pytest.approx(0.3)), ("F1", 0.4, 0.6), ("B0", 0.6, 0.8)]
+    without_loss = measured_bubble({0: actions_within([s for s in spans if s[0][0] != "L"], "step")})
+    with_loss = measured_bubble({0: actions_within(spans, "step")})
+    assert with_loss["busy_s"][0] == pytest.approx(without_loss["busy_s"][0] + 0.15 + 0.1)
+
+
+def test_time_actions_times_the_loss_through_the_schedules_private_hook(monkeypatch):
+    """Pins torch's private `_maybe_compute_loss(stage, output, target_mbs, mb_index, ...)` that time_actions wraps."""
+    import inspect
+
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    assert list(inspect.signature(_PipelineSchedule._maybe_compute_loss).parameters)[:5] == [
+        "self", "stage", "output", "target_mbs", "mb_index"]
+    import labkit.dist as ld
+
+    spans = []
+
+    class Span:
+        def __init__(self, label):
+            self.label = label
+
+        def __enter__(self):
+            spans.append(self.label)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(ld, "span", Span)
+
+    class Stage:
+        stage_index, is_last = 1, True
+
+        def forward_one_chunk(self, chunk_id, *args):
+            return chunk_id
+
+        def backward_one_chunk(self, chunk_id, *args):
+            return None
+
+        def backward_weight_one_chunk(self, chunk_id, *args):
+            return None
+
+    class Schedule:
+        _loss_fn = staticmethod(lambda out, target: out + target)
+
+        def __init__(self):
+            self.losses = []
+
+        def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
+            self.losses.append(self._loss_fn(output, target_mbs[mb_index]))
+
+    stage, schedule = Stage(), Schedule()
+    time_actions(stage, schedule=schedule)
+    time_actions(stage, schedule=schedule)  # a second stage of the same schedule: the loss is wrapped once
+    out = stage.forward_one_chunk(0)
+    schedule._maybe_compute_loss(stage, out, [10], 0)
+    assert schedule.losses == [10] and spans == ["F0", "F0", "L0"]  # (forward wrapped twice here: two calls)
+
+
+def test_torchs_own_schedule_orders_beside_labkits():
+    """torch's schedule IR (get_schedule_ops, private: pinned here): GPipe as labkit's; 1F1B's last rank numbered
+    from 1 in torch 2.13's IR (its execution runs F0 first); interleaved's order gives (K-1)/(VM+K-1)."""
+    K, M = 2, 4
+    assert torch_schedule_order("GPipe", K, M) == {s: stage_order("GPipe", s, K, M) for s in range(K)}
+    torch_1f1b = torch_schedule_order("1F1B", K, M)
+    assert torch_1f1b[0] == stage_order("1F1B", 0, K, M)
+    kinds = [label[0] for label in torch_1f1b[K - 1]]
+    assert kinds == [label[0] for label in stage_order("1F1B", K - 1, K, M)]  # the same F/B pattern
+    assert sorted(int(label[1:]) for label in torch_1f1b[K - 1] if label[0] == "F") == list(range(1, M + 1))
+    with pytest.raises(ValueError, match="order"):
+        simulate_order(torch_1f1b)  # F4 exists on no other stage: the IR is not a runnable order
+    assert measured_bubble(simulate_order(torch_schedule_order("GPipe", K, M)))["bubble_fraction"] == \
+        pytest.approx(bubble_theory(K, M))
+    inter = torch_schedule_order("Interleaved1F1B", K, M, stages_per_rank=2)
+    assert sorted(inter[0]) == sorted([f"{k}{i}/s{s}" for k in "FB" for i in range(M) for s in (0, 2)])
+    assert measured_bubble(simulate_order(inter))["bubble_fraction"] == pytest.approx(bubble_theory(K, M, 2))
+
+
+def test_simulate_order_reproduces_the_ideal_schedule():
+    orders = {s: stage_order("1F1B", s, 3, 5) for s in range(3)}
+    assert simulate_order(orders) == ideal_schedule("1F1B", 3, 5)
 
 
 def test_plot_gantt_draws_a_row_per_rank():

@@ -21,14 +21,27 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # operator name -> (the collective it is, the argument holding this rank's input tensors). c10d's
 # in-place operators end in "_" and take (outputs, inputs, ...) where they have both; the functional
-# collectives (DTensor's) take the input first.
-COLLECTIVES = {"allreduce_": ("all_reduce", 0), "all_reduce": ("all_reduce", 0),
+# collectives (DTensor's) take the input first. The coalesced forms (several tensors in one call)
+# count as their collective. Every c10d operator of torch 2.13 is here or in NOT_COMMUNICATION:
+# CommCounter refuses one it does not know rather than leave its bytes out.
+COLLECTIVES = {"allreduce_": ("all_reduce", 0), "all_reduce": ("all_reduce", 0), "all_reduce_": ("all_reduce", 0),
+               "allreduce_coalesced_": ("all_reduce", 0), "all_reduce_coalesced": ("all_reduce", 0),
+               "all_reduce_coalesced_": ("all_reduce", 0),
                "allgather_": ("all_gather", 1), "_allgather_base_": ("all_gather", 1),
-               "all_gather_into_tensor": ("all_gather", 0),
+               "allgather_coalesced_": ("all_gather", 1), "allgather_into_tensor_coalesced_": ("all_gather", 1),
+               "all_gather_into_tensor": ("all_gather", 0), "all_gather_into_tensor_out": ("all_gather", 0),
+               "all_gather_into_tensor_coalesced": ("all_gather", 0),
                "reduce_scatter_": ("reduce_scatter", 1), "_reduce_scatter_base_": ("reduce_scatter", 1),
-               "reduce_scatter_tensor": ("reduce_scatter", 0), "broadcast_": ("broadcast", 0),
-               "send": ("send", 0), "recv_": ("recv", 0), "scatter_": ("scatter", 0),
-               "alltoall_base_": ("all_to_all", 1), "all_to_all_single": ("all_to_all", 0)}
+               "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+               "reduce_scatter_tensor": ("reduce_scatter", 0), "reduce_scatter_tensor_out": ("reduce_scatter", 0),
+               "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
+               "broadcast_": ("broadcast", 0), "broadcast": ("broadcast", 0), "reduce_": ("reduce", 0),
+               "send": ("send", 0), "isend": ("send", 0), "recv_": ("recv", 0), "irecv": ("recv", 0),
+               "recv_any_source_": ("recv", 0), "scatter_": ("scatter", 1), "gather_": ("gather", 1),
+               "alltoall_": ("all_to_all", 1), "alltoall_base_": ("all_to_all", 1),
+               "all_to_all_single": ("all_to_all", 0)}
+NOT_COMMUNICATION = {"barrier", "monitored_barrier_", "check_for_nan", "wait_tensor",  # no payload to count
+                     "_wrap_tensor_autograd"}
 
 
 class CommCounter(TorchDispatchMode):
@@ -42,12 +55,21 @@ class CommCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         namespace = func.namespace
         if namespace in ("c10d", "_c10d_functional"):
-            known = COLLECTIVES.get(func.overloadpacket.__name__)
-            if known is not None:
-                kind, arg = known
-                self.calls[kind] = self.calls.get(kind, 0) + 1
-                self.bytes[kind] = self.bytes.get(kind, 0) + (_nbytes(args[arg]) if len(args) > arg else 0)
+            name = func.overloadpacket.__name__
+            if name == "batch_p2p_ops":  # (ops, peers, tags, tensors): each "isend"/"irecv" with its tensor
+                for op, t in zip(args[0], args[3]):
+                    self._add("send" if op == "isend" else "recv", _nbytes(t))
+            elif name in COLLECTIVES:
+                kind, arg = COLLECTIVES[name]
+                self._add(kind, _nbytes(args[arg]) if len(args) > arg else 0)
+            elif name not in NOT_COMMUNICATION:
+                raise NotImplementedError(f"CommCounter does not know the operator {namespace}::{name}; add it to "
+                                          "labkit.dist.comm.COLLECTIVES (its kind and input argument) to count it")
         return func(*args, **(kwargs or {}))
+
+    def _add(self, kind: str, nbytes: int) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
 
     def total_bytes(self) -> int:
         """Return the bytes handed to every kind of call together."""
@@ -58,7 +80,7 @@ class CommCounter(TorchDispatchMode):
         n = world_size
         factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "reduce_scatter": (n - 1) / n,
                   "broadcast": (n - 1) / n, "scatter": (n - 1) / n, "all_to_all": (n - 1) / n, "send": 1.0,
-                  "recv": 0.0}
+                  "recv": 0.0, "reduce": (n - 1) / n, "gather": 1.0}  # gather: what a rank other than the root sends
         return sum(factor[kind] * nbytes for kind, nbytes in self.bytes.items())
 
 

@@ -147,8 +147,10 @@ def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = N
               "TORCHELASTIC_RUN_ID": "labkit", RESULT_DIR_ENV: results_dir, PARENT_ENV: str(os.getpid()),
               DEVICE_ENV: dev, BACKEND_ENV: backend, TIMEOUT_ENV: str(timeout_s), "OMP_NUM_THREADS": str(threads),
               "PYTHONUNBUFFERED": "1"}
-    if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
-        common["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks talk over loopback only
+    if sys.platform.startswith("linux"):  # the ranks talk over loopback only (gloo, and NCCL's bootstrap sockets)
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if name not in os.environ:
+                common[name] = "lo"
     envs = {r: {**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)}
     args = {r: ("-u", str(script), *cli) for r in range(nproc)}
     quiet = logging.getLogger("torch.distributed.elastic")
@@ -166,7 +168,8 @@ def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = N
         timed_out = run is None
         if timed_out:
             context.close(death_sig=signal.SIGTERM, timeout=5)
-        results = _collect(context, nproc, results_dir, timed_out, timeout_s)
+            run = context.wait(timeout=0)  # every rank has ended now: their exit statuses
+        results = _collect(run, nproc, results_dir, timed_out, timeout_s)
     finally:  # also on KeyboardInterrupt: every rank is stopped before the interrupt goes on
         if context is not None:
             context.close(death_sig=signal.SIGTERM, timeout=5)
@@ -209,9 +212,17 @@ def _tail(path: str | None) -> str:
         return f.read()[-OUTPUT_CHARS:]
 
 
-def _collect(context, nproc: int, results_dir: str, timed_out: bool, timeout_s: float) -> list[RankResult]:
+def _exitcode(run, r: int) -> int | None:
+    """Return rank r's exit status from the launcher's public result (RunProcsResult.failures; 0 if it is not there)."""
+    if run is None:
+        return None
+    failure = run.failures.get(r)
+    return 0 if failure is None else failure.exitcode
+
+
+def _collect(run, nproc: int, results_dir: str, timed_out: bool, timeout_s: float) -> list[RankResult]:
     """Read each rank's report and exit status into RankResults, naming what happened to each."""
-    handlers = getattr(context, "subprocess_handlers", {})
+    stdouts, stderrs = (run.stdouts, run.stderrs) if run is not None else ({}, {})
     out = []
     for r in range(nproc):
         path = os.path.join(results_dir, f"rank{r}.json")
@@ -219,9 +230,8 @@ def _collect(context, nproc: int, results_dir: str, timed_out: bool, timeout_s: 
         out.append(RankResult(rank=r, value=report.get("value"), records=report.get("records", {}),
                               meters=report.get("meters", {}), spans=report.get("spans", []),
                               core_waits=report.get("core_waits", []),
-                              device=report.get("device", ""), stdout=_tail(context.stdouts.get(r)),
-                              stderr=_tail(context.stderrs.get(r)),
-                              exitcode=handlers[r].proc.poll() if r in handlers else None,
+                              device=report.get("device", ""), stdout=_tail(stdouts.get(r)),
+                              stderr=_tail(stderrs.get(r)), exitcode=_exitcode(run, r),
                               error=report.get("error") if report else "no report", failed_at=report.get("failed_at")))
     if timed_out:
         for res in out:

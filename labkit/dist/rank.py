@@ -14,9 +14,10 @@ values read as Python literals where they parse, else as strings).
 What a rank produces travels back to the launcher as plain data (JSON, one file per rank):
 main's return value, what it `labkit.record()`ed, the summaries of the meters opened with
 `meter(name)`, and the labelled `span`s it timed, on a clock that starts at the same barrier on
-every rank, with the seconds the rank spent inside each span waiting for a CPU core (`core_wait_s`:
-other processes had the cores; on Linux, 0 elsewhere). Under torchrun (no launcher) each rank prints
-that summary on one line instead.
+every rank (on CUDA, from CUDA events: when the GPU ran the span's work), with the seconds the rank
+spent inside each span waiting for a CPU core (`core_wait_s`: other processes had the cores; on
+Linux, 0 elsewhere). Under torchrun (no launcher) each rank prints that summary on one line of JSON
+instead.
 
 If main raises, the rank writes its traceback into its report and exits with status 1; the
 launcher then stops the other ranks. A rank started by the launcher also dies with it (Linux:
@@ -46,7 +47,7 @@ DEVICE_ENV = "LABKIT_DEVICE"  # "cpu" or "cuda", chosen by the launcher ("auto" 
 TIMEOUT_ENV = "LABKIT_TIMEOUT_S"  # collectives give up after this many seconds
 BACKEND_ENV = "LABKIT_BACKEND"  # "gloo" or "nccl", chosen by the launcher (by the device under torchrun)
 
-_state = {"t0": None, "spans": [], "core_waits": [], "meters": {}}
+_state = {"t0": None, "t0_event": None, "spans": [], "core_waits": [], "meters": {}}
 
 
 def rank() -> int:
@@ -88,22 +89,44 @@ def core_wait_s() -> float:
 
 @contextlib.contextmanager
 def span(label: str):
-    """Time the block as a labelled span of this rank's timeline (device synchronised at both ends).
+    """Time the block as a labelled span of this rank's timeline (on CUDA: when the GPU ran it, from CUDA events).
 
-    Also notes how long the rank waited for a CPU core inside it (RankResult.core_waits).
+    On CUDA nothing is synchronised: two events on the current stream mark where the block's GPU
+    work starts and ends, and the span's times are read from them (relative to an event recorded
+    at the start barrier) when the rank reports, so pending sends, receives and kernels overlap as
+    they would untimed. Also notes how long the rank waited for a CPU core inside the block
+    (RankResult.core_waits; host time).
     """
     dev = device()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    cuda = dev.type == "cuda" and _state["t0_event"] is not None
     start, wait0 = now_s(), core_wait_s()
+    if cuda:
+        begin = torch.cuda.Event(enable_timing=True)
+        begin.record()
     try:
         yield
     finally:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
         end = now_s()
-        _state["spans"].append((label, start, end))
+        if cuda:
+            finish = torch.cuda.Event(enable_timing=True)
+            finish.record()
+            _state["spans"].append((label, begin, finish))  # read in _spans(), after one synchronize
+        else:
+            _state["spans"].append((label, start, end))
         _state["core_waits"].append(min(max(core_wait_s() - wait0, 0.0), end - start))
+
+
+def _spans() -> list[list]:
+    """Return every span as [label, start_s, end_s], reading CUDA spans from their events (one synchronize)."""
+    t0 = _state["t0_event"]
+    if t0 is not None and any(not isinstance(a, float) for _, a, _ in _state["spans"]):
+        torch.cuda.synchronize()
+    out = []
+    for label, a, b in _state["spans"]:
+        if not isinstance(a, float):  # CUDA events: milliseconds since the barrier's event
+            a, b = t0.elapsed_time(a) / 1e3, t0.elapsed_time(b) / 1e3
+        out.append([label, a, b])
+    return out
 
 
 def add_span(label: str, start_s: float, end_s: float, core_wait_s: float = 0.0) -> None:
@@ -139,6 +162,18 @@ def parse_args(argv: list[str]) -> dict:
     return out
 
 
+def join(dev: torch.device, timeout: timedelta) -> None:
+    """Join the process group (NCCL bound to this rank's GPU: device_id), wait at a barrier, start the clock."""
+    backend = os.environ.get(BACKEND_ENV) or ("nccl" if dev.type == "cuda" else "gloo")
+    dist.init_process_group(backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None)
+    dist.barrier()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        _state["t0_event"] = torch.cuda.Event(enable_timing=True)
+        _state["t0_event"].record()
+    _state["t0"] = time.perf_counter()
+
+
 def run(main) -> None:
     """Join the group, call main(**command-line parameters), report the results, leave the group."""
     die_with_parent()
@@ -150,17 +185,20 @@ def run(main) -> None:
     report: dict = {"rank": int(os.environ.get("RANK", 0)), "device": str(dev)}
     ok = False
     try:
-        backend = os.environ.get(BACKEND_ENV) or ("nccl" if dev.type == "cuda" else "gloo")
-        dist.init_process_group(backend, timeout=timeout)
-        dist.barrier()
-        _state["t0"] = time.perf_counter()
+        join(dev, timeout)
         report["value"] = jsonable(main(**params))
         ok = True
     except BaseException:  # noqa: BLE001 - everything, KeyboardInterrupt included, is reported
         report["error"] = traceback.format_exc()
         report["failed_at"] = time.time()  # the launcher names the rank that failed first
-    report.update(records=jsonable(recorded()), meters=jsonable(_state["meters"]),
-                  spans=[list(s) for s in _state["spans"]], core_waits=list(_state["core_waits"]))
+    try:
+        spans = _spans()
+    except BaseException:  # noqa: BLE001 - a device that failed cannot give its events back
+        spans, ok = [], False
+        report.setdefault("error", traceback.format_exc())
+        report.setdefault("failed_at", time.time())
+    report.update(records=jsonable(recorded()), meters=jsonable(_state["meters"]), spans=spans,
+                  core_waits=list(_state["core_waits"]))
     _write(report)
     if ok:
         dist.destroy_process_group()
@@ -183,4 +221,7 @@ def _write(report: dict) -> None:
         os.replace(path + ".tmp", path)  # complete or absent, never half-written
     else:  # under torchrun: one line per rank
         shown = {k: v for k, v in report.items() if k not in ("spans", "core_waits")}
-        print(f"[rank {report['rank']}] {json.dumps(shown)[:2000]}", flush=True)
+        line = f"[rank {report['rank']}] {json.dumps(shown)}\n".encode()  # whole: a cut line is not JSON
+        sys.stdout.flush()
+        while line:  # one write call where it can: the ranks share torchrun's stdout (pipes keep 4 KiB writes whole)
+            line = line[os.write(sys.stdout.fileno(), line):]

@@ -1,0 +1,57 @@
+"""Say in words what shape a measured sequence has, from its numbers: the trend sentences of the chapters.
+
+    describe_trend([1, 2, 4, 8, 16], [0.515, 0.406, 0.316, 0.339, 0.411], x_name="M")
+    # 'falls from 0.515 at M = 1 to its lowest, 0.316 at M = 4, then rises to 0.411 at M = 16'
+
+A chapter prints this sentence instead of typing "falls" into its prose, so the words change when
+the numbers do (another seed, another machine, a GPU).
+"""
+
+from __future__ import annotations
+
+
+def _steps(ys, tol: float) -> list[int]:
+    """Return +1, -1 or 0 for each step of ys (0: within tol)."""
+    return [0 if abs(b - a) <= tol else (1 if b > a else -1) for a, b in zip(ys, ys[1:])]
+
+
+def trend_shape(ys, tol: float = 0.0) -> str:
+    """Return the shape of a sequence: "flat", "rises", "falls", "dips" (down then up), "peaks" (up then down), "mixed".
+
+    tol: steps no larger than this count as level. A level step does not break a run.
+    """
+    ys = [float(y) for y in ys]
+    if len(ys) < 2:
+        raise ValueError(f"a trend needs at least two values, got {len(ys)}")
+    moves = [m for m in _steps(ys, tol) if m != 0]
+    if not moves:
+        return "flat"
+    changes = sum(1 for a, b in zip(moves, moves[1:]) if a != b)
+    if changes == 0:
+        return "rises" if moves[0] > 0 else "falls"
+    if changes == 1:
+        return "dips" if moves[0] < 0 else "peaks"
+    return "mixed"
+
+
+def describe_trend(xs, ys, fmt: str = "{:.3f}", x_name: str = "x", tol: float = 0.0) -> str:
+    """Return a phrase for how ys moves along xs: "falls from a at x = 1 to b at x = 16", "... its lowest ...", ...
+
+    The phrase has no subject: the caller writes "GPipe's measured bubble " + describe_trend(...).
+    """
+    xs, ys = list(xs), [float(y) for y in ys]
+    if len(xs) != len(ys):
+        raise ValueError(f"xs and ys need the same length, got {len(xs)} and {len(ys)}")
+    shape = trend_shape(ys, tol)
+    at = [f"{fmt.format(y)} at {x_name} = {x}" for x, y in zip(xs, ys)]
+    if shape == "flat":
+        return f"stays level, from {at[0]} to {at[-1]}"
+    if shape in ("rises", "falls"):
+        return f"{shape} from {at[0]} to {at[-1]}"
+    if shape in ("dips", "peaks"):
+        k = min(range(len(ys)), key=ys.__getitem__) if shape == "dips" else max(range(len(ys)), key=ys.__getitem__)
+        first, then, extreme = ("falls", "rises", "lowest") if shape == "dips" else ("rises", "falls", "highest")
+        return f"{first} from {at[0]} to its {extreme}, {at[k]}, then {then} to {at[-1]}"
+    lo, hi = min(range(len(ys)), key=ys.__getitem__), max(range(len(ys)), key=ys.__getitem__)
+    return (f"moves up and down without one direction ({', '.join(fmt.format(y) for y in ys)}): lowest "
+            f"{at[lo]}, highest {at[hi]}")

@@ -1,0 +1,41 @@
+"""labkit.trend: the sentence follows the numbers; reorder them and it changes."""
+
+import pytest
+
+from labkit.trend import describe_trend, trend_shape
+
+MS = [1, 2, 4, 8, 16]
+BUBBLE = [0.515, 0.406, 0.316, 0.339, 0.411]  # notebook 06's GPipe bubble on one run: lowest at M = 4
+
+
+def test_the_measured_bubble_is_lowest_at_4_then_rises():
+    assert describe_trend(MS, BUBBLE, x_name="M") == \
+        "falls from 0.515 at M = 1 to its lowest, 0.316 at M = 4, then rises to 0.411 at M = 16"
+
+
+def test_reordering_the_numbers_changes_the_sentence():
+    falling = sorted(BUBBLE, reverse=True)
+    rising = sorted(BUBBLE)
+    peaked = [0.316, 0.406, 0.515, 0.411, 0.339]
+    sentences = {describe_trend(MS, ys, x_name="M") for ys in (BUBBLE, falling, rising, peaked)}
+    assert len(sentences) == 4
+    assert describe_trend(MS, falling, x_name="M") == "falls from 0.515 at M = 1 to 0.316 at M = 16"
+    assert describe_trend(MS, rising, x_name="M") == "rises from 0.316 at M = 1 to 0.515 at M = 16"
+    assert describe_trend(MS, peaked, x_name="M").startswith("rises from 0.316 at M = 1 to its highest, 0.515 at M = 4")
+
+
+@pytest.mark.parametrize("ys, tol, shape", [([1, 1, 1], 0, "flat"), ([1, 2, 3], 0, "rises"), ([3, 2, 1], 0, "falls"),
+                                            ([3, 1, 2], 0, "dips"), ([1, 3, 2], 0, "peaks"), ([1, 3, 2, 4], 0, "mixed"),
+                                            ([3, 3, 2, 2, 1], 0, "falls"), ([1.0, 1.01, 0.995], 0.02, "flat")])
+def test_shapes(ys, tol, shape):
+    assert trend_shape(ys, tol=tol) == shape
+
+
+def test_tolerance_levels_small_steps_and_bad_input_is_refused():
+    assert trend_shape([0.30, 0.301, 0.25], tol=0.005) == "falls"
+    assert describe_trend([1, 2, 3], [1, 3, 2, 4][:3]).startswith("rises")
+    assert "without one direction" in describe_trend([1, 2, 3, 4], [1, 3, 2, 4])
+    with pytest.raises(ValueError, match="two values"):
+        trend_shape([1.0])
+    with pytest.raises(ValueError, match="same length"):
+        describe_trend([1, 2], [1.0])
