@@ -261,3 +261,50 @@ def test_a_chapter_runs_in_the_browser_and_its_panel_redraws(server, browser, ch
         except Exception:
             pass  # the browser is gone (watchdog)
         _delete_sessions(url, token)  # its kernel, and the kernel's children, end here
+
+
+def test_optuna_dashboard_shows_a_study_of_the_chapters_storage(browser, tmp_path):
+    """`make dashboard`'s command on a SQLite study like chapter 08's: the page lists the study and its trials."""
+    if shutil.which("optuna-dashboard", path=os.path.dirname(os.sys.executable)) is None:
+        pytest.skip("optuna-dashboard is not installed (the engines extra)")
+    import optuna
+
+    from labkit import search
+    from labkit.search import study as studies
+
+    url = studies.storage_url(tmp_path / "studies.db")
+    config = search.StudyConfig(budget_bytes=1 << 30, n_layer=2, n_embd=32, n_head=2, vocab_size=64, batch=4,
+                                seq_len=16, timed_steps=1)
+    study = studies.create_study("dashboard-check", studies.make_storage(url), config, "speed", sampler="random")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    studies.optimize(study, 2)
+    port = _free_port()
+    exe = os.path.join(os.path.dirname(os.sys.executable), "optuna-dashboard")
+    log = open(tmp_path / "dashboard.log", "w")
+    proc = subprocess.Popen([exe, "--host", "127.0.0.1", "--port", str(port), url], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/studies", timeout=5).close()
+                break
+            except OSError:
+                assert proc.poll() is None, (tmp_path / "dashboard.log").read_text()[-2000:]
+                assert time.monotonic() < deadline, "optuna-dashboard did not answer within 60 s"
+                time.sleep(0.5)
+        b, _ = browser
+        page = b.contexts[0].new_page() if b.contexts else b.new_page()
+        page.goto(f"http://127.0.0.1:{port}/dashboard", timeout=60_000)
+        page.wait_for_selector("text=dashboard-check", timeout=60_000)
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / "optuna-dashboard.png"), full_page=True)
+        page.click("text=dashboard-check")
+        page.wait_for_url("**/studies/**", timeout=60_000)  # the study's own page
+        page.wait_for_load_state("networkidle", timeout=60_000)
+        page.screenshot(path=str(SHOTS / "optuna-dashboard-study.png"), full_page=True)
+        page.close()
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=20)
+        log.close()
