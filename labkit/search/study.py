@@ -208,15 +208,7 @@ def objective(study: optuna.Study, on_result=None):
         params = suggest(trial, config.space(only=MEMORY_KNOBS))
         # timed against the plain step, alternating: the value is its speed in units of the plain step's
         result = measure_setting({**params, "lr": 1e-3}, config, reference=plain_setting(config))
-        peak = result.peak_bytes if result.peak_bytes is not None else result.predicted_peak_bytes
-        trial.set_user_attr("status", result.status)
-        trial.set_user_attr("predicted_peak_bytes", result.predicted_peak_bytes)
-        trial.set_user_attr("peak_bytes", peak)
-        trial.set_user_attr("steps_run", result.steps_run)
-        trial.set_user_attr("tokens_per_s", result.tokens_per_s)
-        trial.set_constraint("peak_over_budget_bytes", float(peak - config.budget_bytes))  # <= 0: fits
-        if on_result is not None:
-            on_result(trial, result)
+        _record(trial, result, config, on_result)
         return result.relative_speed or 0.0  # a setting that did not fit ran no timed step: speed 0
 
     def loss(trial):
@@ -236,18 +228,23 @@ def objective(study: optuna.Study, on_result=None):
                 raise optuna.TrialPruned(f"pruned after {progress.steps_run} steps at loss {progress.val_loss:.4f}")
 
         result = train(params, config, report=report)
-        peak = result.peak_bytes if result.peak_bytes is not None else result.predicted_peak_bytes
-        trial.set_user_attr("status", result.status)
-        trial.set_user_attr("predicted_peak_bytes", result.predicted_peak_bytes)
-        trial.set_user_attr("peak_bytes", peak)
-        trial.set_user_attr("steps_run", result.steps_run)
-        trial.set_user_attr("tokens_per_s", result.tokens_per_s)
-        trial.set_constraint("peak_over_budget_bytes", float(peak - config.budget_bytes))  # <= 0: fits
-        if on_result is not None:
-            on_result(trial, result)
+        _record(trial, result, config, on_result)
         return result.val_loss
 
     return speed if name == "speed" else loss
+
+
+def _record(trial, result, config: StudyConfig, on_result) -> None:
+    """Store a trial's measurements as user attributes and its budget constraint (peak - budget <= 0: fits)."""
+    peak = result.peak_bytes if result.peak_bytes is not None else result.predicted_peak_bytes
+    trial.set_user_attr("status", result.status)
+    trial.set_user_attr("predicted_peak_bytes", result.predicted_peak_bytes)
+    trial.set_user_attr("peak_bytes", peak)
+    trial.set_user_attr("steps_run", result.steps_run)
+    trial.set_user_attr("tokens_per_s", result.tokens_per_s)
+    trial.set_constraint("peak_over_budget_bytes", float(peak - config.budget_bytes))
+    if on_result is not None:
+        on_result(trial, result)
 
 
 def optimize(study: optuna.Study, n_trials: int, total_trials: int | None = None, on_result=None,
