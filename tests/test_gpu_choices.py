@@ -197,3 +197,43 @@ def test_chapter_07_ranks_gather_in_the_format_of_their_device(monkeypatch, tmp_
     monkeypatch.undo()  # a CPU rank (gloo): bf16 and no scaler, whatever GPUs the machine has
     half, policy, scaler = ranks.half_format(torch.device("cpu"))
     assert (half.precision, policy.param_dtype, scaler) == ("bf16", torch.bfloat16, None)
+
+
+def test_fsdp2_ranks_skip_together_when_one_overflows(tmp_path):
+    """Why chapter 07 steps fp16 with torch.amp.GradScaler (half.scaler), not FSDP1's ShardedGradScaler.
+
+    FSDP2's gradients are DTensors; the scaler's unscale op on them takes the max of "found inf" over the
+    mesh, so an overflow in one rank's shard makes every rank skip the step and back off the scale: the
+    ranks' weights never diverge. Run on the CPU with fp32 gradients (no fp16 compute on a CPU).
+    """
+    from labkit.dist import launch
+
+    script = tmp_path / "overflow.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import torch.nn as nn
+        from torch.distributed.fsdp import fully_shard
+        import labkit.dist as ld
+
+        def main():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            for layer in model:
+                fully_shard(layer)
+            fully_shard(model)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+            before = [p.to_local().clone() for p in model.parameters()]
+            scaler.scale(model(torch.randn(4, 8)).sum()).backward()
+            if ld.rank() == 0:  # only rank 0's shard overflows
+                next(model.parameters()).grad.to_local().view(-1)[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            return {"scale": scaler.get_scale(), "stepped": any(not torch.equal(b, p.to_local())
+                                                                for b, p in zip(before, model.parameters()))}
+
+        if __name__ == "__main__":
+            ld.run(main)
+    """))
+    results = launch(script, 2, device="cpu", echo=False, timeout_s=120)
+    assert [r.value for r in results] == [{"scale": 128.0, "stepped": False}] * 2
