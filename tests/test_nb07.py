@@ -97,3 +97,36 @@ def test_rank_script_reports_a_budget_refusal_as_does_not_fit(tmp_path, monkeypa
     refused = value["refused"]
     assert refused["budget_bytes"] == budget and refused["in_use_bytes"] + refused["requested_bytes"] > budget
     assert value["max_rel_grad_diff"] <= 1e-5  # the unbudgeted first step ran and was right
+
+
+def test_rank_script_steps_the_16_bit_point_with_a_grad_scaler_where_the_format_needs_one(tmp_path, monkeypatch):
+    """The fp16 path of the rank script (scale, unscale, step, update) on one CPU rank, in process.
+
+    A CPU never computes in fp16: the stand-in keeps bf16's dtype and asks for a scaler, as fp16 does on a
+    T4, so the point is named and stepped as the fp16 one (tests/test_gpu_choices.py fakes the T4 itself).
+    """
+    import dataclasses
+    import importlib.util
+
+    import torch.distributed as dist
+
+    nb = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / f"{STEM}.ipynb", as_version=4)
+    (name, text), = [f for f in written_files(nb) if f[0].endswith("_ranks.py")]
+    script = tmp_path / name
+    script.write_text(text)
+    spec = importlib.util.spec_from_file_location("nb07_ranks_scaler", script)
+    ranks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ranks)
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    stand_in = dataclasses.replace(labkit.device.half_precision("cpu"), precision="fp16", needs_scaler=True)
+    monkeypatch.setattr(labkit.device, "half_precision", lambda device: stand_in)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        results = ranks.main(n_layer=1, n_head=2, batch=2, seq_len=8, points=[], mixed_precision=True)
+    finally:
+        dist.destroy_process_group()
+    (point, value), = results.items()
+    assert point == "FSDP2 ZeRO-3 fp16" and value["precision"] == "fp16" and value["fits"]
+    assert value["loss_scale"] == 2.0 ** 16  # GradScaler's initial scale: no step overflowed, none was skipped
+    assert value["rel_grad_diff"] < 0.05  # unscaled before the comparison (scaled, it would be about 2**16)
+    assert value["states"]["optimizer_state"] > 0  # the warm-up step was taken: Adam's state exists
