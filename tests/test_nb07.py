@@ -17,6 +17,20 @@ POINTS = {"DDP": 0, "ZeRO-1": 1, "FSDP2 no-reshard": 2, "FSDP2 ZeRO-3": 3}
 STATE_KINDS = ("parameters", "gradients", "optimizer_state")
 
 
+def rank_script(tmp_path):
+    """Write the notebook's rank script (its %%writefile cell) into tmp_path and import it as a module."""
+    import importlib.util
+
+    nb = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / f"{STEM}.ipynb", as_version=4)
+    (name, text), = [f for f in written_files(nb) if f[0].endswith("_ranks.py")]
+    script = tmp_path / name
+    script.write_text(text)
+    spec = importlib.util.spec_from_file_location(f"nb07_ranks_{tmp_path.name}", script)
+    ranks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ranks)
+    return ranks
+
+
 def test_notebook_07_invariants_with_another_seed_on_four_ranks(execute_notebook):
     n = 4
     entry = execute_notebook(STEM, SEED=3, N_RANKS=n, MEMORY_RANKS=0, ESTIMATE_RANKS=[8])
@@ -73,17 +87,9 @@ def test_notebook_07_invariants_with_another_seed_on_four_ranks(execute_notebook
 
 def test_rank_script_reports_a_budget_refusal_as_does_not_fit(tmp_path, monkeypatch):
     """A rank over its budget returns fits=False with the refused allocation instead of raising (one rank, in process)."""
-    import importlib.util
-
     import torch.distributed as dist
 
-    nb = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / f"{STEM}.ipynb", as_version=4)
-    (name, text), = [f for f in written_files(nb) if f[0].endswith("_ranks.py")]
-    script = tmp_path / name
-    script.write_text(text)
-    spec = importlib.util.spec_from_file_location("nb07_ranks", script)
-    ranks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ranks)
+    ranks = rank_script(tmp_path)
     monkeypatch.setenv(DEVICE_ENV, "cpu")  # this rank computes on the CPU, as a launched one would here
     budget = 256 * 1024
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
@@ -106,17 +112,10 @@ def test_rank_script_steps_the_16_bit_point_with_a_grad_scaler_where_the_format_
     T4, so the point is named and stepped as the fp16 one (tests/test_gpu_choices.py fakes the T4 itself).
     """
     import dataclasses
-    import importlib.util
 
     import torch.distributed as dist
 
-    nb = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / f"{STEM}.ipynb", as_version=4)
-    (name, text), = [f for f in written_files(nb) if f[0].endswith("_ranks.py")]
-    script = tmp_path / name
-    script.write_text(text)
-    spec = importlib.util.spec_from_file_location("nb07_ranks_scaler", script)
-    ranks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ranks)
+    ranks = rank_script(tmp_path)
     monkeypatch.setenv(DEVICE_ENV, "cpu")
     stand_in = dataclasses.replace(labkit.device.half_precision("cpu"), precision="fp16", needs_scaler=True)
     monkeypatch.setattr(labkit.device, "half_precision", lambda device: stand_in)
