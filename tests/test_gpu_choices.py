@@ -164,3 +164,76 @@ def test_chapter_03_trains_in_the_format_of_its_device(monkeypatch, capsys):
     namespace["device"] = torch.device("cpu")
     exec(compile(choice, "<03 cell>", "exec"), namespace)
     assert namespace["AUTOCAST_DTYPE"] == torch.bfloat16
+
+
+def test_chapter_07_ranks_gather_in_the_format_of_their_device(monkeypatch, tmp_path):
+    """Chapter 07's rank script on a faked T4: its 16-bit point gathers in fp16 and steps with a GradScaler."""
+    import importlib.util
+    from pathlib import Path
+
+    import nbformat
+
+    from labkit.tools.writefiles import written_files
+
+    nb = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / "07_sharded_data_parallel.ipynb", as_version=4)
+    (name, text), = [f for f in written_files(nb) if f[0].endswith("_ranks.py")]
+    assert "labkit.device.half_precision(device)" in text  # the choice is visible in the notebook's own code
+    script = tmp_path / name
+    script.write_text(text)
+    spec = importlib.util.spec_from_file_location("nb07_ranks_formats", script)
+    ranks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ranks)
+    for gpu, capability, want in (("Tesla T4", (7, 5), "fp16"), ("Tesla V100-SXM2-16GB", (7, 0), "fp16"),
+                                  ("NVIDIA A100-SXM4-40GB", (8, 0), "bf16"), ("NVIDIA L4", (8, 9), "bf16")):
+        fake_gpus(monkeypatch, 2, capability, gpu)  # Kaggle's two T4s: one per rank (no CUDA step is run)
+        half, policy, scaler = ranks.half_format(torch.device("cuda", 0))
+        assert half.precision == want and gpu in half.reason, (gpu, half)
+        assert policy.param_dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[want]
+        assert policy.reduce_dtype == torch.float32  # the ranks' gradients are summed in fp32 either way
+        if want == "fp16":
+            assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()
+        else:
+            assert scaler is None
+    monkeypatch.undo()  # a CPU rank (gloo): bf16 and no scaler, whatever GPUs the machine has
+    half, policy, scaler = ranks.half_format(torch.device("cpu"))
+    assert (half.precision, policy.param_dtype, scaler) == ("bf16", torch.bfloat16, None)
+
+
+def test_fsdp2_ranks_skip_together_when_one_overflows(tmp_path):
+    """Why chapter 07 steps fp16 with torch.amp.GradScaler (half.scaler), not FSDP1's ShardedGradScaler.
+
+    FSDP2's gradients are DTensors; the scaler's unscale op on them takes the max of "found inf" over the
+    mesh, so an overflow in one rank's shard makes every rank skip the step and back off the scale: the
+    ranks' weights never diverge. Run on the CPU with fp32 gradients (no fp16 compute on a CPU).
+    """
+    from labkit.dist import launch
+
+    script = tmp_path / "overflow.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import torch.nn as nn
+        from torch.distributed.fsdp import fully_shard
+        import labkit.dist as ld
+
+        def main():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            for layer in model:
+                fully_shard(layer)
+            fully_shard(model)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+            before = [p.to_local().clone() for p in model.parameters()]
+            scaler.scale(model(torch.randn(4, 8)).sum()).backward()
+            if ld.rank() == 0:  # only rank 0's shard overflows
+                next(model.parameters()).grad.to_local().view(-1)[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            return {"scale": scaler.get_scale(), "stepped": any(not torch.equal(b, p.to_local())
+                                                                for b, p in zip(before, model.parameters()))}
+
+        if __name__ == "__main__":
+            ld.run(main)
+    """))
+    results = launch(script, 2, device="cpu", echo=False, timeout_s=120)
+    assert [r.value for r in results] == [{"scale": 128.0, "stepped": False}] * 2

@@ -17,6 +17,20 @@ POINTS = {"DDP": 0, "ZeRO-1": 1, "FSDP2 no-reshard": 2, "FSDP2 ZeRO-3": 3}
 STATE_KINDS = ("parameters", "gradients", "optimizer_state")
 
 
+def rank_script(tmp_path):
+    """Write the notebook's rank script (its %%writefile cell) into tmp_path and import it as a module."""
+    import importlib.util
+
+    nb = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / f"{STEM}.ipynb", as_version=4)
+    (name, text), = [f for f in written_files(nb) if f[0].endswith("_ranks.py")]
+    script = tmp_path / name
+    script.write_text(text)
+    spec = importlib.util.spec_from_file_location(f"nb07_ranks_{tmp_path.name}", script)
+    ranks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ranks)
+    return ranks
+
+
 def test_notebook_07_invariants_with_another_seed_on_four_ranks(execute_notebook):
     n = 4
     entry = execute_notebook(STEM, SEED=3, N_RANKS=n, MEMORY_RANKS=0, ESTIMATE_RANKS=[8])
@@ -58,7 +72,9 @@ def test_notebook_07_invariants_with_another_seed_on_four_ranks(execute_notebook
     assert all(0 <= e <= 0.02 for e in m["estimate_rel_error_by_stage"].values())
     by_stage = m["estimate_7b_per_rank_bytes_by_ranks"]["8"]
     assert by_stage["0"] > by_stage["1"] > by_stage["3"] > 0
-    assert m["bf16_all_gather_ratio"] == 0.5
+    ranks_on = labkit.device.rank_placement(n).device  # the CPU here; a GPU per rank would run their format
+    assert m["half_precision"] == labkit.device.half_precision(ranks_on).precision  # bf16, fp16 before Ampere
+    assert m["half_all_gather_ratio"] == 0.5  # 2-byte values either way
     # every point judged against both budgets; the checkpointing point fits 1/N, plain DDP does not
     verdicts = m["fits_whole_and_1_over_n_budget_by_point"]
     assert verdicts["FSDP2 ZeRO-3 + checkpointing"][f"1/{n} of it"] is True
@@ -71,17 +87,9 @@ def test_notebook_07_invariants_with_another_seed_on_four_ranks(execute_notebook
 
 def test_rank_script_reports_a_budget_refusal_as_does_not_fit(tmp_path, monkeypatch):
     """A rank over its budget returns fits=False with the refused allocation instead of raising (one rank, in process)."""
-    import importlib.util
-
     import torch.distributed as dist
 
-    nb = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / f"{STEM}.ipynb", as_version=4)
-    (name, text), = [f for f in written_files(nb) if f[0].endswith("_ranks.py")]
-    script = tmp_path / name
-    script.write_text(text)
-    spec = importlib.util.spec_from_file_location("nb07_ranks", script)
-    ranks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ranks)
+    ranks = rank_script(tmp_path)
     monkeypatch.setenv(DEVICE_ENV, "cpu")  # this rank computes on the CPU, as a launched one would here
     budget = 256 * 1024
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
@@ -95,3 +103,29 @@ def test_rank_script_reports_a_budget_refusal_as_does_not_fit(tmp_path, monkeypa
     refused = value["refused"]
     assert refused["budget_bytes"] == budget and refused["in_use_bytes"] + refused["requested_bytes"] > budget
     assert value["max_rel_grad_diff"] <= 1e-5  # the unbudgeted first step ran and was right
+
+
+def test_rank_script_steps_the_16_bit_point_with_a_grad_scaler_where_the_format_needs_one(tmp_path, monkeypatch):
+    """The fp16 path of the rank script (scale, unscale, step, update) on one CPU rank, in process.
+
+    A CPU never computes in fp16: the stand-in keeps bf16's dtype and asks for a scaler, as fp16 does on a
+    T4, so the point is named and stepped as the fp16 one (tests/test_gpu_choices.py fakes the T4 itself).
+    """
+    import dataclasses
+
+    import torch.distributed as dist
+
+    ranks = rank_script(tmp_path)
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    stand_in = dataclasses.replace(labkit.device.half_precision("cpu"), precision="fp16", needs_scaler=True)
+    monkeypatch.setattr(labkit.device, "half_precision", lambda device: stand_in)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        results = ranks.main(n_layer=1, n_head=2, batch=2, seq_len=8, points=[], mixed_precision=True)
+    finally:
+        dist.destroy_process_group()
+    (point, value), = results.items()
+    assert point == "FSDP2 ZeRO-3 fp16" and value["precision"] == "fp16" and value["fits"]
+    assert value["loss_scale"] == 2.0 ** 16  # GradScaler's initial scale: no step overflowed, none was skipped
+    assert value["rel_grad_diff"] < 0.05  # unscaled before the comparison (scaled, it would be about 2**16)
+    assert value["states"]["optimizer_state"] > 0  # the warm-up step was taken: Adam's state exists
