@@ -298,3 +298,16 @@ def test_a_brute_force_speed_study_tries_every_setting_once(config, storage):
     studies.optimize(study, len(everything) + 5, total_trials=len(everything))
     tried = [dict(t.params) for t in study.trials]
     assert len(tried) == len(everything) and all(s in tried for s in everything)
+
+
+def test_brute_force_passes_over_a_trial_killed_before_its_draw(config, storage):
+    """A worker killed between starting a trial and drawing its setting leaves a FAIL trial without params."""
+    from labkit.search.space import enumerate_settings
+
+    everything = enumerate_settings(config.space(only=search.MEMORY_KNOBS))
+    study = studies.create_study("bare", storage, config, "speed", sampler="bruteforce", seed=2)
+    bare = study.ask()  # started, nothing drawn, then its worker died
+    storage.set_trial_state_values(bare._trial_id, state=TrialState.FAIL)
+    studies.optimize(study, len(everything) + 5, total_trials=len(everything))
+    tried = [dict(t.params) for t in study.trials if t.state == TrialState.COMPLETE]
+    assert len(tried) == len(everything) and all(s in tried for s in everything)

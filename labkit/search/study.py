@@ -118,8 +118,21 @@ def make_sampler(name: str, seed: int | None, n_startup_trials: int = 5, setting
         if name == "random":
             return optuna.samplers.RandomSampler(seed=seed)
         if name == "bruteforce":  # every setting of a discrete space once, in an order shuffled by the seed
-            return optuna.samplers.BruteForceSampler(seed=seed)
+            return _BruteForce(seed=seed)
     raise ValueError(f"sampler must be one of {SAMPLERS}, got {name!r}")
+
+
+class _BruteForce(optuna.samplers.BruteForceSampler):
+    """Optuna's BruteForceSampler, passing over trials that drew no parameter (a worker killed before its draw).
+
+    Optuna's own sampler fails every later draw of the study on such a trial ("param_name mismatch"):
+    its tree takes an empty path for a finished setting. Overrides the private `_populate_tree`,
+    the one place that reads the trials (optuna 5.0; tests/test_search_study.py pins it).
+    """
+
+    @staticmethod
+    def _populate_tree(tree, trials, params):
+        optuna.samplers.BruteForceSampler._populate_tree(tree, [t for t in trials if t.params], params)
 
 
 def make_pruner(name: str, warmup_steps: int, n_startup_trials: int = 3, max_steps: int | None = None):
