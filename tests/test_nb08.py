@@ -21,7 +21,7 @@ def test_notebook_08_verdicts_with_another_seed_and_an_earlier_study_in_the_stor
     earlier = studies.create_study("nb08-test-20260101-000000-1", storage, config, "speed", sampler="random")
     studies.optimize(earlier, 2)  # a finished earlier run
 
-    entry = execute_notebook(STEM, timeout_s=400, SEED=3, N_LAYER=2, TRAIN_STEPS=4, FINALISTS=3, TIMED_ROUNDS=5,
+    entry = execute_notebook(STEM, timeout_s=400, SEED=3, N_LAYER=2, TRAIN_STEPS=4, FINALISTS=8, TIMED_ROUNDS=5,
                              LR_TRIALS=5, SPEEDUP_TRIALS=2, SPEEDUP_REPEATS=1, SAMPLER_TRIALS=4, SAMPLER_SEEDS=1,
                              ENGINE_TRIALS=3, BLACK_BOX_TRIALS=0, STORAGE=storage_url, STUDY="nb08-test")
     assert entry["status"] == "ok", entry.get("error")
