@@ -141,6 +141,17 @@ def test_an_executed_notebook_keeps_every_record_and_shows_one_table(tmp_path):
     assert table[1:] == ["peak_bytes  2097152", "step_s      0.25"]
 
 
+def test_every_chapter_shows_its_records_once_at_its_end():
+    from pathlib import Path
+
+    for path in sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        at = [i for i, c in enumerate(cells) if "show_records(" in "".join(c["source"])]
+        assert len(at) == 1, f"{path.name}: {len(at)} show_records cells, one expected"
+        later = [c for c in cells[at[0] + 1:] if c["cell_type"] == "code"]
+        assert not later, f"{path.name}: code after the records table: {''.join(later[0]['source'])[:80]!r}"
+
+
 def test_is_batch(monkeypatch):
     monkeypatch.setenv("LABKIT_BATCH", "1")
     assert labkit.is_batch()
