@@ -37,8 +37,9 @@ unit: $(STAMP)  ## labkit's unit tests only: no notebook is run (tests marked `n
 	$(TEST_ENV) $(PY) -m pytest tests -m "not notebook" -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --durations=10
 
 LAB_ARGS ?=
-lab: $(STAMP)  ## JupyterLab on notebooks/, the first chapter open, no news prompt, a fresh layout (token on); e.g. LAB_ARGS="--port 9999"
-	$(PY) -m labkit.tools.lab $(LAB_ARGS)
+STUDENT ?=
+lab: $(STAMP)  ## JupyterLab on notebooks/, the first chapter open, no news prompt, a fresh layout (token on); e.g. LAB_ARGS="--port 9999"; STUDENT=1: on the student copies (make student), nbgrader's teacher tools off
+	$(PY) -m labkit.tools.lab $(if $(STUDENT),--student) $(LAB_ARGS)
 
 student: $(STAMP)  ## write a student copy of every chapter to build/student/ (nbgrader: solutions replaced by stubs)
 	$(PY) -m labkit.tools.classroom student

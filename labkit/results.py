@@ -1,10 +1,12 @@
 """Record a notebook's key measurements so that batch runs can collect them.
 
 `record(name, value)` keeps the value in this process (`recorded()`), and, inside a Jupyter
-kernel, displays it as one output with two representations: `text/plain` for readers and
-`application/vnd.labkit.record+json` for machines. `labkit.runner` reads the latter from the
-executed notebooks into `build/results.json`. In a torch.distributed job every rank may record;
-the rank is stored beside the value.
+kernel, displays it as one output of the single MIME type `application/vnd.labkit.record+json`:
+front ends with no renderer for it (JupyterLab, Notebook 7, nbconvert) show nothing, so a
+chapter is not interrupted by a line per key. `labkit.tools.runner` reads these outputs from the
+executed notebooks into `build/results.json`; `show_records()` shows a chapter's records as one
+table where the chapter chooses (its end). In a torch.distributed job every rank may record; the
+rank is stored beside the value.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def _rank() -> int | None:
     return None
 
 
-def record(name: str, value) -> object:
-    """Record one named measurement of this notebook; return the JSON-able value."""
+def record(name: str, value) -> None:
+    """Record one named measurement of this notebook (returns None: a cell ending in a record shows nothing)."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"record name must be an identifier like 'peak_bytes', got {name!r}")
     value = jsonable(value)
@@ -61,13 +63,42 @@ def record(name: str, value) -> object:
         payload["rank"] = rank
     if in_kernel():
         from IPython.display import display
-        display({MIME_TYPE: payload, "text/plain": f"recorded {name} = {_short(value)}"}, raw=True)
-    return value
+        display({MIME_TYPE: payload}, raw=True)  # no text/plain: nothing for a reader to see here
 
 
 def recorded() -> dict[str, object]:
     """Return a copy of the measurements recorded in this process so far."""
     return dict(_RECORDS)
+
+
+def records_table(records: dict[str, object] | None = None) -> list[str]:
+    """Return one line per record, `name  value`, the values shortened; this process's records by default."""
+    records = recorded() if records is None else records
+    width = max((len(n) for n in records), default=0)
+    return [f"{name:<{width}}  {_short(value, VALUE_CHARS)}" for name, value in records.items()]
+
+
+def show_records(records: dict[str, object] | None = None) -> None:
+    """Show this run's records (or `records`) as one table, folded: one line per name, in recording order."""
+    import html
+
+    records = recorded() if records is None else records
+    lines = records_table(records)
+    if not lines:
+        print("no measurement recorded")
+        return
+    table = "".join(f"<tr><td style='text-align:left'><code>{html.escape(name)}</code></td>"
+                    f"<td style='text-align:left'>{html.escape(_short(value, VALUE_CHARS))}</td></tr>"
+                    for name, value in records.items())
+    text = "\n".join([f"{len(lines)} measurements recorded (build/results.json keeps them):", *lines])
+    if in_kernel():
+        from IPython.display import display
+        display({"text/plain": text,  # folded in JupyterLab: one line until the reader opens it
+                 "text/html": f"<details><summary>{len(lines)} measurements recorded "
+                              f"(<code>build/results.json</code> keeps them)</summary>"
+                              f"<table style='font-size:90%'>{table}</table></details>"}, raw=True)
+    else:
+        print(text)
 
 
 def clear() -> None:
@@ -124,6 +155,9 @@ def records_from_notebook(nb) -> dict[str, object]:
     return out
 
 
-def _short(value) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 120 else text[:117] + "..."
+VALUE_CHARS = 80  # a record's value in show_records' table, shortened past this
+
+
+def _short(value, chars: int = 120) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= chars else text[:chars - 3] + "..."

@@ -28,9 +28,12 @@ CHAPTERS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"
 SHOTS = ROOT / "build" / "browser"
 # the key pressed on the panel's first slider: a value that changes the plot and stays cheap to run
 KEYS = {"06_model_and_pipeline_parallel.ipynb": ["ArrowRight"],  # 3 ranks
-        "07_sharded_data_parallel.ipynb": ["ArrowRight", "ArrowRight"],  # 4 ranks (3 do not divide the batch)
+        "07_sharded_data_parallel.ipynb": ["ArrowRight"],  # 4 ranks: the slider offers only divisors of the batch
         "08_memory_aware_search.ipynb": ["End"]}  # a 64 MiB budget: every setting fits
 RUN_ALL_TIMEOUT_S = 600
+STUDENT_CHAPTER = "01_gradient_accumulation.ipynb"  # the chapter opened in the student lab
+TEACHER_COMMANDS = ["nbgrader:open-create-assignment", "nbgrader:open-formgrader", "nbgrader:open-course-list",
+                    "nbgrader:open-assignment-list"]  # what nbgrader's teacher plugins add to JupyterLab
 
 pytestmark = [pytest.mark.notebook,
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} "
@@ -43,25 +46,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, small_parameters):
-    """Start JupyterLab as `make lab` does, on a copy of the notebooks; yield (url, token); stop it."""
-    base = tmp_path_factory.mktemp("lab")
-    notebooks = base / "notebooks"
-    shutil.copytree(ROOT / "notebooks", notebooks)
-    import nbformat
-    from papermill.iorw import load_notebook_node
-    from papermill.parameterize import parameterize_notebook
-
-    for stem, parameters in small_parameters.items():  # as papermill -p would: a cell after `parameters`
-        path = notebooks / f"{stem}.ipynb"
-        nbformat.write(parameterize_notebook(load_notebook_node(str(path)), parameters), path)
+def _serve(base: Path, root: Path, env: dict):
+    """Start JupyterLab as `make lab` does, on `root`; yield (url, token); stop it."""
     lab.install_settings()  # what `make lab` does first
     port, token = _free_port(), secrets.token_hex(16)
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(base / "config"), JUPYTERLAB_SETTINGS_DIR=str(base / "settings"),
+    env = dict(env, JUPYTER_CONFIG_DIR=str(base / "config"), JUPYTERLAB_SETTINGS_DIR=str(base / "settings"),
                JUPYTER_RUNTIME_DIR=str(base / "runtime"), LABKIT_BUILD_DIR=str(base / "build"))
     env.pop("LABKIT_BATCH", None)  # a person at a browser: live plots and widgets
-    argv = lab.command(notebooks, base / "workspaces", [
+    (base / "workspaces").mkdir(exist_ok=True)
+    argv = lab.command(root, base / "workspaces", [
         "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
         f"--IdentityProvider.token={token}", "--LabApp.expose_app_in_browser=True"])
     log = open(base / "server.log", "w")
@@ -88,6 +81,40 @@ def server(tmp_path_factory, small_parameters):
             os.killpg(proc.pid, 9)
             proc.wait()
         log.close()
+
+
+def _small_copies(folder: Path, small_parameters: dict, names=None) -> Path:
+    """Copy the chapters (or `names`) into `folder` with the small parameters injected as papermill -p would."""
+    import nbformat
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
+    folder.mkdir(parents=True)
+    for name in names or CHAPTERS:
+        shutil.copy2(ROOT / "notebooks" / name, folder / name)
+    for stem, parameters in small_parameters.items():  # a cell after `parameters`
+        path = folder / f"{stem}.ipynb"
+        if path.exists():
+            nbformat.write(parameterize_notebook(load_notebook_node(str(path)), parameters), path)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, small_parameters):
+    """Start JupyterLab as `make lab` does, on a copy of the notebooks; yield (url, token); stop it."""
+    base = tmp_path_factory.mktemp("lab")
+    yield from _serve(base, _small_copies(base / "notebooks", small_parameters), dict(os.environ))
+
+
+@pytest.fixture(scope="module")
+def student_server(tmp_path_factory, small_parameters):
+    """Start the student lab (`make lab STUDENT=1`) on the student copy of STUDENT_CHAPTER; yield (url, token)."""
+    from labkit.tools import classroom
+
+    base = tmp_path_factory.mktemp("student-lab")
+    teacher = _small_copies(base / "teacher", small_parameters, [STUDENT_CHAPTER])
+    classroom.build_student_copies(teacher, base / "course", base / "student")
+    yield from _serve(base, base / "student", lab.student_env(base / "student-config"))
 
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -168,7 +195,7 @@ STATE_JS = """() => {
 }"""
 
 
-def _run_all(page) -> dict:
+def _run_all(page, stop_on_error: bool = True) -> dict:
     page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
                            " && window.jupyterapp.shell.currentWidget.sessionContext", timeout=60_000)
     page.wait_for_function("() => window.jupyterapp.shell.currentWidget.sessionContext.isReady", timeout=120_000)
@@ -178,7 +205,7 @@ def _run_all(page) -> dict:
     idle_since = None
     while time.monotonic() < deadline:
         state = page.evaluate(STATE_JS)
-        if state["errors"]:
+        if state["errors"] and stop_on_error:
             return state
         quiet = state["status"] == "idle" and state["running"] == 0
         idle_since = (idle_since or time.monotonic()) if quiet else None
@@ -220,6 +247,8 @@ def test_jupyterlab_opens_on_the_first_chapter_without_a_prompt(server, browser)
         page.wait_for_timeout(3000)  # the news question, where asked, shows within a second or two
         assert page.get_by_text("Would you like to get notified").count() == 0
         assert page.locator(".jp-Notification-Toast").count() == 0
+        has = page.evaluate(f"() => {json.dumps(TEACHER_COMMANDS)}.filter(c => window.jupyterapp.commands.hasCommand(c))")
+        assert has == TEACHER_COMMANDS, f"the teacher's lab lacks nbgrader's tools: only {has}"  # the student lab's differ
     finally:
         page.close()
         _delete_sessions(url, token)
@@ -308,3 +337,43 @@ def test_optuna_dashboard_shows_a_study_of_the_chapters_storage(browser, tmp_pat
         os.killpg(proc.pid, 15)
         proc.wait(timeout=20)
         log.close()
+
+
+ERRORED_CELLS_JS = """() => window.jupyterapp.shell.currentWidget.content.widgets
+  .filter(c => c.model.type === 'code')
+  .map((c, i) => ({index: i, nbgrader: c.model.getMetadata('nbgrader') ?? null, source: c.model.sharedModel.getSource(),
+                   errors: c.model.toJSON().outputs.filter(o => o.output_type === 'error').map(o => o.ename)}))
+  .filter(c => c.errors.length)"""
+
+
+def test_the_student_lab_runs_a_student_copy_without_the_teacher_tools(student_server, browser):
+    """`make lab STUDENT=1`: Run All on a student copy fails only in the exercises' checks; no teacher tools."""
+    url, token = student_server
+    b, expired = browser
+    page = b.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    try:
+        page.goto(f"{url}/lab/tree/{STUDENT_CHAPTER}?token={token}&reset")
+        state = _run_all(page, stop_on_error=False)
+        assert state["notRun"] == 0, f"{state['notRun']} code cells did not run: {state['errors']}"
+        errored = page.evaluate(ERRORED_CELLS_JS)
+        stubs = page.evaluate("() => window.jupyterapp.shell.currentWidget.content.widgets.filter(c =>"
+                              " c.model.sharedModel.getSource().includes('# YOUR CODE HERE')).length")
+        assert stubs > 0, "the student copy holds no exercise stub: the solutions are there"
+        assert errored, "no exercise check failed: the student copy runs the solutions"
+        assert all((c["nbgrader"] or {}).get("grade") for c in errored), \
+            f"cells other than the exercises' checks failed: {[(c['index'], c['errors'], c['source'][:80]) for c in errored]}"
+        has = page.evaluate(f"() => {json.dumps(TEACHER_COMMANDS)}.filter(c => window.jupyterapp.commands.hasCommand(c))")
+        assert has == [], f"the student lab shows nbgrader's teacher tools: {has}"
+        assert page.get_by_text("Create Assignment").count() == 0 and page.get_by_text("Formgrader").count() == 0
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / f"student-{Path(STUDENT_CHAPTER).stem}.png"))
+    except Exception as e:
+        if expired():
+            raise AssertionError(f"the student copy still ran after {CHAPTER_LIMIT_S} s: the watchdog killed the browser") from e
+        raise
+    finally:
+        try:
+            page.close()
+        except Exception:
+            pass
+        _delete_sessions(url, token)

@@ -37,7 +37,7 @@ def clean_records():
 
 def test_record_recorded_clear(clean_records):
     assert results.recorded() == {}
-    assert labkit.record("peak_bytes", torch.tensor(4000)) == 4000
+    assert labkit.record("peak_bytes", torch.tensor(4000)) is None  # a cell ending in a record shows no Out[]
     labkit.record("loss", 0.5)
     got = labkit.recorded()
     assert got == {"peak_bytes": 4000, "loss": 0.5}
@@ -101,6 +101,55 @@ def test_records_from_notebook():
                                                  "loss@rank1": 2.0, "loss@rank3": 3.0}
     # A plain dict (nbformat JSON) reads the same.
     assert results.records_from_notebook(json.loads(json.dumps(nb))) == results.records_from_notebook(nb)
+
+
+def test_record_shows_nothing_and_show_records_one_table(clean_records, monkeypatch, capsys):
+    shown = []
+    monkeypatch.setattr(results, "in_kernel", lambda: True)
+    monkeypatch.setattr("IPython.display.display", lambda data, raw=False: shown.append(data))
+    labkit.record("peak_bytes", 123)
+    labkit.record("split", {"parameters": list(range(100))})
+    assert shown == [{results.MIME_TYPE: {"name": "peak_bytes", "value": 123}},  # no text/plain: no line to read
+                     {results.MIME_TYPE: {"name": "split", "value": {"parameters": list(range(100))}}}]
+    results.show_records()
+    table = shown[-1]
+    lines = table["text/plain"].splitlines()
+    assert lines[0].startswith("2 measurements recorded") and len(lines) == 3
+    assert lines[1].split() == ["peak_bytes", "123"]
+    assert lines[2].startswith("split ") and lines[2].endswith("...")
+    assert len(lines[2]) == len("peak_bytes  ") + results.VALUE_CHARS  # the value shortened, the names aligned
+    assert table["text/html"].count("<tr>") == 2 and "<code>split</code>" in table["text/html"]
+    monkeypatch.setattr(results, "in_kernel", lambda: False)
+    results.clear()
+    results.show_records()
+    assert capsys.readouterr().out == "no measurement recorded\n"
+
+
+def test_an_executed_notebook_keeps_every_record_and_shows_one_table(tmp_path):
+    """In a real kernel: records leave no "recorded ... =" line; the runner's reader still finds each one."""
+    import nbclient
+
+    nb = new_notebook(cells=[new_code_cell("import labkit\nlabkit.record('peak_bytes', 2**20)\nprint('hello')"),
+                             new_code_cell("labkit.record('step_s', 0.25)\nlabkit.record('peak_bytes', 2**21)"),
+                             new_code_cell("labkit.results.show_records()")])
+    nbclient.NotebookClient(nb, kernel_name="python3", timeout=120).execute()
+    texts = [o.get("text") or o.get("data", {}).get("text/plain", "") for c in nb.cells for o in c.outputs]
+    assert not any("recorded peak_bytes =" in t or "recorded step_s =" in t for t in texts), texts
+    assert [bool(o.get("data", {}).get("text/plain")) for o in nb.cells[1].outputs] == [False, False]
+    assert results.records_from_notebook(nb) == {"peak_bytes": 2**21, "step_s": 0.25}
+    table = nb.cells[2].outputs[0]["data"]["text/plain"].splitlines()
+    assert table[1:] == ["peak_bytes  2097152", "step_s      0.25"]
+
+
+def test_every_chapter_shows_its_records_once_at_its_end():
+    from pathlib import Path
+
+    for path in sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        at = [i for i, c in enumerate(cells) if "show_records(" in "".join(c["source"])]
+        assert len(at) == 1, f"{path.name}: {len(at)} show_records cells, one expected"
+        later = [c for c in cells[at[0] + 1:] if c["cell_type"] == "code"]
+        assert not later, f"{path.name}: code after the records table: {''.join(later[0]['source'])[:80]!r}"
 
 
 def test_is_batch(monkeypatch):
@@ -273,9 +322,9 @@ def test_control_panel_builds_controls_and_runs():
     assert panel.run() == 40
     assert calls == [(1, pytest.approx(0.3), "adam", False, 5), (4, pytest.approx(0.3), "sgd", True, 5)]
     assert panel.status.value == "done" and panel.last_error is None
-    sizes = control_panel(experiment, m=[8, 4, 2, 1], n=[1, 2, 4]).controls  # lists are options, whatever their length
-    assert type(sizes["m"]) is W.Dropdown and list(sizes["m"].options) == [8, 4, 2, 1] and sizes["m"].value == 8
-    assert type(sizes["n"]) is W.Dropdown
+    sizes = control_panel(experiment, m=[8, 4, 2, 1], n=[1, 2, 4], o=["a"]).controls  # lists are options, any length
+    assert type(sizes["m"]) is W.SelectionSlider and list(sizes["m"].options) == [8, 4, 2, 1] and sizes["m"].value == 8
+    assert type(sizes["n"]) is W.SelectionSlider and type(sizes["o"]) is W.Dropdown
     with pytest.raises(TypeError, match="control 'bad'"):
         control_panel(experiment, bad=object())
     with pytest.raises(TypeError, match="callable"):

@@ -75,3 +75,56 @@ def test_make_lab_serves_notebooks_with_a_token(tmp_path):
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
         log.close()
+
+
+def _page_config(root: Path, env: dict, tmp_path: Path) -> dict:
+    """Start JupyterLab as labkit.tools.lab does on `root` with `env`; return the page config of its /lab page."""
+    import json
+    import secrets
+
+    from labkit.tools import lab
+
+    port, token = _free_port(), secrets.token_hex(8)
+    env = {**env, "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")}
+    (tmp_path / "ws").mkdir(parents=True)
+    argv = lab.command(root, tmp_path / "ws", ["--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+                                               "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}"])
+    log = open(tmp_path / "lab.log", "w+")
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        status, body = _first_answer(f"http://127.0.0.1:{port}/lab?token={token}", proc, log, wait_s=90)
+        assert status == 200, status
+        found = re.search(r'<script id="jupyter-config-data" type="application/json">(.*?)</script>', body, re.S)
+        assert found, body[:2000]
+        return json.loads(found.group(1))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_the_student_lab_switches_off_only_nbgrader_teacher_tools(tmp_path):
+    from labkit.tools import lab
+
+    (tmp_path / "nb").mkdir()
+    teacher = _page_config(tmp_path / "nb", dict(os.environ), tmp_path / "teacher")
+    assert not set(lab.TEACHER_PLUGINS) & set(teacher["disabledExtensions"])
+    assert "@jupyter/nbgrader" in [e["name"] for e in teacher["federated_extensions"]]  # the teacher's lab has them
+    env = lab.student_env(tmp_path / "student-config", dict(os.environ, JUPYTER_CONFIG_PATH="/elsewhere"))
+    assert env["JUPYTER_CONFIG_PATH"].split(os.pathsep) == [str(tmp_path / "student-config"), "/elsewhere"]
+    student = _page_config(tmp_path / "nb", env, tmp_path / "student")
+    assert set(lab.TEACHER_PLUGINS) <= set(student["disabledExtensions"])
+    assert "@jupyter/nbgrader:validate-assignment" not in student["disabledExtensions"]  # a student's Validate button stays
+    import sys
+
+    bundle = "".join(p.read_text(errors="replace") for p in
+                     (Path(sys.prefix) / "share/jupyter/labextensions/@jupyter/nbgrader/static").glob("*.js"))
+    missing = [p for p in lab.TEACHER_PLUGINS if f'"{p}"' not in bundle]
+    assert not missing, f"nbgrader's lab extension has no plugins {missing}: disabling them does nothing"
+
+
+def test_make_lab_student_passes_the_flag():
+    out = subprocess.run(["make", "-n", "lab", "STUDENT=1"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "labkit.tools.lab --student" in out
+    out = subprocess.run(["make", "-n", "lab"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "labkit.tools.lab" in out and "--student" not in out

@@ -1,7 +1,14 @@
 """JupyterLab for a classroom: on the chapters, on the first one, with no prompt and a fresh layout.
 
     python -m labkit.tools.lab [jupyter lab options]     # what `make lab` runs
+    python -m labkit.tools.lab --student [options]       # `make lab STUDENT=1`: the student copies
     python -m labkit.tools.lab --install-settings PREFIX  # what Binder's postBuild runs
+
+`--student` writes the student copies first (`make student`: build/student/, exercises stubbed,
+their checks kept) and serves those, with nbgrader's teacher tools (the Create Assignment panel,
+Formgrader, the course and assignment lists, its menu) switched off in that lab only: a
+`labconfig/page_config.json` in a folder of its own on JUPYTER_CONFIG_PATH. nbgrader's Validate
+button stays.
 
 JupyterLab asks on first start whether to fetch Jupyter's news and checks for updates: a room of
 students each answering a popup. `overrides.json` in the environment's lab settings folder answers
@@ -21,6 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_CHAPTER = "00_where_the_memory_goes.ipynb"
 OVERRIDES = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}}
+STUDENT_DIR = ROOT / "build" / "student"
+TEACHER_PLUGINS = tuple(f"@jupyter/nbgrader:{p}" for p in ("create-assignment", "formgrader", "course-list",
+                                                            "assignment-list", "menu"))  # off in the student lab
 
 
 def install_settings(prefix: str | Path = sys.prefix) -> Path:
@@ -44,21 +54,46 @@ def command(notebooks: Path, workspaces: Path, extra: list[str]) -> list[str]:
     return argv + list(extra)
 
 
+def student_env(config: Path, env: dict | None = None) -> dict:
+    """Return `env` (default: os.environ) with nbgrader's teacher plugins disabled through a config folder `config`."""
+    env = dict(os.environ if env is None else env)
+    page = Path(config) / "labconfig" / "page_config.json"
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(json.dumps({"disabledExtensions": {p: True for p in TEACHER_PLUGINS}}, indent=2) + "\n")
+    env["JUPYTER_CONFIG_PATH"] = os.pathsep.join(p for p in (str(config), env.get("JUPYTER_CONFIG_PATH")) if p)
+    return env
+
+
+def student_copies(out: Path = STUDENT_DIR) -> Path:
+    """Write the student copy of every chapter to `out` (what `make student` does); return `out`."""
+    from labkit.tools import classroom
+
+    classroom.build_student_copies(ROOT / "notebooks", ROOT / "build" / "classroom", out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--install-settings"]:
         print(install_settings(args[1] if len(args) > 1 else sys.prefix))
         return 0
+    student = "--student" in args
+    args = [a for a in args if a != "--student"]
     install_settings()
-    workspaces = Path(tempfile.mkdtemp(prefix="labkit-lab-workspaces-"))  # a fresh layout on every start
+    root, env = ROOT / "notebooks", dict(os.environ)
+    scratch = Path(tempfile.mkdtemp(prefix="labkit-lab-"))  # an empty workspaces folder: a fresh layout on every start
+    (scratch / "workspaces").mkdir()
     try:
         import subprocess
 
-        return subprocess.call(command(ROOT / "notebooks", workspaces, args))
+        if student:
+            print(f"writing the student copies to {STUDENT_DIR} (exercises stubbed, checks kept) ...", flush=True)
+            root, env = student_copies(), student_env(scratch / "config", env)
+        return subprocess.call(command(root, scratch / "workspaces", args), env=env)
     except KeyboardInterrupt:
         return 130
     finally:
-        shutil.rmtree(workspaces, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":
