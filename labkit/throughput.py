@@ -38,7 +38,8 @@ def measure_throughputs(step_fns: Mapping[str, Callable[[], object]], *, samples
     """Time several step functions in interleaved rounds (one step of each per round); return each one's Throughput.
 
     Interleaving makes a load that drifts during the measurement slow every function alike, so
-    the ratios of the medians stay meaningful on a shared machine.
+    the ratios of the medians stay meaningful on a shared machine; each round starts one function
+    later than the last, so that no function always runs first (or right after another).
     """
     if active_meter() is not None:
         raise RuntimeError("measure_throughput must run outside a MemoryMeter (the meter slows every op)")
@@ -52,8 +53,10 @@ def measure_throughputs(step_fns: Mapping[str, Callable[[], object]], *, samples
         for fn in step_fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in step_fns}
-    for _ in range(steps):
-        for name, fn in step_fns.items():
+    names = list(step_fns)
+    for r in range(steps):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each round starts one later: no fixed places
+            fn = step_fns[name]
             synchronize(device)
             t0 = time.perf_counter()
             fn()

@@ -281,7 +281,8 @@ def test_measure_throughputs_interleaves_the_step_functions():
     order = []
     t = labkit.measure_throughputs({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
                                    samples_per_step=2, warmup_steps=1, steps=3)
-    assert order == ["a", "b"] * 4  # one warm-up round, then three timed rounds, one step of each per round
+    # one warm-up round, then three timed rounds, one step of each per round, each round starting one later
+    assert order == ["a", "b"] + ["a", "b", "b", "a", "a", "b"]
     assert set(t) == {"a", "b"} and t["a"].steps == t["b"].steps == 3
     assert t["a"].samples_per_s == pytest.approx(2 / t["a"].step_s)
     with pytest.raises(ValueError, match="step_fns"):
