@@ -26,7 +26,7 @@ SMALL_PARAMETERS = {
     "02_activation_checkpointing": dict(COMPILE="off"),  # its compile cells skip, saying why (nbval runs them)
     "06_model_and_pipeline_parallel": dict(MEMORY_RANKS=0, TIMED_STEPS=1),
     "07_sharded_data_parallel": dict(MEMORY_RANKS=0, ESTIMATE_RANKS=[8]),
-    "08_memory_aware_search": dict(N_LAYER=2, TRAIN_STEPS=4, N_WORKERS=1, KILL_WORKER=False, FINALISTS=8,
+    "08_memory_aware_search": dict(N_LAYER=2, TRAIN_STEPS=4, N_WORKERS=1, KILL_WORKER=False, FINALISTS=12,
                                    TIMED_ROUNDS=5, LR_TRIALS=4, SAMPLER_TRIALS=4, SAMPLER_SEEDS=1, SPEEDUP_TRIALS=2,
                                    SPEEDUP_REPEATS=1, ENGINE_TRIALS=3, BLACK_BOX_TRIALS=0),
 }
