@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from labkit.models import IGNORE_INDEX
 from labkit.validate import check_choice, check_int
 
 NORMALISATIONS = ("mean", "tokens", "naive")
-IGNORE_INDEX = -100
 
 
 def _batch_rows(batch: Sequence[torch.Tensor]) -> int:

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from labkit.models import IGNORE_INDEX
 from labkit.validate import check_int
 
 
@@ -64,13 +65,13 @@ class MarkovTokens:
 
     def padded_batch(self, batch_size: int, seq_len: int, min_len: int = 1,
                      generator: torch.Generator | None = None):
-        """Return inputs, targets (-100 past each row's length) and lengths: rows of 1..T real tokens."""
+        """Return inputs, targets (IGNORE_INDEX past each row's length) and lengths: rows of 1..T real tokens."""
         check_int("min_len", min_len, 1, seq_len)
         g = generator or self._g
         x, y = self.batch(batch_size, seq_len, g)
         lengths = torch.randint(min_len, seq_len + 1, (batch_size,), generator=g)  # (B,)
         pad = torch.arange(seq_len)[None, :] >= lengths[:, None]  # (B, T)
-        return x.masked_fill(pad, 0), y.masked_fill(pad, -100), lengths
+        return x.masked_fill(pad, 0), y.masked_fill(pad, IGNORE_INDEX), lengths
 
 
 class TeacherTask:

@@ -28,7 +28,7 @@ once per visit, whatever k. Each recomputed stage's input waits on the host per 
 backward each input gradient does too; the last micro-batch of a visit stays on the device, and the
 next visit walks the micro-batches the other way round, starting with it (for k = 1 nothing else
 moves). The weight gradients add up on the device over the k micro-batches and go to the host once;
-each micro-batch's loss weighs by its share of the batch's real targets (targets != -100), so the
+each micro-batch's loss weighs by its share of the batch's real targets (targets != IGNORE_INDEX), so the
 gradients are the whole batch's. The device then holds one micro-batch's activations, one stage's
 weights and its summed gradients: its peak does not grow with k either. Bytes moved per step, with
 stage weight bytes S_0 .. S_{n-1}, n stages and a batch boundary activation of b bytes (r = b (k-1)/k):
@@ -58,9 +58,9 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from labkit.accumulation import IGNORE_INDEX
+from labkit.models import IGNORE_INDEX
 from labkit.device import as_device
-from labkit.hosttier import host_state_tensors, host_tier, mark_host_state, pin, to_device, to_host
+from labkit.hosttier import host_tier, mark_host_state, pin, to_device, to_host
 from labkit.meter import MemoryMeter, active_meter
 from labkit.models import split_stages, stage_name
 from labkit.validate import check_int
@@ -120,10 +120,6 @@ class L2LTrainer:
         self.peak_stage: tuple[str, str] | None = None  # (phase, stage) whose visit set the meter's peak
 
     # -- host tensors --------------------------------------------------------------------------------
-    def host_tensors(self) -> Iterator[torch.Tensor]:
-        """Yield every host-resident tensor: parameters, buffers, gradients and optimizer state."""
-        return host_state_tensors(self.model, self.optimizer)
-
     def attach(self, meter: MemoryMeter) -> MemoryMeter:
         """Count the host master copy and optimizer state as host bytes in `meter`."""
         return mark_host_state(meter, self.model, self.optimizer)

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from labkit.validate import check_int
 
+IGNORE_INDEX = -100  # a target the loss skips (padding); data.py pads targets with it
+
 
 @dataclass
 class GPTConfig:
@@ -202,7 +204,7 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
     def forward(self, idx, targets=None):  # idx, targets: (B, T)
-        """Return (logits, loss); loss is the mean cross-entropy over targets != -100, or None."""
+        """Return (logits, loss); loss is the mean cross-entropy over targets != IGNORE_INDEX, or None."""
         logits = self.logits(self.blocks(self.embed(idx)))  # (B, T, V)
         return logits, None if targets is None else token_loss(logits, targets)
 
@@ -218,8 +220,8 @@ def _embed(m, idx, block_size: int):  # m: a GPT or its EmbedStage; idx (B, T) i
 
 
 def token_loss(logits, targets):  # logits (B, T, V), targets (B, T) -> ()
-    """Return the mean cross-entropy over the targets that are not -100 (padding)."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    """Return the mean cross-entropy over the targets that are not IGNORE_INDEX (padding)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
 
 
 @dataclass

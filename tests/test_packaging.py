@@ -1,7 +1,6 @@
 """One set of dependencies: pyproject.toml declares it, environment.yml mirrors it; one command per task.
 
-environment.yml is read with a small line parser (the project does not depend on PyYAML); where PyYAML
-happens to be installed (papermill pulls it in), the parser is checked against it.
+environment.yml is read with PyYAML (papermill, a test dependency, requires it).
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -50,87 +50,30 @@ def _split(requirement: str, conda: bool) -> tuple[str, str]:
     return _norm(name), f"{op}{version}"
 
 
-def parse_environment(text: str) -> dict:
-    """Read the subset of YAML environment.yml uses: scalars, block or flow lists, and the nested pip list."""
-    out: dict = {}
-    key = None
-    pip_indent = None
-    for raw in text.splitlines():
-        line = re.sub(r"(^|\s)#.*$", "", raw).rstrip()
-        if not line.strip():
-            continue
-        indent = len(line) - len(line.lstrip())
-        body = line.strip()
-        if indent == 0:
-            assert not body.startswith("-"), f"list item at top level: {raw!r}"
-            key, _, value = body.partition(":")
-            key, value = key.strip(), value.strip()
-            pip_indent = None
-            if value.startswith("["):
-                assert value.endswith("]"), raw
-                out[key] = [v.strip() for v in value[1:-1].split(",") if v.strip()]
-            elif value:
-                out[key] = value
-            else:
-                out[key] = []
-            continue
-        assert body.startswith("- "), f"expected a list item: {raw!r}"
-        item = body[2:].strip()
-        if pip_indent is not None and indent > pip_indent:
-            out["pip"].append(item)
-            continue
-        pip_indent = None
-        if item == "pip:":
-            out.setdefault("pip", [])
-            pip_indent = indent
-            continue
-        out[key].append(item)
-    return out
-
-
 def _environment() -> dict:
     if not ENVIRONMENT.exists():
         pytest.skip("environment.yml does not exist yet")
-    return parse_environment(ENVIRONMENT.read_text())
+    loaded = yaml.safe_load(ENVIRONMENT.read_text())
+    deps = loaded["dependencies"]
+    out = {k: v for k, v in loaded.items() if k != "dependencies"}
+    out["dependencies"] = [d for d in deps if isinstance(d, str)]
+    pips = [d["pip"] for d in deps if isinstance(d, dict)]
+    assert len(pips) <= 1, "environment.yml holds more than one pip list"
+    if pips:
+        out["pip"] = pips[0]
+    return out
 
 
 def _pyproject() -> dict:
     return tomllib.loads(PYPROJECT.read_text())
 
 
-def test_parser_reads_both_list_styles():
-    text = """# comment
-name: env  # trailing comment
-channels: [conda-forge, defaults]
-dependencies:
-  - python=3.11
-  - numpy>=1.26   # same spec as pyproject
-  - pip
-  - pip:
-      - -e .
-      - extra==1.0
-other:
-  - a
-"""
-    assert parse_environment(text) == {"name": "env", "channels": ["conda-forge", "defaults"],
-                                       "dependencies": ["python=3.11", "numpy>=1.26", "pip"],
-                                       "pip": ["-e .", "extra==1.0"], "other": ["a"]}
+def test_split_reads_pip_and_conda_specs():
     assert _split("pytorch=2.13.0", conda=True) == ("torch", "==2.13.0")
     assert _split("Foo_Bar>=1", conda=False) == ("foo-bar", ">=1")
     assert _split("torch>=2.6, <3", conda=False) == ("torch", ">=2.6,<3")
     with pytest.raises(AssertionError, match="cannot read"):
         _split("numpy >= 1.26; python_version < '3.12'", conda=False)
-
-
-def test_parser_agrees_with_pyyaml_where_installed():
-    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed; the line parser stands alone")
-    env = _environment()
-    loaded = yaml.safe_load(ENVIRONMENT.read_text())
-    deps = [d for d in loaded["dependencies"] if isinstance(d, str)]
-    pips = [d["pip"] for d in loaded["dependencies"] if isinstance(d, dict)]
-    assert deps == env["dependencies"]
-    assert pips == ([env["pip"]] if "pip" in env else [])
-    assert loaded["name"] == env["name"] and loaded["channels"] == env["channels"]
 
 
 def test_environment_mirrors_pyproject():
