@@ -7,7 +7,7 @@ themselves are written out in the notebooks. Importing labkit has no side effect
 from labkit.device import DEVICE_CHOICES, hardware_report, resolve_device, synchronize
 from labkit.estimate import MemoryEstimate, estimate_training_memory, example_batch
 from labkit.example import RunningExample, running_example
-from labkit.kernel import in_kernel, is_batch
+from labkit.runmode import in_kernel, is_batch
 from labkit.meter import CATEGORIES, PHASES, FitResult, MemoryMeter, OutOfMemory, format_bytes, try_fit
 from labkit.models import GPT, MLP, GPTConfig, MLPConfig, build_model, count_params
 from labkit.progress import progress

@@ -10,7 +10,7 @@ import io
 
 from matplotlib.figure import Figure
 
-from labkit.kernel import in_kernel
+from labkit.runmode import in_kernel
 from labkit.meter import CATEGORIES, PHASES, MemoryMeter, TimelinePoint
 
 MiB = 2**20

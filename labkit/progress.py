@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from labkit.kernel import in_kernel, is_batch
+from labkit.runmode import in_kernel, is_batch
 
 
 def progress(iterable=None, total: int | None = None, desc: str = "", **kwargs):

@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from labkit.kernel import in_kernel
+from labkit.runmode import in_kernel
 
 MIME_TYPE = "application/vnd.labkit.record+json"
 BUILD_DIR_ENV = "LABKIT_BUILD_DIR"  # where the workbook writes what it builds (studies, logs); overrides the rest
