@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.validate import check_int
+from labkit.validate import ParameterError, check_int
 
 KINDS = ("float", "int", "categorical")
 
@@ -66,25 +66,25 @@ def active(params: dict, space: list[Param]) -> dict:
 
 
 def check_params(params: dict, space: list[Param]) -> dict:
-    """Return `params` if it holds exactly the active parameters of `space`, each within its range."""
+    """Return `params` if it holds exactly the active parameters of `space`, each within its range; raise ParameterError otherwise."""
     names = {p.name for p in space}
     unknown = set(params) - names
     if unknown:
-        raise ValueError(f"unknown parameters {sorted(unknown)}; the space has {sorted(names)}")
+        raise ParameterError(f"unknown parameters {sorted(unknown)}; the space has {sorted(names)}")
     seen: dict = {}
     for p in space:
         if not is_active(p, seen):
             if p.name in params:
-                raise ValueError(f"{p.name} is not searched when {p.when[0]} = {seen.get(p.when[0])!r}")
+                raise ParameterError(f"{p.name} is not searched when {p.when[0]} = {seen.get(p.when[0])!r}")
             continue
         if p.name not in params:
-            raise ValueError(f"{p.name} is missing")
+            raise ParameterError(f"{p.name} is missing")
         v = params[p.name]
         if p.kind == "categorical":
             if v not in p.choices:
-                raise ValueError(f"{p.name} must be one of {p.choices}, got {v!r}")
+                raise ParameterError(f"{p.name} must be one of {p.choices}, got {v!r}")
         elif not p.low <= v <= p.high:
-            raise ValueError(f"{p.name} must lie in [{p.low}, {p.high}], got {v!r}")
+            raise ParameterError(f"{p.name} must lie in [{p.low}, {p.high}], got {v!r}")
         seen[p.name] = v
     return params
 
