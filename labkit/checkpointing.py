@@ -136,11 +136,6 @@ def checkpoint_blocks(model: nn.Module, segments: int | None, *, checkpoint_last
     return model
 
 
-def is_checkpointed(model: nn.Module) -> bool:
-    """Tell whether `checkpoint_blocks` is active on the model."""
-    return isinstance(getattr(model, _stack_name(model)), CheckpointedSequential)
-
-
 def predicted_activation_bytes(n_blocks: int, segments: int, block_bytes: float, boundary_bytes: float,
                                rest_bytes: float = 0.0, sizes: list[int] | None = None) -> float:
     """Estimate peak activation bytes (Chen's model): stored boundaries + the largest live segment + the rest.

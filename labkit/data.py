@@ -42,11 +42,6 @@ class MarkovTokens:
         h = -(P * torch.where(P > 0, P.log(), torch.zeros_like(P))).sum(1)  # (V,)
         return float((pi * h).sum())
 
-    @property
-    def uniform_loss_nats(self) -> float:
-        """Return the loss of a model that guesses uniformly: log(vocab_size)."""
-        return math.log(self.vocab_size)
-
     def sample(self, batch_size: int, seq_len: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Draw `batch_size` sequences of `seq_len + 1` tokens: (B, T+1) int64."""
         g = generator or self._g

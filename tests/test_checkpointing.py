@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 import labkit
-from labkit.checkpointing import (MATMUL_OPS, CheckpointedSequential, checkpoint_blocks, is_checkpointed,
+from labkit.checkpointing import (MATMUL_OPS, CheckpointedSequential, checkpoint_blocks,
                                   predicted_activation_bytes, segment_sizes, torch_segment_sizes)
 from labkit.compare import max_grad_diff
 from labkit.flops import count_flops
@@ -84,7 +84,7 @@ def test_checkpointed_gpt_gives_the_plain_gradients(kwargs, deep_gpt, tiny_batch
     plain = deep_gpt()
     loss_plain = _backward(plain, batch)
     ckpt = checkpoint_blocks(deep_gpt(), **kwargs)
-    assert is_checkpointed(ckpt)
+    assert isinstance(ckpt.blocks, CheckpointedSequential)
     loss_ckpt = _backward(ckpt, batch)
     assert torch.equal(loss_plain, loss_ckpt)
     assert max_grad_diff(plain, ckpt) <= 1e-6
@@ -99,7 +99,7 @@ def test_checkpoint_blocks_keeps_modules_and_state_dict_keys(deep_gpt):
     head = model.blocks[:2]
     assert type(head) is nn.Sequential and list(head) == blocks[:2] and model.blocks[-1] is blocks[-1]
     checkpoint_blocks(model, None)
-    assert type(model.blocks) is nn.Sequential and not is_checkpointed(model)
+    assert type(model.blocks) is nn.Sequential and not isinstance(model.blocks, CheckpointedSequential)
     assert list(model.state_dict()) == keys
 
 

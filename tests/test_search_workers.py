@@ -22,12 +22,45 @@ from labkit import search
 from labkit.children import ChildProcesses
 from labkit.search import study as studies
 from labkit.search import workers
+from labkit.search.space import check_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SHAPE = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, batch=8, seq_len=16, eval_every=2, eval_batch=8)
 FITS = {"technique": "l2l", "lr": 1e-3}
 
+
+
+def running_trial(study: optuna.Study, timeout_s: float = 60.0, min_running_s: float = 0.0, space: list | None = None):
+    """Wait for a trial running `min_running_s` in some worker with its setting drawn; return (trial number, worker pid).
+
+    Drawn: every active parameter of `space` (default: the study's space less its `fixed` knobs, what
+    the "loss" objective draws; pass `config.space(only=MEMORY_KNOBS)` for the "speed" objective).
+    """
+    if space is None:
+        config = studies.settings_of(study)[0]
+        fixed = study.user_attrs["settings"].get("fixed") or {}
+        space = [p for p in config.space() if p.name not in fixed]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            worker = studies.worker_of(t)  # recorded first thing in the trial, by this trial's own worker
+            started = t.datetime_start
+            if worker is not None and started is not None and _complete(t.params, space):
+                age = (time.time() - started.timestamp())
+                if age >= min_running_s:
+                    return t.number, worker["pid"]
+        time.sleep(0.1)
+    raise TimeoutError(f"no trial of study {study.study_name!r} was running within {timeout_s} s")
+
+
+def _complete(params: dict, space) -> bool:
+    """Return whether `params` is a whole setting of `space` (a trial's setting is drawn one parameter at a time)."""
+    try:
+        check_params(params, space)
+    except ValueError:
+        return False
+    return True
 
 def _config(train_steps: int) -> search.StudyConfig:
     return search.StudyConfig(budget_bytes=10**7, train_steps=train_steps, **SHAPE)  # everything fits
@@ -52,7 +85,7 @@ def test_a_worker_killed_mid_trial_loses_no_trial(tmp_path):
         for i in range(2):
             kids.start(workers.worker_argv(url, "kill", trials=12, total=8, index=i), env=workers.worker_env(),
                        log_path=tmp_path / f"worker-{i}.log")
-        number, pid = workers.running_trial(study, timeout_s=60, min_running_s=0.1)  # either may run 8 alone: 12 each
+        number, pid = running_trial(study, timeout_s=60, min_running_s=0.1)  # either may run 8 alone: 12 each
         os.kill(pid, signal.SIGKILL)
         codes = kids.wait(timeout_s=120)
     assert sorted(codes) == sorted([-signal.SIGKILL, 0]), codes

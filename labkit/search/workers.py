@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import optuna
 from optuna.trial import TrialState
 
-from labkit.search.space import check_params
-from labkit.search.study import settings_of, worker_of
 from labkit.validate import check_int
 
 
@@ -53,35 +50,3 @@ def search_span_s(study: optuna.Study) -> float:
     start = min(t.datetime_start for t in done)
     end = max(t.datetime_complete for t in done)
     return (end - start).total_seconds()
-
-
-def running_trial(study: optuna.Study, timeout_s: float = 60.0, min_running_s: float = 0.0, space: list | None = None):
-    """Wait for a trial running `min_running_s` in some worker with its setting drawn; return (trial number, worker pid).
-
-    Drawn: every active parameter of `space` (default: the study's space less its `fixed` knobs, what
-    the "loss" objective draws; pass `config.space(only=MEMORY_KNOBS)` for the "speed" objective).
-    """
-    if space is None:
-        config = settings_of(study)[0]
-        fixed = study.user_attrs["settings"].get("fixed") or {}
-        space = [p for p in config.space() if p.name not in fixed]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            worker = worker_of(t)  # recorded first thing in the trial, by this trial's own worker
-            started = t.datetime_start
-            if worker is not None and started is not None and _complete(t.params, space):
-                age = (time.time() - started.timestamp())
-                if age >= min_running_s:
-                    return t.number, worker["pid"]
-        time.sleep(0.1)
-    raise TimeoutError(f"no trial of study {study.study_name!r} was running within {timeout_s} s")
-
-
-def _complete(params: dict, space) -> bool:
-    """Return whether `params` is a whole setting of `space` (a trial's setting is drawn one parameter at a time)."""
-    try:
-        check_params(params, space)
-    except ValueError:
-        return False
-    return True
