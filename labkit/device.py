@@ -108,9 +108,9 @@ class HalfPrecision:
     needs_scaler: bool  # fp16 only: a GradScaler keeps small gradients from flushing to zero
     reason: str  # one line: the device and why this format
 
-    def scaler(self, device: str | torch.device):
-        """Return a GradScaler for `device` when this format needs one, else None."""
-        return torch.amp.GradScaler(torch.device(device).type) if self.needs_scaler else None
+    def scaler(self, device: str | torch.device, init_scale: float = 2.0**16):
+        """Return a fresh GradScaler for `device` (first scale `init_scale`) when this format needs one, else None."""
+        return torch.amp.GradScaler(torch.device(device).type, init_scale=init_scale) if self.needs_scaler else None
 
 
 def half_precision(device: str | torch.device) -> HalfPrecision:
