@@ -6,8 +6,11 @@ fakes it for the CUDA meter. The cards are the ones Colab and Kaggle hand out.
 
 from __future__ import annotations
 
+import ast
+import json
 import textwrap
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,6 +65,28 @@ def test_a_cpu_always_gets_bf16_and_never_a_scaler():
     choice = lkdevice.half_precision("cpu")
     assert (choice.precision, choice.dtype, choice.needs_scaler) == ("bf16", torch.bfloat16, False)
     assert "never run on a CPU" in choice.reason and choice.scaler("cpu") is None
+
+
+@pytest.mark.parametrize("cpuinfo, flags, units", [
+    ("flags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile\n", ["avx512_bf16"], True),  # Sapphire Rapids-like
+    ("flags\t\t: fpu sse avx2 fma\n", [], False),  # AVX2 only: bf16 matmuls on a generic kernel
+    ("Features\t: fp asimd bf16 i8mm\n", ["bf16"], True),  # Arm with the BF16 extension
+])
+def test_cpu_bf16_features_read_the_cpu_flags(tmp_path, cpuinfo, flags, units):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\n" + cpuinfo)
+    found = lkdevice.cpu_bf16_features(str(info))
+    assert (found["cpuinfo_bf16_flags"], found["has_bf16_units"]) == (flags, units)
+    assert found["capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+def test_cpu_bf16_features_without_cpuinfo_ask_torch(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    found = lkdevice.cpu_bf16_features(str(tmp_path / "absent"))
+    assert found["cpuinfo_bf16_flags"] is None and found["has_bf16_units"] is True
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert lkdevice.cpu_bf16_features(str(tmp_path / "absent"))["has_bf16_units"] is False
 
 
 def test_rank_placement_without_gpus_is_gloo_on_the_cpu(monkeypatch, capsys):
@@ -145,16 +170,32 @@ def test_gpu_check_from_a_cell_and_outside_the_repository(monkeypatch, tmp_path,
     assert '"chosen"' in report and "chapters use bf16" in capsys.readouterr().out
 
 
+CHAPTER_03 = Path(__file__).resolve().parents[1] / "notebooks" / "03_mixed_precision.ipynb"
+
+
+def _chapter_03_code() -> list[str]:
+    """Return chapter 03's code cells, in order."""
+    return ["".join(c["source"]) for c in json.loads(CHAPTER_03.read_text())["cells"] if c["cell_type"] == "code"]
+
+
+def _chapter_03_statements(marker: str, *names: str) -> str:
+    """Return the top-level statements of the chapter-03 cell holding `marker` that assign or define `names`."""
+    (cell,) = [c for c in _chapter_03_code() if marker in c]
+    tree = ast.parse(cell)
+    keep = [stmt for stmt in tree.body
+            if any(isinstance(node, ast.Name) and node.id in names for node in ast.walk(stmt)
+                   if isinstance(stmt, (ast.Assign, ast.If)))
+            or isinstance(stmt, ast.FunctionDef) and stmt.name in names]
+    assert keep, (marker, names)
+    return "\n".join(ast.get_source_segment(cell, stmt) for stmt in keep)
+
+
 def test_chapter_03_trains_in_the_format_of_its_device(monkeypatch, capsys):
     """Chapter 03's choice, run on a faked T4: fp16 with a GradScaler, and the cell says why."""
-    import json
-    from pathlib import Path
-
     import labkit
 
-    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "03_mixed_precision.ipynb").read_text())
-    (cell,) = [c for c in nb["cells"] if "labkit.device.half_precision(device)" in "".join(c["source"])]
-    lines = "".join(cell["source"]).splitlines()
+    cell = next(c for c in _chapter_03_code() if "labkit.device.half_precision(device)" in c)
+    lines = cell.splitlines()
     choice = "\n".join(lines[:next(i for i, ln in enumerate(lines) if ln.startswith("AUTOCAST_DTYPE")) + 1])
     fake_gpus(monkeypatch, 1, (7, 5), "Tesla T4")
     namespace = {"labkit": labkit, "torch": torch, "device": torch.device("cuda", 0)}
@@ -164,6 +205,88 @@ def test_chapter_03_trains_in_the_format_of_its_device(monkeypatch, capsys):
     namespace["device"] = torch.device("cpu")
     exec(compile(choice, "<03 cell>", "exec"), namespace)
     assert namespace["AUTOCAST_DTYPE"] == torch.bfloat16
+
+
+def test_chapter_03_measures_in_the_chosen_format_only():
+    """From the choice to the panel, no measured call names bf16 itself: each takes `half` (fp16 on a T4).
+
+    bf16 may be named where it is the subject, not the compute format: the per-format tables (dict keys), the
+    cost of storing weights in bf16 (lost updates), the CPU's bf16 instructions, and the panel's offer on a
+    CPU (which always trains in bf16).
+    """
+    cells = _chapter_03_code()
+    first = next(i for i, c in enumerate(cells) if "labkit.device.half_precision(device)" in c)
+    last = next(i for i, c in enumerate(cells) if "control_panel(" in c)
+    subject = ("lost_update_fraction", "cpu_bf16_features", "control_panel(")
+    named = []
+    for i in range(first, last + 1):
+        if any(s in cells[i] for s in subject):
+            continue
+        tree = ast.parse(cells[i])
+        tables = {id(n) for d in ast.walk(tree) if isinstance(d, ast.Dict) for kv in (*d.keys, *d.values)
+                  for n in ast.walk(kv)}  # a table of every format ({"bf16": torch.bfloat16, ...}) names them all
+        for node in ast.walk(tree):
+            if id(node) in tables:
+                continue
+            literal = isinstance(node, ast.Constant) and node.value == "bf16"
+            attr = isinstance(node, ast.Attribute) and node.attr == "bfloat16" and (
+                isinstance(node.value, ast.Name) and node.value.id == "torch")
+            call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "bfloat16"
+            if literal or attr or call:
+                named.append(f"code cell {i}, line {node.lineno}: {ast.get_source_segment(cells[i], node)}")
+    assert named == [], named
+    # every measured section reaches the choice: the step check, memory, speed, the sweep, the loss curves
+    for marker in ("def grads_of", "def step_peak", "def run_precision", "sweep_precisions =", "def train_curve",
+                   "saved_tensor_census(", "try_fit(", "products = {"):
+        (cell,) = [c for c in cells[first:last + 1] if marker in c]
+        assert "half." in cell, f"the cell of {marker!r} does not take its format from `half`"
+
+
+@pytest.mark.parametrize("gpu, capability, on_cuda, swept", [
+    ("Tesla T4", (7, 5), True, ["fp16"]),  # no bf16 arithmetic: fp16 only (bf16 would be torch's emulation)
+    ("NVIDIA A100-SXM4-40GB", (8, 0), True, ["bf16", "fp16"]),  # both in hardware
+    (None, None, False, ["bf16"]),  # a CPU: never fp16
+])
+def test_chapter_03_sweeps_the_formats_its_device_computes(monkeypatch, gpu, capability, on_cuda, swept):
+    if gpu:
+        fake_gpus(monkeypatch, 1, capability, gpu)
+    half = lkdevice.half_precision(torch.device("cuda", 0) if on_cuda else torch.device("cpu"))
+    namespace = {"half": half, "ON_CUDA": on_cuda}
+    exec(_chapter_03_statements("sweep_precisions =", "sweep_precisions"), namespace)
+    assert namespace["sweep_precisions"] == swept
+
+
+@pytest.mark.parametrize("gpu, capability", [("Tesla T4", (7, 5)), ("NVIDIA L4", (8, 9))])
+def test_chapter_03_fp16_section_on_a_gpu(monkeypatch, capsys, gpu, capability):
+    """Section 3.5 on a faked GPU (nothing computed): before Ampere it records the chosen fp16's figures, from Ampere
+    on it trains and times fp16 beside bf16."""
+    import labkit
+
+    fake_gpus(monkeypatch, 1, capability, gpu)
+    half = lkdevice.half_precision(torch.device("cuda", 0))
+    ran, recorded = [], {}
+    measured = {"throughput_ratio": 2.5, "activation_ratio": 0.6, "reliable": True}
+
+    def train_curve(precision):
+        ran.append(("train_curve", precision))
+        return [5.0, 4.0], 1
+
+    def run_precision(n_embd, batch_size, precision):
+        ran.append(("run_precision", precision))
+        return measured
+
+    monkeypatch.setattr(labkit, "record", lambda name, value: recorded.__setitem__(name, value))
+    namespace = {"labkit": labkit, "half": half, "ON_CUDA": True, "device": torch.device("cuda", 0), "rex": measured,
+                 "skipped_steps": {"fp16": 3} if half.precision == "fp16" else {}, "curves": {}, "CURVE_STEPS": 20,
+                 "N_EMBD": 128, "BATCH": 16, "train_curve": train_curve, "run_precision": run_precision,
+                 "final_rel_diff": lambda p: 0.01}
+    exec(_chapter_03_statements("fp16 compute needs CUDA", "ON_CUDA"), namespace)
+    if half.precision == "fp16":  # a T4: sections 2.3-3.4 measured fp16 already
+        assert ran == [] and recorded["fp16_skipped_steps"] == 3
+        assert capsys.readouterr().out.startswith("Tesla T4 (compute capability 7.5) has no bf16 arithmetic")
+    else:
+        assert ran == [("train_curve", "fp16"), ("run_precision", "fp16")] and recorded["fp16_skipped_steps"] == 1
+    assert recorded["throughput_ratio_fp16"] == 2.5 and recorded["activation_bytes_ratio_fp16"] == 0.6
 
 
 def test_chapter_07_ranks_gather_in_the_format_of_their_device(monkeypatch, tmp_path):

@@ -102,6 +102,18 @@ def test_readme_links_every_chapter_and_shares_the_binder_placeholder():
     assert hosted.SOURCE_ENV in text and "python -m labkit.tools.gpucheck" in text
 
 
+def test_readme_shows_the_one_line_install_and_explains_every_gpu_check_row():
+    from labkit.tools import gpucheck
+
+    text = README.read_text()
+    one_line = (f'pip install "git+https://github.com/{hosted.REPOSITORY}" '
+                '"torch==$(python -c \'import torch; print(torch.__version__)\')"')
+    assert one_line in text, "README lost the one-line install into an environment that has its torch"
+    for check in gpucheck.CHECKS:  # the rows `python -m labkit.tools.gpucheck` prints
+        assert re.search(rf"^{check}\s+ok\s", text, re.M), f"README's healthy run has no {check} row"
+        assert re.search(rf"^\| `{check}` \|[^|]+\|[^|]+\|[^|]+\|$", text, re.M), f"README does not explain the {check} row"
+
+
 # -- where the chapters write --------------------------------------------------------------------------------
 def test_build_dir_in_the_checkout_the_working_directory_or_the_temp_folder(monkeypatch, tmp_path):
     from labkit import results
@@ -214,6 +226,8 @@ def test_installing_labkit_keeps_an_allowed_torch(tmp_path, allowed):
     index = _fake_wheel_index(tmp_path)  # a newer torch pip could take, were it asked to
     plan = _dry_run(env, "--find-links", str(index), str(src))
     assert plan == {"labkit": "0.1.0"}, plan  # torch (and everything else) already satisfies labkit
+    readme_line = _dry_run(env, "--find-links", str(index), str(src), f"torch=={allowed}")  # README's one-line install
+    assert readme_line == {"labkit": "0.1.0"}, readme_line
     proc = _install_cell(env, src)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == f"installed labkit 0.1.0 from {src}; torch {allowed} kept\n", proc.stdout
