@@ -157,6 +157,7 @@ def plot_series(ax, x, series: dict[str, list], xlabel: str, ylabel: str, title:
         ax.plot(list(x)[:n], list(ys)[:n], marker=marker, label=name)
     if logx:
         ax.set_xscale("log", base=2)
+        plain_ticks(ax.xaxis)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if title:
@@ -192,28 +193,61 @@ class LiveFigure:
 
 
 ACTION_COLORS = {"F": "#4c72b0", "B": "#c44e52", "W": "#dd8452"}  # forward, backward, weight-only backward
+WAIT_COLOR, COMM_COLOR = "#c8c8c8", "#8172b3"  # a rank idle in recv; sending or in a collective
+GANTT_KINDS = {"F": "forward", "B": "backward", "W": "weight-only backward", "wait": "waiting (recv)",
+               "comm": "send / all-reduce"}
+
+
+def _gantt_kind(label) -> str:
+    """Return a span's kind for its colour: "F", "B", "W" (pipeline actions), "wait", or "comm" (anything else)."""
+    label = str(label)
+    if label[:1] in ACTION_COLORS and (len(label) == 1 or label[1:2].isdigit()):
+        return label[:1]
+    return "wait" if label == "wait" else "comm"
+
+
+def plain_ticks(axis) -> None:
+    """Label a log axis 1, 2, 4, 16 (not 2^0 ... 2^4), with no labels on its minor ticks."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def plot_gantt(spans_by_rank: dict, ax=None, title: str = "Timeline by rank", unit: str = "ms",
-               label_actions: bool = True, xlabel: str | None = None):
-    """Draw each rank's spans as bars on its own row: forward blue, backward red, anything else grey.
+               label_actions: bool = True, xlabel: str | None = None, legend: bool = False):
+    """Draw each rank's spans as bars on its own row: forward blue, backward red, waiting light grey, sends purple.
 
     `spans_by_rank` maps a rank (or stage) to (label, start, end) tuples; times in seconds, drawn
-    from the earliest start. Labels starting with F, B or W are pipeline actions (labkit.pipeline).
+    from the earliest start. Labels F3, B3 or W3 are pipeline actions (labkit.pipeline), "wait" a
+    rank idle in a receive; any other label (send, all_reduce) is communication. A bar is labelled
+    only where its text fits; legend: a colour key under the axes.
     """
     if ax is None:
         fig, ax = new_figure()
     scale = {"s": 1.0, "ms": 1e3}[unit]
+    colors = {**ACTION_COLORS, "wait": WAIT_COLOR, "comm": COMM_COLOR}
     starts = [a for spans in spans_by_rank.values() for _, a, _ in spans]
     t0 = min(starts) if starts else 0.0
+    span_x = max((b - t0 for spans in spans_by_rank.values() for _, _, b in spans), default=0.0) * scale or 1.0
     ranks = sorted(spans_by_rank)
+    kinds = []
     for row, rank in enumerate(ranks):
         for label, a, b in spans_by_rank[rank]:
-            color = ACTION_COLORS.get(str(label)[:1], "#8c8c8c")
-            ax.barh(row, (b - a) * scale, left=(a - t0) * scale, height=0.6, color=color, edgecolor="white", lw=0.5)
-            if label_actions and (b - a) * scale > 0:
-                ax.text((a - t0 + (b - a) / 2) * scale, row, str(label).split("/")[0], ha="center", va="center",
-                        fontsize=6, color="white", clip_on=True)
+            kind = _gantt_kind(label)
+            kinds.append(kind)
+            ax.barh(row, (b - a) * scale, left=(a - t0) * scale, height=0.6, color=colors[kind], edgecolor="white",
+                    lw=0.5)
+            text = str(label).split("/")[0]
+            if label_actions and (b - a) * scale >= 0.011 * span_x * (len(text) + 1):  # about 6-pt characters
+                ax.text((a - t0 + (b - a) / 2) * scale, row, text, ha="center", va="center", fontsize=6,
+                        color="black" if kind == "wait" else "white", clip_on=True)
+    if legend:
+        from matplotlib.patches import Patch
+
+        shown = [k for k in GANTT_KINDS if k in kinds]
+        ax.legend([Patch(color=colors[k]) for k in shown], [GANTT_KINDS[k] for k in shown], fontsize=7,
+                  ncols=len(shown), loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" if isinstance(r, int) else str(r) for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel(xlabel or f"time ({unit})")

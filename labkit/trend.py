@@ -34,6 +34,15 @@ def trend_shape(ys, tol: float = 0.0) -> str:
     return "mixed"
 
 
+SHAPE_WORDS = {"flat": "stays level", "rises": "rises", "falls": "falls", "dips": "falls, then rises",
+               "peaks": "rises, then falls", "mixed": "moves up and down"}
+
+
+def shape_words(ys, tol: float = 0.0) -> str:
+    """Return a sequence's shape as a verb phrase for a title: "falls", "falls, then rises", "moves up and down", ..."""
+    return SHAPE_WORDS[trend_shape(ys, tol)]
+
+
 def describe_trend(xs, ys, fmt: str = "{:.3f}", x_name: str = "x", tol: float = 0.0) -> str:
     """Return a phrase for how ys moves along xs: "falls from a at x = 1 to b at x = 16", "... its lowest ...", ...
 

@@ -186,6 +186,9 @@ def test_torchs_own_schedule_orders_beside_labkits():
         simulate_order(torch_1f1b)  # F4 exists on no other stage: the IR is not a runnable order
     assert measured_bubble(simulate_order(torch_schedule_order("GPipe", K, M)))["bubble_fraction"] == \
         pytest.approx(bubble_theory(K, M))
+    # only a rank with no warm-up forward (the last) starts its count at 1: notebook 06 renumbers those from 0
+    four = torch_schedule_order("1F1B", 4, 6)
+    assert [min(int(label[1:]) for label in four[r] if label[0] == "F") for r in range(4)] == [0, 0, 0, 1]
     inter = torch_schedule_order("Interleaved1F1B", K, M, stages_per_rank=2)
     assert sorted(inter[0]) == sorted([f"{k}{i}/s{s}" for k in "FB" for i in range(M) for s in (0, 2)])
     assert measured_bubble(simulate_order(inter))["bubble_fraction"] == pytest.approx(bubble_theory(K, M, 2))
@@ -202,6 +205,16 @@ def test_plot_gantt_draws_a_row_per_rank():
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
     colors = {p.get_facecolor()[:3] for p in ax.patches}
     assert len(colors) == 2  # forward and backward
+
+
+def test_plot_gantt_colours_waiting_and_communication_apart_and_labels_only_what_fits():
+    spans = {0: [("F", 0.0, 0.050), ("send", 0.050, 0.051), ("wait", 0.051, 0.150), ("B", 0.150, 0.250)],
+             1: [("wait", 0.0, 0.050), ("F", 0.050, 0.100), ("B", 0.100, 0.200), ("all_reduce", 0.200, 0.260)]}
+    ax = plot_gantt(spans, legend=True)
+    assert len({p.get_facecolor()[:3] for p in ax.patches}) == 4  # forward, backward, waiting, communication
+    assert sorted(t.get_text() for t in ax.texts) == ["B", "B", "F", "F", "all_reduce", "wait", "wait"]  # no "send"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["forward", "backward", "waiting (recv)",
+                                                                   "send / all-reduce"]
 
 
 def test_partition_shares_out_the_blocks_and_refuses_more_pieces_than_blocks(tiny_gpt):

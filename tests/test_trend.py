@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit.trend import describe_trend, trend_shape
+from labkit.trend import describe_trend, shape_words, trend_shape
 
 MS = [1, 2, 4, 8, 16]
 BUBBLE = [0.515, 0.406, 0.316, 0.339, 0.411]  # notebook 06's GPipe bubble on one run: lowest at M = 4
@@ -39,3 +39,10 @@ def test_tolerance_levels_small_steps_and_bad_input_is_refused():
         trend_shape([1.0])
     with pytest.raises(ValueError, match="same length"):
         describe_trend([1, 2], [1.0])
+
+
+def test_shape_words_follow_the_numbers():
+    assert shape_words(BUBBLE) == "falls, then rises"
+    assert shape_words(sorted(BUBBLE)) == "rises"
+    assert shape_words([0.52, 0.39, 0.50, 0.46, 0.63]) == "moves up and down"
+    assert shape_words([0.30, 0.301, 0.302], tol=0.005) == "stays level"
