@@ -32,6 +32,8 @@ def notebooks(tmp_path):
         new_code_cell("from labkit.results import record\nrecord('answer', 42)\nrecord('seed', SEED)"),
         new_markdown_cell("## The line plot"),
         new_code_cell("%matplotlib inline\nimport matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])\nplt.show()"),
+        new_code_cell("from labkit import plots\nfig, ax = plots.new_figure()\nax.plot([1, 2], [3, 4])\n"
+                      "ax.set(title='Complete', xlabel='batch (samples)', ylabel='peak (MiB)')\nplots.show(fig)"),
     ])
     _write(folder / f"{BAD}.ipynb", [
         new_code_cell("from labkit.results import record\nrecord('before', 1.5)"),
@@ -76,6 +78,13 @@ def test_main_runs_all_and_reports(notebooks, tmp_path, capfd, monkeypatch):
     assert good["measurements"] == {"answer": 42, "seed": 7}
     assert good["wall_s"] > 0
     assert good["executed"] == f"notebooks/{GOOD}.ipynb"
+    # Each figure was checked as the kernel drew it: the bare pyplot figure (cell 4 of the notebook, after
+    # papermill's injected cell is left out) has no title and no axis labels; the labelled one (cell 5) passes.
+    problems = good["figure_problems"]
+    assert {p["cell"] for p in problems} == {4}, problems
+    assert any("no title" in p["problem"] for p in problems)
+    assert any("numeric x axis has no label" in p["problem"] for p in problems)
+    assert not (out / "notebooks" / f"{GOOD}.figures.jsonl").exists()
 
     bad = results["notebooks"][BAD]
     assert bad["status"] == "failed"
