@@ -132,3 +132,15 @@ def test_checking_leaves_the_figure_printable(maker):
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     assert buf.getvalue()[:4] == b"\x89PNG"
+
+
+def test_rule_of_names_each_rule():
+    from labkit.tools.figcheck import rule_of
+
+    fig = good_figure()
+    ax = fig.axes[0]
+    ax.set_title("")
+    ax.set_ylabel("peak memory")
+    ax.get_legend().remove()
+    rules = {rule_of(p) for p in figure_problems(fig)}
+    assert rules == {"title", "unit", "legend"}, figure_problems(fig)

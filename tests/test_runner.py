@@ -101,6 +101,7 @@ def test_main_runs_all_and_reports(notebooks, tmp_path, capfd, monkeypatch):
     assert "broken <on purpose>" not in report
     assert "data:image/png;base64," in report
     assert "The line plot" in report
+    assert "Figure check" in report and "no title (and no suptitle)" in report
     assert "<script" not in report and 'src="http' not in report and "<link" not in report
     # The runner restores the environment after running.
     import os

@@ -174,6 +174,16 @@ def figure_problems(fig) -> list[str]:
     return problems
 
 
+RULES = {"no title": "title", "has no label": "label", "names no unit": "unit", "and no legend": "legend",
+         "legend covers data": "legend over data", "tick labels": "ticks", "overlaps": "overlap",
+         "the figure check failed": "check failed"}
+
+
+def rule_of(problem: str) -> str:
+    """Return the rule a problem line breaks: title, label, unit, legend, legend over data, ticks or overlap."""
+    return next((rule for words, rule in RULES.items() if words in problem), "other")
+
+
 # -- in a kernel: check every figure as it is drawn ------------------------------------------------------------
 def _append(path: str, record: dict) -> None:
     with open(path, "a", encoding="utf-8") as f:

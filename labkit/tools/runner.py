@@ -5,7 +5,8 @@
 Each numbered notebook is executed with papermill (kernel "python3", LABKIT_BATCH=1, working
 directory = the notebooks folder) into OUT/notebooks/. The values each notebook `record()`s are
 gathered into OUT/results.json, and OUT/report.html (`labkit.tools.report`) shows them with the
-notebook's plots. Every kernel loads `labkit.tools.figcheck`: each figure is checked as it is drawn
+notebook's plots; results.json is rewritten after each notebook, so a later notebook (the closing page)
+reads the figures of the earlier ones of the same run. Every kernel loads `labkit.tools.figcheck`: each figure is checked as it is drawn
 (titles, axis labels with units, legends clear of data) and the problems go to the entry's
 `figure_problems`, by cell.
 Exit status: 0 if every notebook ran, 1 if any failed, 2 for bad command-line input.
@@ -212,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{entry['status']} {entry['wall_s']:.1f} s", flush=True)
         if entry["status"] != "ok":
             print(f"    {entry.get('error', '').splitlines()[0] if entry.get('error') else ''}", flush=True)
+        # after each notebook: the closing page (09), run last, reads this run's figures of 00-08 from it
+        results_path = write_results(entries, out_dir, parameters, merge=bool(args.only))
     from labkit.tools.report import write_report
 
-    results_path = write_results(entries, out_dir, parameters, merge=bool(args.only))
     report_path = write_report(json.loads(results_path.read_text(encoding="utf-8")), out_dir)
     failed = [stem for stem, e in entries.items() if e["status"] != "ok"]
     print(f"wrote {results_path} and {report_path}; {len(entries) - len(failed)} ok, {len(failed)} failed", flush=True)
