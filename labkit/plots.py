@@ -96,7 +96,7 @@ def plot_timeline(source: MemoryMeter | list[TimelinePoint], ax=None, budget_byt
 
 
 def plot_memory_bars(splits: dict[str, dict[str, int]], ax=None, budget_bytes: int | None = None,
-                     title: str = "Memory at the peak, by category", unit: float = MiB, ylabel: str = "MiB",
+                     title: str = "Memory at the peak, by category", unit: float = MiB, ylabel: str = "memory (MiB)",
                      names: dict[str, str] | None = None):
     """Plot stacked bars of bytes by category (in MiB, or bytes / `unit` labelled `ylabel`), one bar per label.
 

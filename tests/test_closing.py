@@ -71,29 +71,42 @@ def _set_cost(results, chapter_stem, key, value):
     results["notebooks"][chapter_stem]["measurements"][key] = value
 
 
-def test_the_order_and_its_sentence_change_with_the_figures(results):
-    order = [r["technique"] for r in closing.cost_order(closing.one_device_rows(results))]
-    sentence = closing.order_sentence(closing.cost_order(closing.one_device_rows(results)))
-    last = closing.cost_order(closing.one_device_rows(results))[-1]
-    # make the last technique save its memory for free: it must move to the front, and the sentence follow it
-    changed = copy.deepcopy(results)
-    stem = next(s for s in closing.SOURCES if s.startswith(last["chapter"]))
-    ratio_key = {"02": "step_time_ratio_full_checkpoint", "04": "step_time_ratio_offload",
-                 "05": "step_time_ratio_l2l"}.get(last["chapter"])
-    if ratio_key:
-        _set_cost(changed, stem, ratio_key, 0.5)
-    elif last["chapter"] == "03":
-        _set_cost(changed, stem, "throughput_ratio_bf16", 2.0)
-    else:  # 01: the accumulated step as fast as the whole batch
-        speeds = changed["notebooks"][stem]["measurements"]["samples_per_s_by_accum_steps"]
+def _set_time_ratio(results: dict, chapter: str, ratio: float) -> dict:
+    """Return a copy of results where chapter's technique takes `ratio` x the plain step's time."""
+    results = copy.deepcopy(results)
+    stem = next(s for s in closing.SOURCES if s.startswith(chapter))
+    m = results["notebooks"][stem]["measurements"]
+    if chapter == "01":
+        speeds = m["samples_per_s_by_accum_steps"]
+        plain = speeds[min(speeds, key=int)]
         for k in speeds:
-            speeds[k] = 2 * max(speeds.values())
-    new_rows = closing.cost_order(closing.one_device_rows(changed))
-    new_order = [r["technique"] for r in new_rows]
-    assert new_order != order and new_order[0] == last["technique"], (order, new_order)
-    new_sentence = closing.order_sentence(new_rows)
-    assert new_sentence != sentence and new_sentence.startswith(f"On this run {last['technique']} comes first")
-    assert "saved memory and the step got faster" in new_sentence
+            speeds[k] = plain if int(k) == 1 else plain / ratio
+    elif chapter == "03":
+        m["throughput_ratio_bf16"] = 1 / ratio
+    else:
+        m[{"02": "step_time_ratio_full_checkpoint", "04": "step_time_ratio_offload",
+           "05": "step_time_ratio_l2l"}[chapter]] = ratio
+    return results
+
+
+def test_the_order_and_its_sentence_change_with_the_figures(results):
+    rows = closing.cost_order(closing.one_device_rows(results))
+    order, sentence = [r["technique"] for r in rows], closing.order_sentence(rows)
+    first, last = rows[0], rows[-1]
+    # the first technique made ten times slower goes to the end, and the sentence names the next one
+    slow = closing.cost_order(closing.one_device_rows(_set_time_ratio(results, first["chapter"], 10.0)))
+    assert [r["technique"] for r in slow] == order[1:] + order[:1]
+    assert closing.order_sentence(slow) != sentence
+    assert closing.order_sentence(slow).startswith(f"On this run {order[1]} comes first")
+    # the last one made free (the plain step's time) moves ahead of every technique that costs time
+    free = closing.cost_order(closing.one_device_rows(_set_time_ratio(results, last["chapter"], 1.0)))
+    names = [r["technique"] for r in free]
+    paying = [r["technique"] for r in rows if r["time_ratio"] > 1 and r is not last]
+    assert names != order and all(names.index(last["technique"]) < names.index(p) for p in paying), names
+    # made faster than every other, it comes first
+    fast = closing.cost_order(closing.one_device_rows(_set_time_ratio(results, last["chapter"], 0.01)))
+    assert fast[0]["technique"] == last["technique"]
+    assert "saved memory and the step got faster" in closing.order_sentence(fast)
 
 
 def test_the_sentence_says_when_nothing_fits_alone(results):

@@ -144,3 +144,14 @@ def test_rule_of_names_each_rule():
     ax.get_legend().remove()
     rules = {rule_of(p) for p in figure_problems(fig)}
     assert rules == {"title", "unit", "legend"}, figure_problems(fig)
+
+
+@pytest.mark.parametrize("label, ok", [("micro-batches per step", True), ("bubble fraction", True), ("loss", True),
+                                        ("layers", True), ("step time", False), ("tokens/s", False),
+                                        ("memory per layer", False), ("tokens/s (thousands)", True),
+                                        ("allocation/free event", True), ("bytes per parameter, one rank", False),
+                                        ("FLOPs / plain", True), ("MiB", False), ("micro-batches held at the peak", True)])
+def test_unit_rule_on_labels(label, ok):
+    fig = good_figure()
+    fig.axes[0].set_ylabel(label)
+    assert (not any("names no unit" in p for p in figure_problems(fig))) == ok, label

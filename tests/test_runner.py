@@ -152,3 +152,21 @@ def test_only_merges_into_existing_results(notebooks, tmp_path):
     assert results["notebooks"]["09_other"] == earlier
     assert results["notebooks"][GOOD]["measurements"] == {"answer": 42, "seed": 0}
     assert "09_other" in (out / "report.html").read_text()
+
+
+@pytest.mark.notebook
+def test_a_later_notebook_reads_this_runs_results_of_the_earlier_ones(tmp_path, monkeypatch):
+    """The closing page (09) runs last and reads results.json: it must find this run's figures, not the last run's."""
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"notebooks": {"00_first": {"measurements": {"x": "stale"}}}}))
+    monkeypatch.setenv("RUNNER_TEST_OUT", str(out))
+    _write(folder / "00_first.ipynb", [new_code_cell("from labkit import record\nrecord('x', 'fresh')")])
+    _write(folder / "01_later.ipynb", [new_code_cell(
+        "import json, os\nfrom labkit import record\n"
+        "r = json.load(open(os.path.join(os.environ['RUNNER_TEST_OUT'], 'results.json')))\n"
+        "record('seen', r['notebooks']['00_first']['measurements']['x'])")])
+    assert runner.main(["--notebooks", str(folder), "--out", str(out)]) == 0
+    assert json.loads((out / "results.json").read_text())["notebooks"]["01_later"]["measurements"] == {"seen": "fresh"}

@@ -166,7 +166,9 @@ def several_device_figures(results: dict) -> dict:
     peaks = list(peaks.values()) if isinstance(peaks, dict) else list(peaks)
     sent = mp["sent_bytes_by_rank_model_parallel"]
     sent = list(sent.values()) if isinstance(sent, dict) else list(sent)
-    bubble = _by_int_key(mp["bubble_fraction_measured_by_microbatches"])
+    bubble = mp["bubble_fraction_measured_by_microbatches"]  # {schedule: {micro-batches: fraction}}
+    bubble = ({name: _by_int_key(v) for name, v in bubble.items()} if all(isinstance(v, dict) for v in bubble.values())
+              else {"pipeline": _by_int_key(bubble)})
     return dict(
         points=sh["fits_whole_and_1_over_n_budget_by_point"], comm_bytes=sh["comm_bytes_per_step_by_stage"],
         rank_budget=sh["rank_budget_bytes"], use_when=sh["use_when"],
@@ -225,7 +227,8 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
         + (f"; {f['use_when']['whole_budget']} sends the least of the points that fit it" if whole_fit else "")
         + ".")
     lines.append(
-        f"  when it does not fit (a device with {part} the budget, {format_bytes(f['rank_budget'])}): shard, FSDP2 "
+        f"  when it does not fit (a device with {(part or '').replace(' of it', '')} of the budget, "
+        f"{format_bytes(f['rank_budget'])}): shard, FSDP2 "
         "(ZeRO-3), with bf16 or checkpointing when sharding alone is not enough. Here "
         + (f"{', '.join(part_fit)} fit; {f['use_when']['part_budget']} sends the least" if part_fit else
            "no point fits that budget")
@@ -238,13 +241,13 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
         + (": the traffic belongs on the fast link" if ratio > 1 else
            ": at this model's size it did not move more; the rule rests on larger layers, whose all-reduces grow "
            "with the width while a boundary sends one activation"))
-    bubble = f["bubble_by_microbatches"]
-    lo, hi = min(bubble), max(bubble)
+    idle = []
+    for schedule, bubble in f["bubble_by_microbatches"].items():
+        lo, hi = min(bubble), max(bubble)
+        idle.append(f"{schedule} {bubble[lo]:.0%} with {lo} micro-batch{'es' if lo != 1 else ''} per step, "
+                    f"{bubble[hi]:.0%} with {hi}" + ("" if bubble[hi] < bubble[lo] else " (no fall on this run)"))
     lines.append(
-        f"  a pipeline's stages wait for each other: measured idle share {bubble[lo]:.0%} with {lo} micro-batch"
-        f"{'es' if lo != 1 else ''} per step, {bubble[hi]:.0%} with {hi}"
-        + (" (more micro-batches fill the pipeline)" if bubble[hi] < bubble[lo] else
-           " (no fall with more micro-batches on this run)")
-        + f"; splitting the model over {f['model_parallel_ranks']} ranks left at most "
-        f"{format_bytes(f['model_parallel_peak_max'])} per rank, against {format_bytes(f['plain_peak'])} on one device.")
+        f"  a pipeline's stages wait for each other; the measured idle share (bubble): {'; '.join(idle)}. Splitting "
+        f"the model over {f['model_parallel_ranks']} ranks left at most {format_bytes(f['model_parallel_peak_max'])} "
+        f"per rank, against {format_bytes(f['plain_peak'])} on one device.")
     return lines

@@ -7,9 +7,10 @@ matplotlib can tell:
 - **label**: every numeric axis (its tick labels are numbers) with visible ticks has a label. Axes whose
   ticks name categories (bar names, settings) need none: the names say what they are.
 - **unit**: a numeric axis's label names its unit in parentheses or brackets, `"peak (MiB)"`,
-  `"step time [s]"`, unless the quantity has no unit: the label then contains one of `DIMENSIONLESS`
-  (a ratio, a fraction, a count such as "steps", "layers", "ranks", "trial", a loss), e.g. "micro-batches
-  per step", "bubble fraction", "loss".
+  `"step time [s]"`, unless the quantity has no unit (`dimensionless`): a ratio, fraction, share or loss
+  (`RATIO_WORDS`: "bubble fraction", "loss", "FLOPs / plain", "cost relative to s = 1"), or a count (`COUNT_WORDS` as a whole word: "micro-batches
+  per step", "layers", "trial", "allocation/free event") whose label names no time or size
+  (`NEEDS_UNIT`: "step time", "tokens/s", "bytes per parameter, one rank" still need their unit).
 - **legend**: an axes with two or more labelled series has a legend (its own or the figure's); a legend
   inside an axes covers none of its data: line vertices and points along its segments, scatter points,
   bars (any overlap of a bar's box with the legend's box).
@@ -32,13 +33,25 @@ import threading
 import numpy as np
 
 OUT_ENV = "LABKIT_FIGURE_CHECK"  # a file the kernel's checks append to, one JSON object a line
-DIMENSIONLESS = ("ratio", "fraction", "share", "speed-up", "speedup", "×", "%", "count", "number of", "steps",
-                 "step", "layer", "segments", "rank", "trial", "micro-batch", "microbatch", "loss", "index",
-                 "samples", "batch", "tokens", "workers", "seed", "events", "accumulation", "stage")
+RATIO_WORDS = ("ratio", "fraction", "share", "speed-up", "speedup", "×", "%", "loss", "utilisation", "utilization",
+               "relative", " / ")
+COUNT_WORDS = ("count", "number of", "steps", "step", "layers", "layer", "segments", "ranks", "rank", "trial",
+               "trials", "micro-batch", "micro-batches", "microbatches", "index", "samples", "batch", "tokens",
+               "workers", "seed", "event", "events", "round", "rounds", "values", "accumulation", "stage", "stages", "k", "n")
+NEEDS_UNIT = ("time", "memory", "bytes", "bandwidth", "throughput", "latency", "/s", "per second", "size")
 _UNIT = re.compile(r"[\(\[][^\)\]]+[\)\]]")
 _NUMBER = re.compile(r"^[\-−+]?(\d[\d,]*\.?\d*|\.\d+)([eE][\-−+]?\d+)?\s*(%|×|x)?$")
 _MATH_POWER = re.compile(r"^\$\\mathdefault\{[\-−]?\d+(\^\{[\-−]?\d+\})?\}\$$|^\$[\-−]?\d+\^\{[\-−]?\d+\}\$$")
 _local = threading.local()
+
+
+def dimensionless(label: str) -> bool:
+    """Return whether an axis label names a quantity without a unit: a ratio or fraction, or a count (not a time or size)."""
+    low = label.lower()
+    if any(w in low for w in RATIO_WORDS):
+        return True
+    counts = any(re.search(rf"(?<![\w-]){re.escape(w)}(?![\w-])", low) for w in COUNT_WORDS)
+    return counts and not any(w in low for w in NEEDS_UNIT)
 
 
 def _renderer(fig):
@@ -137,7 +150,7 @@ def figure_problems(fig) -> list[str]:
             text = label.get_text().strip()
             if not text:
                 problems.append(f"{where}: the numeric {name} axis has no label")
-            elif not _UNIT.search(text) and not any(w in text.lower() for w in DIMENSIONLESS):
+            elif not _UNIT.search(text) and not dimensionless(text):
                 problems.append(f"{where}: {name} label {text!r} names no unit (in parentheses or brackets)")
             ticks = [t for t in axis.get_ticklabels() if t.get_visible() and t.get_text().strip()]
             extents = [t.get_window_extent(renderer) for t in ticks]
