@@ -155,3 +155,9 @@ def test_unit_rule_on_labels(label, ok):
     fig = good_figure()
     fig.axes[0].set_ylabel(label)
     assert (not any("names no unit" in p for p in figure_problems(fig))) == ok, label
+
+
+def test_a_title_wider_than_the_figure_is_cut_off():
+    fig = good_figure()
+    fig.axes[0].set_title("A title far too long for a figure six inches wide, so that its ends fall off both sides")
+    assert any("title is cut off" in p for p in figure_problems(fig)), figure_problems(fig)

@@ -15,7 +15,7 @@ matplotlib can tell:
   inside an axes covers none of its data: line vertices and points along its segments, scatter points,
   bars (any overlap of a bar's box with the legend's box).
 - **overlap**: no two of these texts overlap: the suptitle, each axes' titles, axis labels and legends,
-  and neighbouring tick labels of one axis.
+  and neighbouring tick labels of one axis; none of them runs past the figure's edge (cut off).
 
 `python -m labkit.tools.runner` (`make run`, and the tests' `execute_notebook`) loads this module into
 every kernel it starts (`load_ipython_extension`): each figure the chapter renders is checked as it is
@@ -180,6 +180,10 @@ def figure_problems(fig) -> list[str]:
             if label.get_visible() and label.get_text().strip():
                 texts.append((f"{where} {name}", label))
     boxes = [(name, artist.get_window_extent(renderer)) for name, artist in texts]
+    edge = fig.bbox
+    for name, box in boxes:
+        if box.x0 < edge.x0 - 1 or box.x1 > edge.x1 + 1 or box.y0 < edge.y0 - 1 or box.y1 > edge.y1 + 1:
+            problems.append(f"{name} is cut off at the figure's edge")
     for i, (name_a, a) in enumerate(boxes):
         for name_b, b in boxes[i + 1:]:
             if _overlap(a, b):
@@ -189,6 +193,7 @@ def figure_problems(fig) -> list[str]:
 
 RULES = {"no title": "title", "has no label": "label", "names no unit": "unit", "and no legend": "legend",
          "legend covers data": "legend over data", "tick labels": "ticks", "overlaps": "overlap",
+         "cut off": "cut off",
          "the figure check failed": "check failed"}
 
 
