@@ -16,12 +16,14 @@ MiB = 2**20
 FIXTURE_NOTE = ("these figures are a real `make run`'s results.json, cut to the records this page reads "
                 "(tests/data/closing_results.json, the tests' copy): run `make run` for your own")
 
-# chapter stem -> the records this page reads from it
+# chapter stem -> the records this page reads from it; a tuple: one record under its names, newest first
+# (chapter 03's 16-bit figures are `*_half` since it picks bf16 or fp16 by device; `*_bf16` before)
 SOURCES = {
     "00_where_the_memory_goes": ("measured_peak_bytes", "budget_bytes", "step_s"),
     "01_gradient_accumulation": ("peak_bytes_by_accum_steps", "samples_per_s_by_accum_steps", "fitting_accum_steps"),
     "02_activation_checkpointing": ("peak_bytes_checkpointed", "step_time_ratio_full_checkpoint"),
-    "03_mixed_precision": ("peak_bytes_fp32", "peak_bytes_bf16", "throughput_ratio_bf16"),
+    "03_mixed_precision": ("peak_bytes_fp32", ("peak_bytes_half", "peak_bytes_bf16"),
+                           ("throughput_ratio_half", "throughput_ratio_bf16")),
     "04_activation_offload": ("baseline_peak_bytes", "device_peak_bytes_offload", "step_time_ratio_offload"),
     "05_layer_to_layer": ("plain_peak_bytes", "l2l_peak_bytes", "step_time_ratio_l2l"),
     "06_model_and_pipeline_parallel": ("peak_bytes_by_rank_model_parallel", "utilisation_model_parallel",
@@ -71,7 +73,7 @@ def missing(results: dict | None, chapters=tuple(c[:2] for c in SOURCES)) -> dic
         elif entry.get("status") != "ok":
             gaps[stem] = "its last run failed"
         else:
-            absent = [k for k in keys if k not in entry.get("measurements", {})]
+            absent = [_names(k)[0] for k in keys if _get(entry.get("measurements", {}), k) is _ABSENT]
             if absent:
                 gaps[stem] = f"did not record {', '.join(absent)}"
     return gaps
@@ -99,8 +101,21 @@ def fixture_from(results: dict, note: str) -> dict:
         entry = results.get("notebooks", {}).get(stem)
         if entry is not None:
             m = entry.get("measurements", {})
-            out["notebooks"][stem] = {"status": entry.get("status"), "measurements": {k: m[k] for k in keys if k in m}}
+            names = [n for k in keys for n in _names(k)]
+            out["notebooks"][stem] = {"status": entry.get("status"), "measurements": {n: m[n] for n in names if n in m}}
     return out
+
+
+_ABSENT = object()
+
+
+def _names(key) -> tuple[str, ...]:
+    return key if isinstance(key, tuple) else (key,)
+
+
+def _get(measurements: dict, key, default=_ABSENT):
+    """Return a record under the first of its names that was recorded."""
+    return next((measurements[n] for n in _names(key) if n in measurements), default)
 
 
 def _m(results: dict, stem: str) -> dict:
@@ -135,8 +150,9 @@ def one_device_rows(results: dict) -> list[dict]:
         dict(technique="activation checkpointing, every block", chapter="02", before=plain_00,
              after=ck["peak_bytes_checkpointed"], time_ratio=ck["step_time_ratio_full_checkpoint"],
              source="peak: chapter 00's plain step and 02's; time: 02's sweep model"),
-        dict(technique="bf16 autocast", chapter="03", before=mp["peak_bytes_fp32"], after=mp["peak_bytes_bf16"],
-             time_ratio=1 / mp["throughput_ratio_bf16"], source="peaks and throughput ratio, fp32 against bf16"),
+        dict(technique=f"{mp.get('half_precision', 'bf16')} autocast", chapter="03", before=mp["peak_bytes_fp32"],
+             after=_get(mp, SOURCES["03_mixed_precision"][1]), time_ratio=1 / _get(mp, SOURCES["03_mixed_precision"][2]),
+             source="peaks and throughput ratio, fp32 against 16-bit autocast"),
         dict(technique="activation offload", chapter="04", before=off["baseline_peak_bytes"],
              after=off["device_peak_bytes_offload"], time_ratio=off["step_time_ratio_offload"],
              source="device peak and step time ratio"),
