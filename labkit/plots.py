@@ -115,7 +115,7 @@ def plot_memory_bars(splits: dict[str, dict[str, int]], ax=None, budget_bytes: i
         ax.axhline(budget_bytes / unit, color="black", ls="--", lw=1, label="budget")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the bars, on none
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     return ax
 

@@ -161,3 +161,15 @@ def test_a_title_wider_than_the_figure_is_cut_off():
     fig = good_figure()
     fig.axes[0].set_title("A title far too long for a figure six inches wide, so that its ends fall off both sides")
     assert any("title is cut off" in p for p in figure_problems(fig)), figure_problems(fig)
+
+
+def test_labkits_stacked_memory_bars_pass():
+    """plot_memory_bars puts its legend beside the bars (stacked bars and a budget line fill the axes)."""
+    from labkit.plots import new_figure, plot_memory_bars
+
+    splits = {name: {"parameters": 10 * 2**20, "gradients": 10 * 2**20, "optimizer_state": 20 * 2**20,
+                     "activations": act * 2**20} for name, act in (("plain", 30), ("bf16", 15), ("checkpointed", 5))}
+    fig, axes = new_figure(ncols=2)
+    for ax in axes.flat:
+        plot_memory_bars(splits, ax=ax, budget_bytes=60 * 2**20)
+    assert figure_problems(fig) == []
