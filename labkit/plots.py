@@ -96,7 +96,7 @@ def plot_timeline(source: MemoryMeter | list[TimelinePoint], ax=None, budget_byt
 
 
 def plot_memory_bars(splits: dict[str, dict[str, int]], ax=None, budget_bytes: int | None = None,
-                     title: str = "Memory at the peak, by category", unit: float = MiB, ylabel: str = "MiB",
+                     title: str = "Memory at the peak, by category", unit: float = MiB, ylabel: str = "memory (MiB)",
                      names: dict[str, str] | None = None):
     """Plot stacked bars of bytes by category (in MiB, or bytes / `unit` labelled `ylabel`), one bar per label.
 
@@ -115,7 +115,7 @@ def plot_memory_bars(splits: dict[str, dict[str, int]], ax=None, budget_bytes: i
         ax.axhline(budget_bytes / unit, color="black", ls="--", lw=1, label="budget")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the bars, on none
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     return ax
 

@@ -30,6 +30,19 @@ SMALL_PARAMETERS = {
                                    TIMED_ROUNDS=5, LR_TRIALS=4, SAMPLER_TRIALS=4, SAMPLER_SEEDS=1, SPEEDUP_TRIALS=2,
                                    SPEEDUP_REPEATS=1, ENGINE_TRIALS=3, BLACK_BOX_TRIALS=0),
 }
+# Figure problems the chapters had when the figure check came (labkit.tools.figcheck, found by `make run`), as
+# {chapter: rules} (figcheck.rule_of): a test that runs a whole chapter allows these and fails on any other.
+# Remove a chapter's rules once its figures pass: the list only shrinks.
+KNOWN_FIGURE_PROBLEMS: dict[str, set[str]] = {  # make run of 2026-11-25: cells in the final report of branch i20-close
+    "00_where_the_memory_goes": {"unit", "legend over data"},  # cells 18 (labels), 27 and 41 (plot_timeline's legend)
+    "01_gradient_accumulation": {"unit"},  # cells 22, 28
+    "03_mixed_precision": {"unit", "legend over data"},  # cell 21
+    "04_activation_offload": {"unit", "legend over data"},  # cells 18 (plot_timeline's legend), 28, 37
+    "05_layer_to_layer": {"unit", "legend over data"},  # cells 19 (plot_timeline's legend), 40
+    "06_model_and_pipeline_parallel": {"unit"},  # cell 34
+    "07_sharded_data_parallel": {"unit"},  # cell 25
+    "08_memory_aware_search": {"legend over data"},  # cell 29
+}
 NOTEBOOK_FIXTURES = {"execute_notebook", "validate_parameters"}
 SESSION_TAG = "LABKIT_TEST_SESSION"  # inherited by every process the session starts
 
@@ -165,7 +178,11 @@ def tiny_batch(tiny_config):
 
 @pytest.fixture
 def execute_notebook(tmp_path):
-    """Return a function that runs notebooks/<stem>.ipynb with parameters and returns its results entry."""
+    """Return a function that runs notebooks/<stem>.ipynb with parameters and returns its results entry.
+
+    Its figures are checked as they are drawn (labkit.tools.figcheck): a problem not in KNOWN_FIGURE_PROBLEMS fails.
+    """
+    from labkit.tools.figcheck import rule_of
     from labkit.tools.runner import run_notebook
 
     def run(stem: str, timeout_s: float = 300, **parameters) -> dict:
@@ -173,6 +190,9 @@ def execute_notebook(tmp_path):
         assert path.exists(), path
         entry = run_notebook(path, tmp_path, parameters, timeout_s)
         entry["path"] = tmp_path / entry["executed"]
+        known = KNOWN_FIGURE_PROBLEMS.get(stem, set())
+        new = [p for p in entry.get("figure_problems", []) if rule_of(p["problem"]) not in known]
+        assert not new, f"{stem}: figures that break CONTRIBUTING.md's rules (cell, figure, problem): {new}"
         return entry
 
     return run

@@ -32,6 +32,8 @@ def notebooks(tmp_path):
         new_code_cell("from labkit.results import record\nrecord('answer', 42)\nrecord('seed', SEED)"),
         new_markdown_cell("## The line plot"),
         new_code_cell("%matplotlib inline\nimport matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])\nplt.show()"),
+        new_code_cell("from labkit import plots\nfig, ax = plots.new_figure()\nax.plot([1, 2], [3, 4])\n"
+                      "ax.set(title='Complete', xlabel='batch (samples)', ylabel='peak (MiB)')\nplots.show(fig)"),
     ])
     _write(folder / f"{BAD}.ipynb", [
         new_code_cell("from labkit.results import record\nrecord('before', 1.5)"),
@@ -76,6 +78,13 @@ def test_main_runs_all_and_reports(notebooks, tmp_path, capfd, monkeypatch):
     assert good["measurements"] == {"answer": 42, "seed": 7}
     assert good["wall_s"] > 0
     assert good["executed"] == f"notebooks/{GOOD}.ipynb"
+    # Each figure was checked as the kernel drew it: the bare pyplot figure (cell 4 of the notebook, after
+    # papermill's injected cell is left out) has no title and no axis labels; the labelled one (cell 5) passes.
+    problems = good["figure_problems"]
+    assert {p["cell"] for p in problems} == {4}, problems
+    assert any("no title" in p["problem"] for p in problems)
+    assert any("numeric x axis has no label" in p["problem"] for p in problems)
+    assert not (out / "notebooks" / f"{GOOD}.figures.jsonl").exists()
 
     bad = results["notebooks"][BAD]
     assert bad["status"] == "failed"
@@ -92,6 +101,7 @@ def test_main_runs_all_and_reports(notebooks, tmp_path, capfd, monkeypatch):
     assert "broken <on purpose>" not in report
     assert "data:image/png;base64," in report
     assert "The line plot" in report
+    assert "Figure check" in report and "no title (and no suptitle)" in report
     assert "<script" not in report and 'src="http' not in report and "<link" not in report
     # The runner restores the environment after running.
     import os
@@ -142,3 +152,21 @@ def test_only_merges_into_existing_results(notebooks, tmp_path):
     assert results["notebooks"]["09_other"] == earlier
     assert results["notebooks"][GOOD]["measurements"] == {"answer": 42, "seed": 0}
     assert "09_other" in (out / "report.html").read_text()
+
+
+@pytest.mark.notebook
+def test_a_later_notebook_reads_this_runs_results_of_the_earlier_ones(tmp_path, monkeypatch):
+    """The closing page (09) runs last and reads results.json: it must find this run's figures, not the last run's."""
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"notebooks": {"00_first": {"measurements": {"x": "stale"}}}}))
+    monkeypatch.setenv("RUNNER_TEST_OUT", str(out))
+    _write(folder / "00_first.ipynb", [new_code_cell("from labkit import record\nrecord('x', 'fresh')")])
+    _write(folder / "01_later.ipynb", [new_code_cell(
+        "import json, os\nfrom labkit import record\n"
+        "r = json.load(open(os.path.join(os.environ['RUNNER_TEST_OUT'], 'results.json')))\n"
+        "record('seen', r['notebooks']['00_first']['measurements']['x'])")])
+    assert runner.main(["--notebooks", str(folder), "--out", str(out)]) == 0
+    assert json.loads((out / "results.json").read_text())["notebooks"]["01_later"]["measurements"] == {"seen": "fresh"}

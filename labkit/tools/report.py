@@ -111,6 +111,14 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
             parts.append("</table>")
         else:
             parts.append("<p class=\"meta\">No measurements recorded.</p>")
+        problems = entry.get("figure_problems") or []
+        if problems:
+            parts.append(f"<p>Figure check (<code>labkit.tools.figcheck</code>): {len(problems)} problem(s)</p>")
+            parts.append("<table><tr><th>Cell</th><th>Figure</th><th>Problem</th></tr>")
+            for p in problems:
+                parts.append(f'<tr><td class="num">{esc(str(p.get("cell")))}</td><td>{esc(str(p.get("figure")))}</td>'
+                             f'<td>{esc(str(p.get("problem")))}</td></tr>')
+            parts.append("</table>")
         if entry.get("executed"):
             for heading, png in _images(out_dir / entry["executed"]):
                 caption = f"<figcaption>{esc(heading)}</figcaption>" if heading else ""

@@ -5,7 +5,10 @@
 Each numbered notebook is executed with papermill (kernel "python3", LABKIT_BATCH=1, working
 directory = the notebooks folder) into OUT/notebooks/. The values each notebook `record()`s are
 gathered into OUT/results.json, and OUT/report.html (`labkit.tools.report`) shows them with the
-notebook's plots.
+notebook's plots; results.json is rewritten after each notebook, so a later notebook (the closing page)
+reads the figures of the earlier ones of the same run. Every kernel loads `labkit.tools.figcheck`: each figure is checked as it is drawn
+(titles, axis labels with units, legends clear of data) and the problems go to the entry's
+`figure_problems`, by cell.
 Exit status: 0 if every notebook ran, 1 if any failed, 2 for bad command-line input.
 """
 
@@ -22,7 +25,10 @@ from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
+from labkit.tools import figcheck
+
 NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
+FIGURE_CHECK = "labkit.tools.figcheck"  # the IPython extension every kernel of a run loads
 ERROR_CHARS = 2000
 
 
@@ -40,17 +46,22 @@ def find_notebooks(dir: str | Path, only: Iterable[str] = ()) -> list[Path]:
 
 
 @contextlib.contextmanager
-def _batch_env() -> Iterator[None]:
-    """Set LABKIT_BATCH=1 (inherited by kernels) for the duration, then restore the environment."""
-    old = os.environ.get("LABKIT_BATCH")
-    os.environ["LABKIT_BATCH"] = "1"
+def _env(name: str, value: str) -> Iterator[None]:
+    """Set an environment variable (inherited by kernels) for the duration, then restore the environment."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("LABKIT_BATCH", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["LABKIT_BATCH"] = old
+            os.environ[name] = old
+
+
+def _batch_env():
+    """Set LABKIT_BATCH=1 (inherited by kernels) for the duration, then restore the environment."""
+    return _env("LABKIT_BATCH", "1")
 
 
 def kernel_manager_class():
@@ -98,14 +109,17 @@ def run_notebook(path: str | Path, out_dir: str | Path, parameters: dict, timeou
     out_dir = Path(out_dir)
     executed = out_dir / "notebooks" / path.name
     executed.parent.mkdir(parents=True, exist_ok=True)
+    checks = executed.with_suffix(".figures.jsonl")
+    checks.unlink(missing_ok=True)
     entry: dict = {"status": "ok"}
     start = time.perf_counter()
-    with _batch_env():
+    with _batch_env(), _env(figcheck.OUT_ENV, str(checks.resolve())):
         try:
             papermill.execute_notebook(
                 str(path), str(executed), parameters=dict(parameters), kernel_name="python3",
                 cwd=str(path.parent), progress_bar=False, log_output=False,
                 execution_timeout=timeout_s, kernel_manager_class=kernel_manager_class(),
+                extra_arguments=[f"--IPKernelApp.extra_extensions={FIGURE_CHECK}"],
             )
         except Exception as exc:  # PapermillExecutionError, timeouts, dead kernels: keep going
             entry["status"] = "failed"
@@ -114,12 +128,16 @@ def run_notebook(path: str | Path, out_dir: str | Path, parameters: dict, timeou
     measurements: dict = {}
     if executed.exists():
         try:
-            measurements = records_from_notebook(read_notebook(executed))
+            nb = read_notebook(executed)
+            measurements = records_from_notebook(nb)
+            entry["figure_problems"] = figcheck.problems_by_cell(nb, figcheck.read_lines(checks))
         except Exception as exc:  # an unreadable partial notebook must not hide the run's error
             entry.setdefault("error", f"could not read executed notebook: {_error_text(exc)}")
+    checks.unlink(missing_ok=True)
     entry["measurements"] = measurements
     entry["executed"] = executed.relative_to(out_dir).as_posix()
-    return {k: entry[k] for k in ("status", "wall_s", "measurements", "error", "executed") if k in entry}
+    keys = ("status", "wall_s", "measurements", "figure_problems", "error", "executed")
+    return {k: entry[k] for k in keys if k in entry}
 
 
 def write_results(entries: dict[str, dict], out_dir: str | Path, parameters: dict, *, merge: bool = False) -> Path:
@@ -195,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{entry['status']} {entry['wall_s']:.1f} s", flush=True)
         if entry["status"] != "ok":
             print(f"    {entry.get('error', '').splitlines()[0] if entry.get('error') else ''}", flush=True)
+        # after each notebook: the closing page (09), run last, reads this run's figures of 00-08 from it
+        results_path = write_results(entries, out_dir, parameters, merge=bool(args.only))
     from labkit.tools.report import write_report
 
-    results_path = write_results(entries, out_dir, parameters, merge=bool(args.only))
     report_path = write_report(json.loads(results_path.read_text(encoding="utf-8")), out_dir)
     failed = [stem for stem, e in entries.items() if e["status"] != "ok"]
     print(f"wrote {results_path} and {report_path}; {len(entries) - len(failed)} ok, {len(failed)} failed", flush=True)

@@ -1,0 +1,269 @@
+"""The closing page's figures: what each technique saved and cost on the running example, read from results.json.
+
+`make run` writes build/results.json (`labkit.tools.runner`); notebook 09 reads it with `load`, names the
+chapters still to run with `missing`, and builds its tables with `one_device_rows`, `cost_order` and
+`several_device_figures`. Every figure here is a chapter's own record, named by `SOURCES`; nothing is typed in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+RESULTS_ENV = "LABKIT_RESULTS"  # another results.json to read (the tests' fixture); default build/results.json
+MiB = 2**20
+FIXTURE_NOTE = ("these figures are a real `make run`'s results.json, cut to the records this page reads "
+                "(tests/data/closing_results.json, the tests' copy): run `make run` for your own")
+
+# chapter stem -> the records this page reads from it; a tuple: one record under its names, newest first
+# (chapter 03's 16-bit figures are `*_half` since it picks bf16 or fp16 by device; `*_bf16` before)
+SOURCES = {
+    "00_where_the_memory_goes": ("measured_peak_bytes", "budget_bytes", "step_s"),
+    "01_gradient_accumulation": ("peak_bytes_by_accum_steps", "samples_per_s_by_accum_steps", "fitting_accum_steps"),
+    "02_activation_checkpointing": ("peak_bytes_checkpointed", "step_time_ratio_full_checkpoint"),
+    "03_mixed_precision": ("peak_bytes_fp32", ("peak_bytes_half", "peak_bytes_bf16"),
+                           ("throughput_ratio_half", "throughput_ratio_bf16")),
+    "04_activation_offload": ("baseline_peak_bytes", "device_peak_bytes_offload", "step_time_ratio_offload"),
+    "05_layer_to_layer": ("plain_peak_bytes", "l2l_peak_bytes", "step_time_ratio_l2l"),
+    "06_model_and_pipeline_parallel": ("peak_bytes_by_rank_model_parallel", "utilisation_model_parallel",
+                                       "sent_bytes_by_rank_model_parallel", "comm_bytes_per_step_tensor_parallel",
+                                       "bubble_fraction_measured_by_microbatches"),
+    "07_sharded_data_parallel": ("fits_whole_and_1_over_n_budget_by_point", "comm_bytes_per_step_by_stage",
+                                 "rank_budget_bytes", "use_when"),
+    "08_memory_aware_search": ("fastest_fitting_params", "fastest_fitting_peak_bytes",
+                               "fastest_vs_chapters_paired_ratio", "timing_noise_ratio"),
+}
+
+
+def results_path(path: str | Path | None = None) -> Path:
+    """Return the results.json to read: `path`, else $LABKIT_RESULTS, else the workbook's build/results.json."""
+    if path:
+        return Path(path)
+    if os.environ.get(RESULTS_ENV):
+        return Path(os.environ[RESULTS_ENV])
+    from labkit.results import build_dir
+    return build_dir() / "results.json"
+
+
+def load(path: str | Path | None = None) -> dict | None:
+    """Return the parsed results.json (None when there is none or it is not JSON)."""
+    target = results_path(path)
+    try:
+        return json.loads(target.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+ONE_DEVICE = ("00", "01", "02", "03", "04", "05")  # the chapters each section of the page reads
+SEVERAL_DEVICES = ("00", "06", "07")
+SEARCH = ("08",)
+
+
+def missing(results: dict | None, chapters=tuple(c[:2] for c in SOURCES)) -> dict[str, str]:
+    """Return {chapter: why its figures are missing} for each of `chapters` ("03", ...) this page cannot read."""
+    notebooks = (results or {}).get("notebooks", {})
+    gaps = {}
+    for stem, keys in SOURCES.items():
+        if stem[:2] not in chapters:
+            continue
+        entry = notebooks.get(stem)
+        if entry is None:
+            gaps[stem] = "not run"
+        elif entry.get("status") != "ok":
+            gaps[stem] = "its last run failed"
+        else:
+            absent = [_names(k)[0] for k in keys if _get(entry.get("measurements", {}), k) is _ABSENT]
+            if absent:
+                gaps[stem] = f"did not record {', '.join(absent)}"
+    return gaps
+
+
+def run_first(gaps: dict[str, str]) -> str:
+    """Return the line that names the chapters to run first, and the command that runs them."""
+    only = " ".join(f"--only {stem[:2]}" for stem in gaps)
+    return ("run these chapters first: " + "; ".join(f"{stem} ({why})" for stem, why in gaps.items())
+            + f". `make run` runs them all and then this page; `.venv/bin/python -m labkit.tools.runner {only}` "
+            "runs only these, then run this page again")
+
+
+def skip_line(gaps: dict[str, str]) -> str:
+    """Return the short line a section prints when it skips: the chapters it needs (named in full above)."""
+    return f"skipped: needs the figures of chapter {', '.join(stem[:2] for stem in gaps)} (see above)"
+
+
+def fixture_from(results: dict, note: str) -> dict:
+    """Return results.json cut to what this page reads (its metadata, each chapter's status and SOURCES records)."""
+    out = {k: results[k] for k in ("generated_utc", "hardware", "torch", "parameters") if k in results}
+    out["note"] = note
+    out["notebooks"] = {}
+    for stem, keys in SOURCES.items():
+        entry = results.get("notebooks", {}).get(stem)
+        if entry is not None:
+            m = entry.get("measurements", {})
+            names = [n for k in keys for n in _names(k)]
+            out["notebooks"][stem] = {"status": entry.get("status"), "measurements": {n: m[n] for n in names if n in m}}
+    return out
+
+
+_ABSENT = object()
+
+
+def _names(key) -> tuple[str, ...]:
+    return key if isinstance(key, tuple) else (key,)
+
+
+def _get(measurements: dict, key, default=_ABSENT):
+    """Return a record under the first of its names that was recorded."""
+    return next((measurements[n] for n in _names(key) if n in measurements), default)
+
+
+def _m(results: dict, stem: str) -> dict:
+    return results["notebooks"][stem]["measurements"]
+
+
+def _by_int_key(d: dict) -> dict[int, float]:
+    return {int(k): v for k, v in d.items()}
+
+
+def budget_bytes(results: dict) -> int:
+    """Return the running example's memory budget (chapter 00's record)."""
+    return _m(results, "00_where_the_memory_goes")["budget_bytes"]
+
+
+def one_device_rows(results: dict) -> list[dict]:
+    """Return one row per one-device technique: peak before and after (bytes), saved (bytes), time paid (ratio).
+
+    time_ratio is the technique's step time over the plain step's (above 1: it costs time); the figures are
+    each chapter's own, on the running example where the chapter measured it there (`source` says which).
+    """
+    budget = _m(results, "00_where_the_memory_goes")["budget_bytes"]
+    plain_00 = _m(results, "00_where_the_memory_goes")["measured_peak_bytes"]
+    acc = _m(results, "01_gradient_accumulation")
+    peaks, speeds = _by_int_key(acc["peak_bytes_by_accum_steps"]), _by_int_key(acc["samples_per_s_by_accum_steps"])
+    k = acc["fitting_accum_steps"] or max(peaks)
+    ck, mp = _m(results, "02_activation_checkpointing"), _m(results, "03_mixed_precision")
+    off, l2l = _m(results, "04_activation_offload"), _m(results, "05_layer_to_layer")
+    rows = [
+        dict(technique=f"gradient accumulation, k = {k}", chapter="01", before=peaks[min(peaks)], after=peaks[k],
+             time_ratio=speeds[min(speeds)] / speeds[k], source="peak and samples/s by accumulation steps"),
+        dict(technique="activation checkpointing, every block", chapter="02", before=plain_00,
+             after=ck["peak_bytes_checkpointed"], time_ratio=ck["step_time_ratio_full_checkpoint"],
+             source="peak: chapter 00's plain step and 02's; time: 02's sweep model"),
+        dict(technique=f"{mp.get('half_precision', 'bf16')} autocast", chapter="03", before=mp["peak_bytes_fp32"],
+             after=_get(mp, SOURCES["03_mixed_precision"][1]), time_ratio=1 / _get(mp, SOURCES["03_mixed_precision"][2]),
+             source="peaks and throughput ratio, fp32 against 16-bit autocast"),
+        dict(technique="activation offload", chapter="04", before=off["baseline_peak_bytes"],
+             after=off["device_peak_bytes_offload"], time_ratio=off["step_time_ratio_offload"],
+             source="device peak and step time ratio"),
+        dict(technique="layer-to-layer (L2L)", chapter="05", before=l2l["plain_peak_bytes"],
+             after=l2l["l2l_peak_bytes"], time_ratio=l2l["step_time_ratio_l2l"], source="device peak and step time ratio"),
+    ]
+    for row in rows:
+        row["saved"] = row["before"] - row["after"]
+        row["fits"] = row["after"] <= budget
+    return rows
+
+
+def cost_per_mib(row: dict) -> float:
+    """Return the extra step time a row pays per MiB it saves (a fraction of a step; inf when it saves nothing)."""
+    return (row["time_ratio"] - 1) / (row["saved"] / MiB) if row["saved"] > 0 else float("inf")
+
+
+def cost_order(rows: list[dict]) -> list[dict]:
+    """Return the rows cheapest first: least extra step time per MiB saved (saving nothing: last)."""
+    return sorted(rows, key=lambda r: (cost_per_mib(r), -r["saved"]))
+
+
+def several_device_figures(results: dict) -> dict:
+    """Return chapters 06 and 07's figures for several devices: verdicts, bytes sent, per-rank peaks, the bubble."""
+    mp, sh = _m(results, "06_model_and_pipeline_parallel"), _m(results, "07_sharded_data_parallel")
+    peaks = mp["peak_bytes_by_rank_model_parallel"]
+    peaks = list(peaks.values()) if isinstance(peaks, dict) else list(peaks)
+    sent = mp["sent_bytes_by_rank_model_parallel"]
+    sent = list(sent.values()) if isinstance(sent, dict) else list(sent)
+    bubble = mp["bubble_fraction_measured_by_microbatches"]  # {schedule: {micro-batches: fraction}}
+    bubble = ({name: _by_int_key(v) for name, v in bubble.items()} if all(isinstance(v, dict) for v in bubble.values())
+              else {"pipeline": _by_int_key(bubble)})
+    return dict(
+        points=sh["fits_whole_and_1_over_n_budget_by_point"], comm_bytes=sh["comm_bytes_per_step_by_stage"],
+        rank_budget=sh["rank_budget_bytes"], use_when=sh["use_when"],
+        model_parallel_peak_max=max(peaks), model_parallel_ranks=len(peaks),
+        plain_peak=_m(results, "00_where_the_memory_goes")["measured_peak_bytes"],
+        budget=_m(results, "00_where_the_memory_goes")["budget_bytes"],
+        pipeline_sent_max=max(sent), tensor_parallel_comm=mp["comm_bytes_per_step_tensor_parallel"],
+        utilisation=mp["utilisation_model_parallel"], bubble_by_microbatches=bubble,
+    )
+
+
+def order_sentence(order: list[dict]) -> str:
+    """Return what the order says, in words computed from its figures: which comes first, which fits first."""
+    from labkit.meter import format_bytes
+
+    first = order[0]
+    cost = cost_per_mib(first)
+    if cost == float("inf"):
+        return "no technique saved memory on this run: nothing to order"
+    why = ("it saved memory and the step got faster" if first["time_ratio"] < 1 else
+           f"it pays the least time per MiB it saves ({cost:.2%} of a step)")
+    fit = next((r for r in order if r["fits"]), None)
+    if fit is None:
+        then = ("none fits the budget alone on this run: combine them in this order (chapter 08 searches the "
+                "combinations)")
+    elif fit is first:
+        then = "and it fits the budget alone: stop there"
+    else:
+        place = order.index(fit) + 1
+        then = (f"the first in the order that fits the budget alone is {fit['technique']} (place {place}, "
+                f"saves {format_bytes(fit['saved'])} at {fit['time_ratio']:.2f}x the step time)")
+    return f"On this run {first['technique']} comes first: {why}; {then}."
+
+
+def search_figures(results: dict) -> dict:
+    """Return chapter 08's choice: its knobs, metered peak, paired speed ratios against the chapters, the noise band."""
+    m = _m(results, "08_memory_aware_search")
+    return dict(params=m["fastest_fitting_params"], peak_bytes=m["fastest_fitting_peak_bytes"],
+                ratios=m["fastest_vs_chapters_paired_ratio"], noise=abs(m["timing_noise_ratio"] - 1))
+
+
+def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
+    """Return the few-GPU and many-GPU lines: each rule (chapters 06-07) beside this run's figure that bears on it."""
+    from labkit.meter import format_bytes
+
+    lines = []
+    points, comm = f["points"], f["comm_bytes"]
+    part = next((k for v in points.values() for k in v if k != "whole budget"), None)  # "1/N of it"
+    ddp = points.get("DDP", {})
+    whole_fit = [p for p, v in points.items() if v.get("whole budget")]
+    part_fit = [p for p, v in points.items() if part and v.get(part)]
+    lines.append(
+        f"a few GPUs (2 to {gpus_per_node}, one machine): DDP when the step fits one GPU. Here DDP's peak per rank "
+        + ("fits" if ddp.get("whole budget") else "does not fit") + f" one device's budget ({format_bytes(f['budget'])})"
+        + (f", and it sends {format_bytes(comm['DDP'])} per step" if "DDP" in comm else "")
+        + (f"; {f['use_when']['whole_budget']} sends the least of the points that fit it" if whole_fit else "")
+        + ".")
+    lines.append(
+        f"  when it does not fit (a device with {(part or '').replace(' of it', '')} of the budget, "
+        f"{format_bytes(f['rank_budget'])}): shard, FSDP2 "
+        "(ZeRO-3), with bf16 or checkpointing when sharding alone is not enough. Here "
+        + (f"{', '.join(part_fit)} fit; {f['use_when']['part_budget']} sends the least" if part_fit else
+           "no point fits that budget")
+        + ".")
+    ratio = f["tensor_parallel_comm"] / f["pipeline_sent_max"] if f["pipeline_sent_max"] else float("inf")
+    lines.append(
+        f"many GPUs (more than {gpus_per_node}, several machines): tensor parallelism inside a machine, pipeline stages "
+        f"across machines. Here tensor parallelism moved {format_bytes(f['tensor_parallel_comm'])} per step, "
+        f"{ratio:.1f}x what the busiest pipeline boundary sent ({format_bytes(f['pipeline_sent_max'])})"
+        + (": the traffic belongs on the fast link" if ratio > 1 else
+           ": at this model's size it did not move more; the rule rests on larger layers, whose all-reduces grow "
+           "with the width while a boundary sends one activation"))
+    idle = []
+    for schedule, bubble in f["bubble_by_microbatches"].items():
+        lo, hi = min(bubble), max(bubble)
+        idle.append(f"{schedule} {bubble[lo]:.0%} with {lo} micro-batch{'es' if lo != 1 else ''} per step, "
+                    f"{bubble[hi]:.0%} with {hi}" + ("" if bubble[hi] < bubble[lo] else " (no fall on this run)"))
+    lines.append(
+        f"  a pipeline's stages wait for each other; the measured idle share (bubble): {'; '.join(idle)}. Splitting "
+        f"the model over {f['model_parallel_ranks']} ranks left at most {format_bytes(f['model_parallel_peak_max'])} "
+        f"per rank, against {format_bytes(f['plain_peak'])} on one device.")
+    return lines

@@ -1,0 +1,155 @@
+"""The closing page (notebook 09) and labkit.tools.closing: figures read from results.json, the order computed from them.
+
+The page's figures in the tests come from tests/data/closing_results.json: a real `make run`'s results.json cut to
+the records the page reads (`closing.fixture_from`; its `note` says so and the page prints it). No chapter runs
+for these tests. `make test` points nbval's run of the page at the same file ($LABKIT_RESULTS, Makefile).
+To renew it after a `make run`:
+
+    .venv/bin/python -c "import json; from labkit.tools import closing; r = json.load(open('build/results.json')); \\
+        json.dump(closing.fixture_from(r, closing.FIXTURE_NOTE), open('tests/data/closing_results.json', 'w'), indent=1)"
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from labkit.tools import closing
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "data" / "closing_results.json"
+PAGE = "09_what_to_use_when"
+
+
+@pytest.fixture
+def results() -> dict:
+    return json.loads(FIXTURE.read_text())
+
+
+def test_the_fixture_is_complete_and_says_where_it_comes_from(results):
+    assert closing.missing(results) == {}
+    assert "make run" in results["note"] and results["generated_utc"] and results["hardware"]
+
+
+def test_every_record_the_page_reads_is_recorded_by_its_chapter():
+    for stem, keys in closing.SOURCES.items():
+        source = (ROOT / "notebooks" / f"{stem}.ipynb").read_text()
+        for key in keys:
+            names = key if isinstance(key, tuple) else (key,)
+            assert any(re.search(rf'record\(\\?"{n}\\?"', source) for n in names), (
+                f"{stem} records none of {names}: update closing.SOURCES")
+
+
+def test_missing_results_and_missing_chapters_are_named_with_the_command(results):
+    gaps = closing.missing(None)
+    assert set(gaps) == set(closing.SOURCES) and set(gaps.values()) == {"not run"}
+    partial = copy.deepcopy(results)
+    del partial["notebooks"]["06_model_and_pipeline_parallel"]
+    partial["notebooks"]["03_mixed_precision"]["status"] = "failed"
+    del partial["notebooks"]["05_layer_to_layer"]["measurements"]["l2l_peak_bytes"]
+    renamed = copy.deepcopy(results)  # chapter 03's 16-bit figures under their newer names count as recorded
+    m03 = renamed["notebooks"]["03_mixed_precision"]["measurements"]
+    m03["peak_bytes_half"], m03["throughput_ratio_half"] = m03.pop("peak_bytes_bf16"), m03.pop("throughput_ratio_bf16")
+    assert closing.missing(renamed) == {}
+    assert closing.one_device_rows(renamed) == closing.one_device_rows(results)
+    gaps = closing.missing(partial)
+    assert gaps == {"03_mixed_precision": "its last run failed", "05_layer_to_layer": "did not record l2l_peak_bytes",
+                    "06_model_and_pipeline_parallel": "not run"}
+    line = closing.run_first(gaps)
+    assert "--only 03 --only 05 --only 06" in line and "make run" in line
+    assert closing.missing(partial, closing.SEARCH) == {}
+
+
+def test_rows_are_the_chapters_figures(results):
+    rows = {r["chapter"]: r for r in closing.one_device_rows(results)}
+    m = results["notebooks"]["04_activation_offload"]["measurements"]
+    assert rows["04"]["saved"] == m["baseline_peak_bytes"] - m["device_peak_bytes_offload"]
+    assert rows["04"]["time_ratio"] == m["step_time_ratio_offload"]
+    mp = results["notebooks"]["03_mixed_precision"]["measurements"]
+    half = mp.get("throughput_ratio_half", mp.get("throughput_ratio_bf16"))
+    assert rows["03"]["time_ratio"] == pytest.approx(1 / half)
+    assert rows["04"]["fits"] == (m["device_peak_bytes_offload"] <= closing.budget_bytes(results))
+
+
+def _set_cost(results, chapter_stem, key, value):
+    results["notebooks"][chapter_stem]["measurements"][key] = value
+
+
+def _set_time_ratio(results: dict, chapter: str, ratio: float) -> dict:
+    """Return a copy of results where chapter's technique takes `ratio` x the plain step's time."""
+    results = copy.deepcopy(results)
+    stem = next(s for s in closing.SOURCES if s.startswith(chapter))
+    m = results["notebooks"][stem]["measurements"]
+    if chapter == "01":
+        speeds = m["samples_per_s_by_accum_steps"]
+        plain = speeds[min(speeds, key=int)]
+        for k in speeds:
+            speeds[k] = plain if int(k) == 1 else plain / ratio
+    elif chapter == "03":
+        for name in ("throughput_ratio_half", "throughput_ratio_bf16"):
+            if name in m:
+                m[name] = 1 / ratio
+    else:
+        m[{"02": "step_time_ratio_full_checkpoint", "04": "step_time_ratio_offload",
+           "05": "step_time_ratio_l2l"}[chapter]] = ratio
+    return results
+
+
+def test_the_order_and_its_sentence_change_with_the_figures(results):
+    rows = closing.cost_order(closing.one_device_rows(results))
+    order, sentence = [r["technique"] for r in rows], closing.order_sentence(rows)
+    first, last = rows[0], rows[-1]
+    # the first technique made ten times slower goes to the end, and the sentence names the next one
+    slow = closing.cost_order(closing.one_device_rows(_set_time_ratio(results, first["chapter"], 10.0)))
+    assert [r["technique"] for r in slow] == order[1:] + order[:1]
+    assert closing.order_sentence(slow) != sentence
+    assert closing.order_sentence(slow).startswith(f"On this run {order[1]} comes first")
+    # the last one made free (the plain step's time) moves ahead of every technique that costs time
+    free = closing.cost_order(closing.one_device_rows(_set_time_ratio(results, last["chapter"], 1.0)))
+    names = [r["technique"] for r in free]
+    paying = [r["technique"] for r in rows if r["time_ratio"] > 1 and r is not last]
+    assert names != order and all(names.index(last["technique"]) < names.index(p) for p in paying), names
+    # made faster than every other, it comes first
+    fast = closing.cost_order(closing.one_device_rows(_set_time_ratio(results, last["chapter"], 0.01)))
+    assert fast[0]["technique"] == last["technique"]
+    assert "saved memory and the step got faster" in closing.order_sentence(fast)
+
+
+def test_the_sentence_says_when_nothing_fits_alone(results):
+    changed = copy.deepcopy(results)
+    _set_cost(changed, "00_where_the_memory_goes", "budget_bytes", 1)
+    rows = closing.cost_order(closing.one_device_rows(changed))
+    assert not any(r["fits"] for r in rows)
+    assert "none fits the budget alone" in closing.order_sentence(rows)
+
+
+def _outputs(path) -> str:
+    nb = json.loads(Path(path).read_text())
+    return "\n".join("".join(o.get("text") or o.get("data", {}).get("text/plain", ""))
+                     for c in nb["cells"] for o in c.get("outputs", []))
+
+
+def test_the_page_prints_the_order_from_the_fixture_and_names_what_is_missing(execute_notebook, results, tmp_path):
+    entry = execute_notebook(PAGE, RESULTS=str(FIXTURE), timeout_s=120)
+    assert entry["status"] == "ok", entry.get("error")
+    text = _outputs(entry["path"])
+    order = closing.cost_order(closing.one_device_rows(results))
+    assert closing.order_sentence(order) in text
+    assert f"1. {order[0]['technique']}" in text and results["note"] in text
+    assert entry["measurements"]["order_one_device"] == [r["technique"] for r in order]
+    assert entry["figure_problems"] == [], entry["figure_problems"]  # the page's own figures pass the check
+
+    partial = copy.deepcopy(results)
+    del partial["notebooks"]["06_model_and_pipeline_parallel"]
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
+    entry = execute_notebook(PAGE, RESULTS=str(tmp_path / "partial.json"), timeout_s=120)
+    assert entry["status"] == "ok", entry.get("error")
+    text = _outputs(entry["path"])
+    assert "run these chapters first: 06_model_and_pipeline_parallel (not run)" in text
+    assert "skipped: needs the figures of chapter 06" in text
+    assert closing.order_sentence(order) in text  # the one-device part does not need 06
+
