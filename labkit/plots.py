@@ -14,8 +14,9 @@ from labkit.runmode import in_kernel
 from labkit.meter import CATEGORIES, PHASES, MemoryMeter, TimelinePoint
 
 MiB = 2**20
-CATEGORY_COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
-                   "activations": "#c44e52"}
+# categories and phases never share a colour: a figure with a timeline beside a split reads each colour one way
+CATEGORY_COLORS = {"parameters": "#8172b2", "gradients": "#ccb974", "optimizer_state": "#937860",
+                   "activations": "#dd8452"}
 PHASE_COLORS = {"forward": "#4c72b0", "backward": "#c44e52", "optimizer": "#55a868", "other": "#8c8c8c"}
 
 
@@ -87,11 +88,11 @@ def plot_timeline(source: MemoryMeter | list[TimelinePoint], ax=None, budget_byt
     ax.annotate(f"peak {y[peak]:.1f} MiB", (peak, y[peak]), textcoords="offset points", xytext=(4, 4), fontsize=8)
     if budget_bytes:
         ax.axhline(budget_bytes / MiB, color="black", ls="--", lw=1, label=f"budget {budget_bytes / MiB:.0f} MiB")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, max(max(y), (budget_bytes or 0) / MiB) * 1.15)  # headroom: the peak's label stays inside
     ax.set_xlabel("allocation/free event")
     ax.set_ylabel("device memory (MiB)")
     ax.set_title(title)
-    ax.legend(fontsize=7, loc="upper left", markerscale=3)
+    ax.legend(fontsize=7, loc="upper right", markerscale=3)  # a step ends low: the right is free
     return ax
 
 
