@@ -111,3 +111,30 @@ def test_deepspeed_sections_refuse_unknown_keys_but_the_top_level_does_not():
         DeepSpeedZeroConfig(stage=3, gradient_checkpointing=True)
     ignored = DeepSpeedConfig(zero.deepspeed_config(3, 8) | {"gradient_checkpointing": True})
     assert ignored.zero_optimization_stage == 3  # accepted: the key does nothing, and nothing says so
+
+
+def test_cheapest_fit_takes_the_fitting_point_that_sends_least():
+    peaks = {"DDP": 30, "ZeRO-3": 20, "ZeRO-3 bf16": 12, "ZeRO-3 + checkpointing": 11}
+    sent = {"DDP": 2, "ZeRO-3": 3, "ZeRO-3 bf16": 2.5, "ZeRO-3 + checkpointing": 3}
+    assert zero.cheapest_fit(peaks, sent, 32) == (list(peaks), "DDP")
+    assert zero.cheapest_fit(peaks, sent, 15) == (["ZeRO-3 bf16", "ZeRO-3 + checkpointing"], "ZeRO-3 bf16")
+    assert zero.cheapest_fit(peaks, {**sent, "ZeRO-3 bf16": 3}, 15)[1] == "ZeRO-3 + checkpointing"  # tie: lower peak
+    assert zero.cheapest_fit(peaks, sent, 10) == ([], None)
+    with pytest.raises(ValueError, match="sent_bytes"):
+        zero.cheapest_fit(peaks, {"DDP": 2}, 32)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        zero.cheapest_fit(peaks, sent, None)
+
+
+def test_describe_fit_follows_the_numbers_not_their_order():
+    """The use-when sentence of chapter 07 changes when the measured figures change places."""
+    MiB = 2**20
+    peaks = {"A": 12 * MiB, "B": 11 * MiB, "C": 30 * MiB}
+    sent = {"A": 2 * MiB, "B": 3 * MiB, "C": 2 * MiB}
+    said = zero.describe_fit(peaks, sent, 16 * MiB, costs={"A": "computes in bf16"})
+    assert said.startswith("2 of 3 points fit 16.00 MiB; of them A (12.00 MiB peak, 2.00 MiB sent per step; "
+                           "computes in bf16) sends the fewest bytes; the others: B (11.00 MiB peak")
+    swapped = zero.describe_fit(peaks, {**sent, "A": 3 * MiB, "B": 2 * MiB}, 16 * MiB)
+    assert "of them B (11.00 MiB peak, 2.00 MiB sent per step) sends the fewest" in swapped and swapped != said
+    assert zero.describe_fit(peaks, sent, 10 * MiB) == ("no point fits 10.00 MiB: the lowest peak, B's 11.00 MiB, "
+                                                        "is 1.00 MiB over")
