@@ -47,41 +47,44 @@ def ring_factor(world_size: int) -> float:
     return (n - 1) / n
 
 
-def cheapest_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float],
-                 budget_bytes: float) -> tuple[list[str], str | None]:
-    """Return the points whose peak fits the budget (in the given order) and the one of them that sends the fewest bytes.
+def cheapest_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float], budget_bytes: float,
+                 costs: dict[str, str] | None = None) -> tuple[list[str], str | None]:
+    """Return the points whose peak fits the budget (in the given order) and the one to use among them.
 
-    Ties in bytes sent go to the lower peak; None when no point fits.
+    The one to use pays nothing besides bytes (no point in `costs`, which maps a point to what else it
+    pays: "precision", "recomputation"), unless every fitting point does; then it sends the fewest bytes,
+    and of equal senders it comes first in `peak_bytes` (list points from the simplest). None when none fits.
     """
     if check_budget("budget_bytes", budget_bytes) is None:
         raise ValueError("budget_bytes must be a positive number of bytes, got None")
     missing = set(peak_bytes) - set(sent_bytes)
     if missing:
         raise ValueError(f"sent_bytes has no figure for {sorted(missing)}")
+    costs = costs or {}
     fits = [p for p, b in peak_bytes.items() if b <= budget_bytes]
-    return fits, min(fits, key=lambda p: (sent_bytes[p], peak_bytes[p]), default=None)
+    free = [p for p in fits if p not in costs] or fits
+    return fits, min(free, key=lambda p: sent_bytes[p], default=None)  # min keeps the first of equals
 
 
 def describe_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float], budget_bytes: float,
                  costs: dict[str, str] | None = None) -> str:
-    """Return one sentence from measured figures: which points fit the budget, which of them sends the fewest bytes.
-
-    `costs` adds what a point pays besides bytes (a precision, a recomputation), said after its name.
-    """
+    """Return one sentence from measured figures: which points fit the budget, and which of them to use (cheapest_fit)."""
     costs = costs or {}
-    fits, best = cheapest_fit(peak_bytes, sent_bytes, budget_bytes)
+    fits, best = cheapest_fit(peak_bytes, sent_bytes, budget_bytes, costs)
     if best is None:
         low = min(peak_bytes, key=peak_bytes.get)
         return (f"no point fits {format_bytes(budget_bytes)}: the lowest peak, {low}'s "
                 f"{format_bytes(peak_bytes[low])}, is {format_bytes(peak_bytes[low] - budget_bytes)} over")
 
-    def said(p):
-        return f"{p} ({format_bytes(peak_bytes[p])} peak, {format_bytes(sent_bytes[p])} sent per step" + (
-            f"; {costs[p]})" if p in costs else ")")
+    def named(p):
+        return f"{p} (pays in {costs[p]})" if p in costs else p
 
-    others = [p for p in fits if p != best]
-    return (f"{len(fits)} of {len(peak_bytes)} points fit {format_bytes(budget_bytes)}; of them {said(best)} sends "
-            "the fewest bytes" + (f"; the others: {', '.join(map(said, others))}" if others else ""))
+    others = [named(p) for p in fits if p != best]
+    among = ("each paying something besides bytes; " if best in costs else
+             "" if len(fits) == 1 else "of those that pay nothing besides bytes, ")
+    return (f"{len(fits)} of {len(peak_bytes)} points fit {format_bytes(budget_bytes)}; {among}{named(best)} sends the "
+            f"fewest ({format_bytes(sent_bytes[best])} per step, peak {format_bytes(peak_bytes[best])})"
+            + (f"; also fit{'s' if len(others) == 1 else ''}: {', '.join(others)}" if others else ""))
 
 
 def deepspeed_config(stage: int, micro_batch: int, world_size: int = 1, accumulation_steps: int = 1,

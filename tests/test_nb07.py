@@ -80,6 +80,8 @@ def test_notebook_07_invariants_with_another_seed_on_four_ranks(execute_notebook
     assert verdicts["FSDP2 ZeRO-3 + checkpointing"][f"1/{n} of it"] is True
     assert verdicts["DDP"][f"1/{n} of it"] is False
     assert m["use_when"]["part_budget"] in verdicts and verdicts[m["use_when"]["part_budget"]][f"1/{n} of it"]
+    if verdicts["DDP"]["whole budget"]:  # DDP when it fits: nothing sharded, no precision or recomputation paid
+        assert m["use_when"]["whole_budget"] == "DDP"
     # DeepSpeed's estimates beside the formulas, the difference explained per row (where DeepSpeed is installed)
     for row in m["deepspeed_bytes_per_param"]:
         assert row["deepspeed"] - row["mixed"] == pytest.approx(row["explained"], abs=1e-8), row
