@@ -6,6 +6,7 @@ Reference for notebook 07 (Rajbhandari et al., SC'20). Ψ parameters, N data-par
     model_state_bytes_per_param(stage, N, **MIXED_ADAM)   # the paper's mixed-precision Adam: 2 + 2 + 12
     comm_elements_per_param(stage)                        # 2 (stages 0-2) or 3 (stage 3), times Ψ per step
     deepspeed_config(stage=3, micro_batch=8, ...)         # the same setting as a DeepSpeed JSON config
+    describe_fit(peak_bytes, sent_bytes, budget_bytes)    # which measured points fit a budget, which sends least
 
 The paper's stages: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters; a
 stage keeps everything it does not shard on every rank. Its volumes are per rank and step, in
@@ -16,7 +17,8 @@ stage 3 one more all-gather of Ψ (parameters again for the backward). On N rank
 
 from __future__ import annotations
 
-from labkit.validate import check_choice, check_int
+from labkit.meter import format_bytes
+from labkit.validate import check_budget, check_choice, check_int
 
 STAGES = (0, 1, 2, 3)
 FP32_ADAM = {"param_bytes": 4, "grad_bytes": 4, "state_bytes": 8}  # weights, gradients, Adam's two moments
@@ -43,6 +45,46 @@ def ring_factor(world_size: int) -> float:
     """Return (N - 1)/N: the share of a collective's volume each rank sends on a ring of N ranks."""
     n = check_int("world_size", world_size, 1)
     return (n - 1) / n
+
+
+def cheapest_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float], budget_bytes: float,
+                 costs: dict[str, str] | None = None) -> tuple[list[str], str | None]:
+    """Return the points whose peak fits the budget (in the given order) and the one to use among them.
+
+    The one to use pays nothing besides bytes (no point in `costs`, which maps a point to what else it
+    pays: "precision", "recomputation"), unless every fitting point does; then it sends the fewest bytes,
+    and of equal senders it comes first in `peak_bytes` (list points from the simplest). None when none fits.
+    """
+    if check_budget("budget_bytes", budget_bytes) is None:
+        raise ValueError("budget_bytes must be a positive number of bytes, got None")
+    missing = set(peak_bytes) - set(sent_bytes)
+    if missing:
+        raise ValueError(f"sent_bytes has no figure for {sorted(missing)}")
+    costs = costs or {}
+    fits = [p for p, b in peak_bytes.items() if b <= budget_bytes]
+    free = [p for p in fits if p not in costs] or fits
+    return fits, min(free, key=lambda p: sent_bytes[p], default=None)  # min keeps the first of equals
+
+
+def describe_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float], budget_bytes: float,
+                 costs: dict[str, str] | None = None) -> str:
+    """Return one sentence from measured figures: which points fit the budget, and which of them to use (cheapest_fit)."""
+    costs = costs or {}
+    fits, best = cheapest_fit(peak_bytes, sent_bytes, budget_bytes, costs)
+    if best is None:
+        low = min(peak_bytes, key=peak_bytes.get)
+        return (f"no point fits {format_bytes(budget_bytes)}: the lowest peak, {low}'s "
+                f"{format_bytes(peak_bytes[low])}, is {format_bytes(peak_bytes[low] - budget_bytes)} over")
+
+    def named(p):
+        return f"{p} (pays in {costs[p]})" if p in costs else p
+
+    others = [named(p) for p in fits if p != best]
+    among = ("each paying something besides bytes; " if best in costs else
+             "" if len(fits) == 1 else "of those that pay nothing besides bytes, ")
+    return (f"{len(fits)} of {len(peak_bytes)} points fit {format_bytes(budget_bytes)}; {among}{named(best)} sends the "
+            f"fewest ({format_bytes(sent_bytes[best])} per step, peak {format_bytes(peak_bytes[best])})"
+            + (f"; also fit{'s' if len(others) == 1 else ''}: {', '.join(others)}" if others else ""))
 
 
 def deepspeed_config(stage: int, micro_batch: int, world_size: int = 1, accumulation_steps: int = 1,

@@ -56,7 +56,7 @@ def test_notebook_07_invariants_with_another_seed_on_four_ranks(execute_notebook
     psi = labkit.running_example().config.n_params()
     ring = zero.ring_factor(n)
     comm = m["comm_bytes_per_step_by_stage"]
-    for point, elements in (("DDP", 2), ("ZeRO-1", 3), ("FSDP2 no-reshard", 2), ("FSDP2 ZeRO-3", 3)):
+    for point, elements in (("DDP", 2), ("DDP bucket view", 2), ("ZeRO-1", 3), ("FSDP2 no-reshard", 2), ("FSDP2 ZeRO-3", 3)):
         assert comm[point] == pytest.approx(elements * psi * 4 * ring, rel=0.01), point
     by_kind = m["comm_bytes_by_collective_by_stage"]
     assert by_kind["DDP"]["all_reduce"]["input_bytes"] == 4 * psi and by_kind["DDP"]["reduce_scatter"]["calls"] == 0
@@ -77,9 +77,12 @@ def test_notebook_07_invariants_with_another_seed_on_four_ranks(execute_notebook
     assert m["half_all_gather_ratio"] == 0.5  # 2-byte values either way
     # every point judged against both budgets; the checkpointing point fits 1/N, plain DDP does not
     verdicts = m["fits_whole_and_1_over_n_budget_by_point"]
+    assert m["bucket_view_bytes_per_param_saved_at_rest"] == pytest.approx(4)  # gradient_as_bucket_view: no second copy
     assert verdicts["FSDP2 ZeRO-3 + checkpointing"][f"1/{n} of it"] is True
     assert verdicts["DDP"][f"1/{n} of it"] is False
     assert m["use_when"]["part_budget"] in verdicts and verdicts[m["use_when"]["part_budget"]][f"1/{n} of it"]
+    if verdicts["DDP"]["whole budget"]:  # DDP when it fits: nothing sharded, no precision or recomputation paid
+        assert m["use_when"]["whole_budget"] == "DDP"
     # DeepSpeed's estimates beside the formulas, the difference explained per row (where DeepSpeed is installed)
     for row in m["deepspeed_bytes_per_param"]:
         assert row["deepspeed"] - row["mixed"] == pytest.approx(row["explained"], abs=1e-8), row

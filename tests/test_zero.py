@@ -111,3 +111,43 @@ def test_deepspeed_sections_refuse_unknown_keys_but_the_top_level_does_not():
         DeepSpeedZeroConfig(stage=3, gradient_checkpointing=True)
     ignored = DeepSpeedConfig(zero.deepspeed_config(3, 8) | {"gradient_checkpointing": True})
     assert ignored.zero_optimization_stage == 3  # accepted: the key does nothing, and nothing says so
+
+
+def test_cheapest_fit_takes_the_fitting_point_that_sends_least_and_pays_nothing_else():
+    peaks = {"DDP": 30, "no-reshard": 25, "ZeRO-3": 20, "ZeRO-3 bf16": 12, "ZeRO-3 + checkpointing": 11}
+    sent = {"DDP": 2, "no-reshard": 2, "ZeRO-3": 3, "ZeRO-3 bf16": 2, "ZeRO-3 + checkpointing": 3}
+    costs = {"ZeRO-3 bf16": "precision", "ZeRO-3 + checkpointing": "recomputation"}
+    assert zero.cheapest_fit(peaks, sent, 32, costs) == (list(peaks), "DDP")  # equal bytes: the first listed
+    assert zero.cheapest_fit(peaks, sent, 32)[1] == "DDP"
+    assert zero.cheapest_fit(peaks, sent, 22, costs)[1] == "ZeRO-3"  # sends more, but pays nothing else
+    assert zero.cheapest_fit(peaks, sent, 15, costs) == (["ZeRO-3 bf16", "ZeRO-3 + checkpointing"], "ZeRO-3 bf16")
+    assert zero.cheapest_fit(peaks, {**sent, "ZeRO-3 bf16": 4}, 15, costs)[1] == "ZeRO-3 + checkpointing"
+    assert zero.cheapest_fit(peaks, sent, 10) == ([], None)
+    with pytest.raises(ValueError, match="sent_bytes"):
+        zero.cheapest_fit(peaks, {"DDP": 2}, 32)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        zero.cheapest_fit(peaks, sent, None)
+
+
+def test_describe_fit_follows_the_numbers_not_their_order():
+    """The use-when sentence of chapter 07 changes when the measured figures change places."""
+    MiB = 2**20
+    peaks = {"A": 12 * MiB, "B": 11 * MiB, "C": 30 * MiB}
+    sent = {"A": 2 * MiB, "B": 3 * MiB, "C": 2 * MiB}
+    said = zero.describe_fit(peaks, sent, 16 * MiB, costs={"A": "precision"})
+    assert said == ("2 of 3 points fit 16.00 MiB; of those that pay nothing besides bytes, B sends the fewest "
+                    "(3.00 MiB per step, peak 11.00 MiB); also fits: A (pays in precision)")
+    both = zero.describe_fit(peaks, sent, 16 * MiB, costs={"A": "precision", "B": "recomputation"})
+    assert both.startswith("2 of 3 points fit 16.00 MiB; each paying something besides bytes; A (pays in precision) "
+                           "sends the fewest (2.00 MiB per step")
+    swapped = zero.describe_fit(peaks, {**sent, "A": 3 * MiB, "B": 2 * MiB}, 16 * MiB,
+                                costs={"A": "precision", "B": "recomputation"})
+    assert "B (pays in recomputation) sends the fewest (2.00 MiB per step" in swapped and swapped != both
+    assert zero.describe_fit(peaks, sent, 40 * MiB).startswith("3 of 3 points fit 40.00 MiB; of those that pay nothing "
+                                                               "besides bytes, A sends the fewest")
+    assert zero.describe_fit({**peaks, "A": 31 * MiB}, sent, 40 * MiB).startswith(
+        "3 of 3 points fit 40.00 MiB; of those that pay nothing besides bytes, A sends")  # the first of equal senders
+    assert zero.describe_fit({"C": peaks["C"], "A": peaks["A"]}, sent, 40 * MiB).startswith(
+        "2 of 2 points fit 40.00 MiB; of those that pay nothing besides bytes, C sends")  # the order given decides
+    assert zero.describe_fit(peaks, sent, 10 * MiB) == ("no point fits 10.00 MiB: the lowest peak, B's 11.00 MiB, "
+                                                        "is 1.00 MiB over")
