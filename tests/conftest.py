@@ -180,7 +180,8 @@ def tiny_batch(tiny_config):
 def execute_notebook(tmp_path):
     """Return a function that runs notebooks/<stem>.ipynb with parameters and returns its results entry.
 
-    Its figures are checked as they are drawn (labkit.tools.figcheck): a problem not in KNOWN_FIGURE_PROBLEMS fails.
+    Its figures are checked as they are drawn (labkit.tools.figcheck): a problem not in KNOWN_FIGURE_PROBLEMS fails;
+    so does a section (text under one heading) that printed more than one PASS line.
     """
     from labkit.tools.figcheck import rule_of
     from labkit.tools.runner import run_notebook
@@ -193,6 +194,8 @@ def execute_notebook(tmp_path):
         known = KNOWN_FIGURE_PROBLEMS.get(stem, set())
         new = [p for p in entry.get("figure_problems", []) if rule_of(p["problem"]) not in known]
         assert not new, f"{stem}: figures that break CONTRIBUTING.md's rules (cell, figure, problem): {new}"
+        crowded = entry.get("crowded_sections", [])
+        assert not crowded, f"{stem}: sections with more than one PASS line (CONTRIBUTING.md: one check per section): {crowded}"
         return entry
 
     return run

@@ -170,3 +170,23 @@ def test_a_later_notebook_reads_this_runs_results_of_the_earlier_ones(tmp_path, 
         "record('seen', r['notebooks']['00_first']['measurements']['x'])")])
     assert runner.main(["--notebooks", str(folder), "--out", str(out)]) == 0
     assert json.loads((out / "results.json").read_text())["notebooks"]["01_later"]["measurements"] == {"seen": "fresh"}
+
+
+def test_crowded_sections_counts_pass_lines_under_each_heading():
+    """A section is the text under one heading (any level); two PASS lines in one section are reported."""
+    from nbformat.v4 import new_output
+
+    from labkit.tools.nbcheck import crowded_sections, pass_lines_by_section
+
+    def ran(*lines):
+        cell = new_code_cell("print(...)")
+        cell.outputs = [new_output("stream", name="stdout", text="".join(f"{line}\n" for line in lines))]
+        return cell
+
+    nb = new_notebook(cells=[ran("PASS: before any heading"), new_markdown_cell("## One\ntext"),
+                             ran("measured 3", "PASS: one"), new_markdown_cell("### One, a"), ran("PASS: a"),
+                             ran("PASS: a again"), new_markdown_cell("no heading here"), ran("PASS: still a"),
+                             new_markdown_cell("## Two"), ran("a line that ends in PASS")])
+    assert pass_lines_by_section(nb) == {"(top)": 1, "One": 1, "One, a": 3}
+    assert crowded_sections(nb) == ["One, a: 3 PASS lines"]
+    assert crowded_sections(new_notebook(cells=[new_markdown_cell("## Two"), ran("PASS: two")])) == []

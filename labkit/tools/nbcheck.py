@@ -59,6 +59,29 @@ def with_expected_outputs(nb):
     return nb
 
 
+def pass_lines_by_section(nb) -> dict[str, int]:
+    """Count the PASS lines an executed notebook printed under each heading (any level; "(top)" before the first)."""
+    counts: dict[str, int] = {}
+    section = "(top)"
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            headings = [line.lstrip("#").strip() for line in cell.source.splitlines() if line.startswith("#")]
+            section = headings[-1] if headings else section
+            continue
+        for out in cell.get("outputs", []):
+            text = out.get("text", "") if out.get("output_type") == "stream" else ""
+            text = "".join(text) if isinstance(text, list) else text
+            n = sum(line.startswith("PASS") for line in text.splitlines())
+            if n:
+                counts[section] = counts.get(section, 0) + n
+    return counts
+
+
+def crowded_sections(nb) -> list[str]:
+    """Return "heading: n PASS lines" for each section of an executed notebook that printed more than one."""
+    return [f"{s}: {n} PASS lines" for s, n in pass_lines_by_section(nb).items() if n > 1]
+
+
 def prepare(src_dir: str | Path, out_dir: str | Path, only=()) -> list[Path]:
     """Write a copy of every numbered notebook in `src_dir`, with expected outputs, into `out_dir`."""
     import nbformat

@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from labkit.tools import figcheck
+from labkit.tools.nbcheck import crowded_sections
 
 NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
 FIGURE_CHECK = "labkit.tools.figcheck"  # the IPython extension every kernel of a run loads
@@ -131,12 +132,13 @@ def run_notebook(path: str | Path, out_dir: str | Path, parameters: dict, timeou
             nb = read_notebook(executed)
             measurements = records_from_notebook(nb)
             entry["figure_problems"] = figcheck.problems_by_cell(nb, figcheck.read_lines(checks))
+            entry["crowded_sections"] = crowded_sections(nb)  # sections that printed more than one PASS line
         except Exception as exc:  # an unreadable partial notebook must not hide the run's error
             entry.setdefault("error", f"could not read executed notebook: {_error_text(exc)}")
     checks.unlink(missing_ok=True)
     entry["measurements"] = measurements
     entry["executed"] = executed.relative_to(out_dir).as_posix()
-    keys = ("status", "wall_s", "measurements", "figure_problems", "error", "executed")
+    keys = ("status", "wall_s", "measurements", "figure_problems", "crowded_sections", "error", "executed")
     return {k: entry[k] for k in keys if k in entry}
 
 
