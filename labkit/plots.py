@@ -92,7 +92,7 @@ def plot_timeline(source: MemoryMeter | list[TimelinePoint], ax=None, budget_byt
     ax.set_xlabel("allocation/free event")
     ax.set_ylabel("device memory (MiB)")
     ax.set_title(title)
-    ax.legend(fontsize=7, loc="upper right", markerscale=3)  # a step ends low: the right is free
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, markerscale=3)  # beside: on no data
     return ax
 
 
