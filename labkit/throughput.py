@@ -69,3 +69,38 @@ def measure_throughputs(step_fns: Mapping[str, Callable[[], object]], *, samples
         out[name] = Throughput(step_s, samples_per_step / step_s,
                                None if tokens_per_step is None else tokens_per_step / step_s, steps, tuple(ts))
     return out
+
+
+@dataclass(frozen=True)
+class PairedRatio:
+    """One step function's time over another's, round by round, from the same interleaved rounds."""
+
+    median: float  # median over the rounds of the per-round ratio
+    lo: float  # smallest round's ratio
+    hi: float  # largest round's ratio
+    round_ratios: tuple  # every round's ratio, in order
+
+    @property
+    def rounds(self) -> int:
+        """Return how many paired rounds the ratio rests on."""
+        return len(self.round_ratios)
+
+    def agrees(self, factor: float) -> bool:
+        """Return whether the rounds lie within `factor` of each other (at least three; from five, less the extremes).
+
+        From five rounds on, the highest and the lowest round are left out: one disturbed round, either way,
+        cannot decide. Fewer than three rounds cannot show that they agree.
+        """
+        if self.rounds < 3:
+            return False
+        middle = sorted(self.round_ratios)[1:-1] if self.rounds >= 5 else sorted(self.round_ratios)
+        return max(middle) <= factor * min(middle)
+
+
+def paired_ratio(timed: Mapping[str, Throughput], num: str, den: str) -> PairedRatio:
+    """Return `num`'s step time over `den`'s, round by round, from one `measure_throughputs` result."""
+    for name in (num, den):
+        if name not in timed:
+            raise KeyError(f"{name!r} was not timed: the timed step functions are {sorted(timed)}")
+    ratios = tuple(a / b for a, b in zip(timed[num].step_times_s, timed[den].step_times_s))
+    return PairedRatio(statistics.median(ratios), min(ratios), max(ratios), ratios)

@@ -15,7 +15,7 @@ from labkit import results, validate
 from labkit.device import DEVICE_CHOICES, hardware_report, resolve_device
 from labkit.meter import MemoryMeter, OutOfMemory, TimelinePoint
 from labkit.plots import LiveFigure, MiB, plot_memory_bars, plot_series, plot_timeline, png_bytes
-from labkit.throughput import measure_throughput
+from labkit.throughput import Throughput, measure_throughput, paired_ratio
 from labkit.widgets import control_panel
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -289,6 +289,23 @@ def test_measure_throughputs_interleaves_the_step_functions():
         labkit.measure_throughputs({}, samples_per_step=1)
     with pytest.raises(ValueError, match="warmup_steps"):
         labkit.measure_throughputs({"a": lambda: None}, samples_per_step=1, warmup_steps=-1)
+
+
+def test_paired_ratio_divides_round_by_round_and_judges_agreement():
+    def timed(times):
+        return Throughput(sorted(times)[len(times) // 2], 1.0, None, len(times), tuple(times))
+
+    t = {"this": timed((2.0, 6.0, 2.2, 2.4, 2.0)), "plain": timed((1.0, 1.0, 2.0, 1.2, 1.0))}
+    r = paired_ratio(t, "this", "plain")
+    assert r.round_ratios == (2.0, 6.0, 1.1, 2.0, 2.0) and r.rounds == 5
+    assert (r.median, r.lo, r.hi) == (2.0, 1.1, 6.0)  # the 6.0 round (a spike) does not move the median
+    assert r.agrees(1.5)  # from five rounds the extremes (1.1 and 6.0) are left out: 2.0, 2.0, 2.0 agree
+    assert not paired_ratio({"a": timed((1.0, 1.0, 2.0, 3.0, 3.0)), "b": timed((1.0,) * 5)}, "a", "b").agrees(1.5)
+    three = paired_ratio({"a": timed((2.0, 2.0, 4.0)), "b": timed((1.0,) * 3)}, "a", "b")
+    assert not three.agrees(1.5) and three.agrees(2.0)  # under five rounds every round counts
+    assert not paired_ratio({"a": timed((2.0, 2.0)), "b": timed((1.0, 1.0))}, "a", "b").agrees(10.0)  # too few
+    with pytest.raises(KeyError, match="'c' was not timed"):
+        paired_ratio(t, "c", "plain")
 
 
 def test_measure_throughput_refuses_inside_a_meter():
