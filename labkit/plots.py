@@ -20,7 +20,7 @@ CATEGORY_COLORS = {"parameters": "#8172b2", "gradients": "#ccb974", "optimizer_s
 PHASE_COLORS = {"forward": "#4c72b0", "backward": "#c44e52", "optimizer": "#55a868", "other": "#8c8c8c"}
 # methods, precisions, schedules: one colour per series, none a category's or a phase's (a figure beside a memory
 # split or a timeline reads each colour one way); take them in order, SERIES_COLORS[i] for the i-th series
-SERIES_COLORS = ("#1a1a1a", "#64b5cd", "#da8bc3", "#e6b800")  # near-black, sky, pink, gold
+SERIES_COLORS = ("#505050", "#64b5cd", "#da8bc3", "#e6b800")  # dark grey (a hatch shows on it), sky, pink, gold
 
 
 def new_figure(nrows: int = 1, ncols: int = 1, width_in: float = 6.0, height_in: float = 3.2):
