@@ -18,6 +18,9 @@ MiB = 2**20
 CATEGORY_COLORS = {"parameters": "#8172b2", "gradients": "#ccb974", "optimizer_state": "#937860",
                    "activations": "#dd8452"}
 PHASE_COLORS = {"forward": "#4c72b0", "backward": "#c44e52", "optimizer": "#55a868", "other": "#8c8c8c"}
+# methods, precisions, schedules: one colour per series, none a category's or a phase's (a figure beside a memory
+# split or a timeline reads each colour one way); take them in order, SERIES_COLORS[i] for the i-th series
+SERIES_COLORS = ("#505050", "#64b5cd", "#da8bc3", "#e6b800")  # dark grey (a hatch shows on it), sky, pink, gold
 
 
 def new_figure(nrows: int = 1, ncols: int = 1, width_in: float = 6.0, height_in: float = 3.2):
@@ -194,9 +197,9 @@ class LiveFigure:
 
 
 ACTION_COLORS = {"F": "#4c72b0", "B": "#c44e52", "W": "#dd8452"}  # forward, backward, weight-only backward
-WAIT_COLOR, COMM_COLOR = "#c8c8c8", "#8172b3"  # a rank idle in recv; sending or in a collective
+WAIT_COLOR, COMM_COLOR = "#c8c8c8", "#0f7b6c"  # a rank idle in recv; sending or in a collective (no category's colour)
 GANTT_KINDS = {"F": "forward", "B": "backward", "W": "weight-only backward", "wait": "waiting (recv)",
-               "comm": "send / all-reduce"}
+               "comm": "send / all-reduce (incl. waiting for peers)"}
 
 
 def _gantt_kind(label) -> str:
@@ -217,7 +220,7 @@ def plain_ticks(axis) -> None:
 
 def plot_gantt(spans_by_rank: dict, ax=None, title: str = "Timeline by rank", unit: str = "ms",
                label_actions: bool = True, xlabel: str | None = None, legend: bool = False):
-    """Draw each rank's spans as bars on its own row: forward blue, backward red, waiting light grey, sends purple.
+    """Draw each rank's spans as bars on its own row: forward blue, backward red, waiting light grey, sends teal.
 
     `spans_by_rank` maps a rank (or stage) to (label, start, end) tuples; times in seconds, drawn
     from the earliest start. Labels F3, B3 or W3 are pipeline actions (labkit.pipeline), "wait" a

@@ -214,7 +214,7 @@ def test_plot_gantt_colours_waiting_and_communication_apart_and_labels_only_what
     assert len({p.get_facecolor()[:3] for p in ax.patches}) == 4  # forward, backward, waiting, communication
     assert sorted(t.get_text() for t in ax.texts) == ["B", "B", "F", "F", "all_reduce", "wait", "wait"]  # no "send"
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["forward", "backward", "waiting (recv)",
-                                                                   "send / all-reduce"]
+                                                                   "send / all-reduce (incl. waiting for peers)"]
 
 
 def test_partition_shares_out_the_blocks_and_refuses_more_pieces_than_blocks(tiny_gpt):

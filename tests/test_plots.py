@@ -19,3 +19,14 @@ def test_grouped_bars_place_each_series_beside_the_others_and_skip_missing_value
     assert bars["DDP formula"][0].get_hatch() == "//" and bars["DDP"][0].get_hatch() is None
     assert [t.get_text() for t in ax.get_xticklabels()] == ["parameters", "acts"]
     assert plots.png_bytes(fig).startswith(b"\x89PNG")
+
+
+def test_series_colors_share_none_with_categories_phases_or_gantt():
+    """A method's colour never reads as a memory category, a phase or a Gantt kind."""
+    from labkit import plots
+
+    taken = {c.lower() for c in (*plots.CATEGORY_COLORS.values(), *plots.PHASE_COLORS.values(),
+                                 *plots.ACTION_COLORS.values(), plots.WAIT_COLOR, plots.COMM_COLOR)}
+    assert len(set(plots.SERIES_COLORS)) == len(plots.SERIES_COLORS)
+    assert not {c.lower() for c in plots.SERIES_COLORS} & taken
+    assert plots.COMM_COLOR.lower() not in {c.lower() for c in plots.CATEGORY_COLORS.values()}
