@@ -1,7 +1,9 @@
 """Shared fixtures: a tiny GPT and its batches, one torch thread, and two ways to run a notebook.
 
-- `execute_notebook(stem, **parameters)`: the whole notebook under papermill, as `make run` does;
-  returns its results entry (status, error, measurements).
+- `execute_notebook(stem, **parameters)`: the whole chapter under papermill, as `make run` does, in
+  its *student copy* (nbgrader: solutions replaced by stubs): one run checks both the chapter's
+  invariants and that a student copy runs to its end with only the exercises' checks failing
+  (nbval runs the teacher's copy, solutions included); returns its results entry.
 - `validate_parameters(stem, **parameters)`: only the cells up to the parameters cell and the
   validation cell after it, in this process, with the parameters injected as papermill injects
   them; returns the exception the validation raised (None when the parameters are valid).
@@ -169,21 +171,57 @@ def tiny_batch(tiny_config):
     return make
 
 
-@pytest.fixture
-def execute_notebook(tmp_path):
-    """Return a function that runs notebooks/<stem>.ipynb with parameters and returns its results entry.
+@pytest.fixture(scope="session")
+def student_copies(tmp_path_factory) -> Path:
+    """Build every chapter's student copy once per test process (nbgrader); return their folder."""
+    from labkit.tools import classroom
 
+    base = tmp_path_factory.mktemp("student-copies")
+    classroom.build_student_copies(NOTEBOOKS, base / "course", base / "student")
+    return base / "student"
+
+
+def exercise_failures(nb: dict) -> tuple[dict, set, list]:
+    """Return an executed notebook's {cell: error} , its graded check cells, and the code cells that never ran."""
+    failed = {}
+    for i, cell in enumerate(nb["cells"]):
+        for out in cell.get("outputs", []):
+            if out["output_type"] == "error":
+                failed[i] = (cell["metadata"].get("nbgrader", {}).get("grade_id"), f"{out['ename']}: {out['evalue']}")
+    checks = {i for i, c in enumerate(nb["cells"]) if c["metadata"].get("nbgrader", {}).get("grade")}
+    not_run = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and not c.get("execution_count")]
+    return failed, checks, not_run
+
+
+@pytest.fixture
+def execute_notebook(tmp_path, student_copies, monkeypatch):
+    """Return a function that runs the student copy of notebooks/<stem>.ipynb with parameters; return its results entry.
+
+    The copy must run to its end with exactly the exercises' checks failing (their stubs solve nothing).
     Its figures are checked as they are drawn (labkit.tools.figcheck): a problem not in KNOWN_FIGURE_PROBLEMS fails;
     so does a section (text under one heading) that printed more than one PASS line.
     """
+    import json
+    import shutil
+
     from labkit.tools.figcheck import rule_of
     from labkit.tools.runner import run_notebook
 
+    monkeypatch.setenv("LABKIT_BUILD_DIR", str(tmp_path / "build"))  # chapter 08's studies: this test's own
+
     def run(stem: str, timeout_s: float = 300, **parameters) -> dict:
-        path = NOTEBOOKS / f"{stem}.ipynb"
-        assert path.exists(), path
-        entry = run_notebook(path, tmp_path, parameters, timeout_s)
+        assert (NOTEBOOKS / f"{stem}.ipynb").exists(), stem
+        work = tmp_path / "student"
+        if not work.exists():
+            shutil.copytree(student_copies, work)  # %%writefile and friends write beside the notebook
+        entry = run_notebook(work / f"{stem}.ipynb", tmp_path, parameters, timeout_s)
         entry["path"] = tmp_path / entry["executed"]
+        failed, checks, not_run = exercise_failures(json.loads(entry["path"].read_text()))
+        assert set(failed) == checks, f"{stem}: cells that failed {failed}, the exercises' checks {sorted(checks)}"
+        assert not not_run, f"{stem}: code cells that did not run: {not_run}"
+        if entry["status"] == "failed" and failed:  # papermill reports the exercises' failed checks: expected here
+            entry["status"] = "ok"
+            entry.pop("error", None)
         known = KNOWN_FIGURE_PROBLEMS.get(stem, set())
         new = [p for p in entry.get("figure_problems", []) if rule_of(p["problem"]) not in known]
         assert not new, f"{stem}: figures that break CONTRIBUTING.md's rules (cell, figure, problem): {new}"
