@@ -21,17 +21,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 
-# Smaller settings for the chapters whose defaults take a minute or more (or compile C++), where a test runs a whole
-# chapter only to check something its size does not change (a student copy's failing cells, the
-# browser's Run All and panel). Papermill's own injection applies them (`parameterize_notebook`).
-SMALL_PARAMETERS = {
-    "02_activation_checkpointing": dict(COMPILE="off"),  # its compile cells skip, saying why (nbval runs them)
-    "06_model_and_pipeline_parallel": dict(MEMORY_RANKS=0, TIMED_STEPS=1),
-    "07_sharded_data_parallel": dict(MEMORY_RANKS=0, ESTIMATE_RANKS=[8]),
-    "08_memory_aware_search": dict(N_LAYER=2, TRAIN_STEPS=4, N_WORKERS=1, KILL_WORKER=False, FINALISTS=12,
-                                   TIMED_ROUNDS=5, LR_TRIALS=4, SAMPLER_TRIALS=4, SAMPLER_SEEDS=1, SPEEDUP_TRIALS=2,
-                                   SPEEDUP_REPEATS=1, ENGINE_TRIALS=3, BLACK_BOX_TRIALS=0),
-}
 # Figure problems the chapters had when the figure check came (labkit.tools.figcheck, found by `make run`), as
 # {chapter: rules} (figcheck.rule_of): a test that runs a whole chapter allows these and fails on any other.
 # Remove a chapter's rules once its figures pass: the list only shrinks.
@@ -39,6 +28,10 @@ KNOWN_FIGURE_PROBLEMS: dict[str, set[str]] = {  # chapters 00-07 and 09 pass eve
     "08_memory_aware_search": {"legend over data", "cut off"},  # the trial timeline (its x label at small sizes); one legend
 }
 NOTEBOOK_FIXTURES = {"execute_notebook", "validate_parameters"}
+SLOWEST_FIRST = ["08_memory_aware_search.ipynb", "tests/test_nb08.py", "07_sharded_data_parallel.ipynb",
+                 "tests/test_nb07.py", "tests/test_classroom.py", "tests/test_nb06.py", "tests/test_checkpointing.py",
+                 "02_activation_checkpointing.ipynb", "06_model_and_pipeline_parallel.ipynb", "tests/test_search_engines.py",
+                 "tests/test_browser.py"]  # files of a minute or more (make test's --durations), longest first
 SESSION_TAG = "LABKIT_TEST_SESSION"  # inherited by every process the session starts
 
 
@@ -107,12 +100,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.notebook)
         if no_cuda is not None and "cuda" in item.keywords:
             item.add_marker(no_cuda)
-
-
-@pytest.fixture(scope="session")
-def small_parameters() -> dict:
-    """Return SMALL_PARAMETERS: {chapter stem: parameters} for tests that run a whole chapter."""
-    return SMALL_PARAMETERS
+    # the longest files first (xdist's loadscope hands out files in this order): two workers then end together
+    # instead of one running chapter 08's nbval alone at the end
+    items.sort(key=lambda item: next((i for i, name in enumerate(SLOWEST_FIRST) if item.nodeid.startswith(name)
+                                      or f"/{name}" in item.nodeid.split("::")[0]), len(SLOWEST_FIRST)))
 
 
 @pytest.fixture(scope="module")
@@ -197,25 +188,42 @@ def exercise_failures(nb: dict) -> tuple[dict, set, list]:
 def execute_notebook(tmp_path, student_copies, monkeypatch):
     """Return a function that runs the student copy of notebooks/<stem>.ipynb with parameters; return its results entry.
 
-    The copy must run to its end with exactly the exercises' checks failing (their stubs solve nothing).
-    Its figures are checked as they are drawn (labkit.tools.figcheck): a problem not in KNOWN_FIGURE_PROBLEMS fails;
-    so does a section (text under one heading) that printed more than one PASS line.
+    Where Chromium is installed the chapter runs in JupyterLab in the browser (tests/labdriver.py: Run All, its
+    widget panel twice, the notebook saved and read back), else under papermill as `make run` runs it
+    (LABKIT_TEST_PAPERMILL=1 chooses papermill). Either way the copy must run to its end with exactly the
+    exercises' checks failing (their stubs solve nothing). Its figures are checked as they are drawn
+    (labkit.tools.figcheck): a problem not in KNOWN_FIGURE_PROBLEMS fails; so does a section (text under one
+    heading) that printed more than one PASS line.
     """
     import json
+    import os
     import shutil
+
+    import labdriver
+    import nbformat
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
 
     from labkit.tools.figcheck import rule_of
     from labkit.tools.runner import run_notebook
 
     monkeypatch.setenv("LABKIT_BUILD_DIR", str(tmp_path / "build"))  # chapter 08's studies: this test's own
+    in_browser = labdriver.have_chromium() and not os.environ.get("LABKIT_TEST_PAPERMILL")
 
     def run(stem: str, timeout_s: float = 300, **parameters) -> dict:
         assert (NOTEBOOKS / f"{stem}.ipynb").exists(), stem
         work = tmp_path / "student"
         if not work.exists():
             shutil.copytree(student_copies, work)  # %%writefile and friends write beside the notebook
-        entry = run_notebook(work / f"{stem}.ipynb", tmp_path, parameters, timeout_s)
-        entry["path"] = tmp_path / entry["executed"]
+        path = work / f"{stem}.ipynb"
+        shutil.copy2(student_copies / path.name, path)  # a second run starts from the clean copy
+        if parameters:  # as papermill -p injects them: a cell after the one tagged `parameters`
+            nbformat.write(parameterize_notebook(load_notebook_node(str(path)), parameters), path)
+        if in_browser:
+            entry = labdriver.run_chapter(work, stem, tmp_path, timeout_s)
+        else:
+            entry = run_notebook(path, tmp_path, {}, timeout_s)
+            entry["path"] = tmp_path / entry["executed"]
         failed, checks, not_run = exercise_failures(json.loads(entry["path"].read_text()))
         assert set(failed) == checks, f"{stem}: cells that failed {failed}, the exercises' checks {sorted(checks)}"
         assert not not_run, f"{stem}: code cells that did not run: {not_run}"

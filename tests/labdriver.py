@@ -1,0 +1,281 @@
+"""JupyterLab in a real browser, for the tests: a server as `make lab` starts it, Debian's Chromium driven by
+Playwright (which downloads nothing here), and a chapter run as a person runs it.
+
+`run_chapter(folder, stem, out, timeout_s)` is how every whole-chapter test runs its chapter when Chromium is
+there (conftest's `execute_notebook`): JupyterLab on `folder`, Run All, the chapter's widget panel run twice
+(a control moved between), the notebook saved and read back from disk: its records, errors, figure checks and
+PASS lines, as the runner reports a papermill run. The server, the browser and the kernel end with the call,
+on failure too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from labkit.tools import lab
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = os.environ.get("LABKIT_CHROMIUM", "/usr/bin/chromium")
+SHOTS = ROOT / "build" / "browser"
+RUN_ALL_TIMEOUT_S = 600
+LIMIT_S = RUN_ALL_TIMEOUT_S + 240  # past this the watchdog kills the browser: no call waits for ever
+# the key pressed on the panel's first slider: a value that changes the plot and stays cheap to run
+KEYS = {"06_model_and_pipeline_parallel": ["ArrowRight"],  # 3 ranks
+        "07_sharded_data_parallel": ["ArrowRight"],  # 4 ranks: the slider offers only divisors of the batch
+        "08_memory_aware_search": ["End"]}  # a 64 MiB budget: every setting fits
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--disable-breakpad", "--disable-crash-reporter"]  # no crash handler to outlive the browser
+
+
+def have_chromium() -> bool:
+    """Return whether the browser the tests drive is installed."""
+    return os.path.exists(CHROMIUM)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_answers(url: str, proc: subprocess.Popen, log: Path, what: str, limit_s: float = 120) -> None:
+    """Wait until `url` answers; fail with the log's tail if `proc` dies first or `limit_s` passes."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=5).close()
+            return
+        except OSError:
+            pass
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"{what} did not answer within {limit_s:.0f} s"
+        time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Terminate a process started in its own session; kill its group if it does not end in 20 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@contextlib.contextmanager
+def serve(base: Path, root: Path, env: dict, figure_checks: Path | None = None):
+    """Start JupyterLab as `make lab` does, on `root`; yield (url, token); stop it.
+
+    With `figure_checks`, every kernel it starts checks each figure it draws into that file (labkit.tools.figcheck),
+    as the runner's kernels do.
+    """
+    from labkit.tools import figcheck
+
+    lab.install_settings()  # what `make lab` does first
+    port, token = free_port(), secrets.token_hex(16)
+    env = dict(env, JUPYTER_CONFIG_DIR=str(base / "config"), JUPYTERLAB_SETTINGS_DIR=str(base / "settings"),
+               JUPYTER_RUNTIME_DIR=str(base / "runtime"))
+    env.setdefault("LABKIT_BUILD_DIR", str(base / "build"))
+    env.pop("LABKIT_BATCH", None)  # a person at a browser: live plots and widgets
+    if figure_checks is not None:
+        profile = base / "ipython" / "profile_default"
+        profile.mkdir(parents=True, exist_ok=True)
+        (profile / "ipython_kernel_config.py").write_text(
+            "c.IPKernelApp.extra_extensions = ['labkit.tools.figcheck']\n")
+        env.update(IPYTHONDIR=str(base / "ipython"), **{figcheck.OUT_ENV: str(figure_checks)})
+    (base / "workspaces").mkdir(parents=True, exist_ok=True)
+    argv = lab.command(root, base / "workspaces", [
+        "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+        f"--IdentityProvider.token={token}", "--LabApp.expose_app_in_browser=True"])
+    log_path = base / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_answers(f"{url}/api/status?token={token}", proc, log_path, "JupyterLab")
+            yield url, token
+        finally:
+            stop(proc)
+
+
+@contextlib.contextmanager
+def chromium(profile: Path, limit_s: float = LIMIT_S):
+    """Start Debian's Chromium (its own process group) and connect Playwright to it; kill it after.
+
+    Yields (browser, expired): a watchdog kills the browser after `limit_s`, which ends any Playwright
+    call still waiting on it; `expired()` then says so.
+    """
+    from playwright.sync_api import sync_playwright
+
+    port = free_port()
+    proc = subprocess.Popen([CHROMIUM, *CHROMIUM_FLAGS, f"--remote-debugging-port={port}",
+                             f"--user-data-dir={profile}", "about:blank"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    expired = threading.Event()
+
+    def kill():
+        expired.set()
+        os.killpg(proc.pid, signal.SIGKILL)
+
+    watchdog = threading.Timer(limit_s, kill)
+    watchdog.daemon = True
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/json/version", timeout=5).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "Chromium did not start"
+                time.sleep(0.2)
+        watchdog.start()
+        with sync_playwright() as p:
+            b = p.chromium.connect_over_cdp(f"http://127.0.0.1:{port}")
+            try:
+                yield b, expired.is_set
+            finally:
+                try:
+                    b.close()
+                except Exception:
+                    pass  # killed by the watchdog already
+    finally:
+        watchdog.cancel()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def delete_sessions(url: str, token: str) -> None:
+    """Shut down every kernel the page started (a chapter's kernel must not outlive its test)."""
+    with urllib.request.urlopen(f"{url}/api/sessions?token={token}", timeout=30) as r:
+        sessions = json.load(r)
+    for s in sessions:
+        req = urllib.request.Request(f"{url}/api/sessions/{s['id']}?token={token}", method="DELETE")
+        urllib.request.urlopen(req, timeout=60).close()
+
+
+STATE_JS = """() => {
+  const nb = window.jupyterapp.shell.currentWidget;
+  const code = nb.content.widgets.filter(c => c.model.type === 'code');
+  const errors = code.flatMap(c => c.model.toJSON().outputs.filter(o => o.output_type === 'error')
+                                    .map(o => o.ename + ': ' + o.evalue));
+  return {status: nb.sessionContext.session?.kernel?.status ?? 'none',
+          running: code.filter(c => (c.promptNode?.textContent ?? '').includes('*')).length,
+          notRun: code.filter(c => c.model.executionCount === null).length, errors};
+}"""
+
+
+def run_all(page, stop_on_error: bool = True, timeout_s: float = RUN_ALL_TIMEOUT_S) -> dict:
+    """Run every cell of the open notebook; return its state (errors, cells not run) once the kernel is idle."""
+    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+                           " && window.jupyterapp.shell.currentWidget.sessionContext", timeout=60_000)
+    page.wait_for_function("() => window.jupyterapp.shell.currentWidget.sessionContext.isReady", timeout=120_000)
+    # started, not awaited: the command's promise settles only when every cell has run
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); return true; }")
+    deadline = time.monotonic() + timeout_s
+    idle_since = None
+    while time.monotonic() < deadline:
+        state = page.evaluate(STATE_JS)
+        if state["errors"] and stop_on_error:
+            return state
+        quiet = state["status"] == "idle" and state["running"] == 0
+        idle_since = (idle_since or time.monotonic()) if quiet else None
+        if quiet and (state["notRun"] == 0 or time.monotonic() - idle_since > 5):
+            return state
+        time.sleep(1)
+    raise AssertionError(f"Run All did not finish within {timeout_s:.0f} s: {page.evaluate(STATE_JS)}")
+
+
+def press_run(panel, output) -> tuple[str, str]:
+    """Press the panel's Run; wait until its output changed and settled; return (status, output html)."""
+    before = output.inner_html()
+    button = panel.locator("button:has-text('Run')").first
+    button.click()
+    status = panel.locator(".widget-hbox .widget-html").first
+    deadline = time.monotonic() + 180
+    last = None
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        text, html = status.inner_text().strip(), output.inner_html()
+        settled = text in ("done", "does not fit") or text.startswith("error")
+        if settled and not button.is_disabled() and html != before and html == last:
+            return text, html
+        last = html
+    raise AssertionError(f"the panel's Run did not change its output within 180 s (status {status.inner_text()!r})")
+
+
+def exercise_panel(page, stem: str) -> None:
+    """Run the chapter's widget panel, move its first slider, run it again: a plot each time, no error."""
+    panel = page.locator(".widget-vbox:has(> .widget-hbox > button:has-text('Run'))").last
+    panel.scroll_into_view_if_needed()
+    output = panel.locator(".widget-output").first
+    first, before = press_run(panel, output)
+    assert not first.startswith("error") and "Traceback" not in output.inner_text(), output.inner_text()[-2000:]
+    slider = panel.locator(".noUi-handle").first
+    slider.focus()
+    for key in KEYS.get(stem, ["Home"]):
+        slider.press(key)
+    second, after = press_run(panel, output)  # fails unless the output changed
+    assert not second.startswith("error") and "Traceback" not in output.inner_text(), output.inner_text()[-2000:]
+    assert "<img" in before, f"{stem}: the panel drew no plot on Run (every panel shows its experiment as one)"
+    assert "<img" in after, f"{stem}: the panel's plot is gone after the second Run"
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    panel.scroll_into_view_if_needed()
+    page.screenshot(path=str(SHOTS / f"{stem}.png"))
+
+
+def run_chapter(folder: Path, stem: str, out: Path, timeout_s: float = RUN_ALL_TIMEOUT_S) -> dict:
+    """Run folder/<stem>.ipynb in JupyterLab as a person would; return a results entry like the runner's.
+
+    Run All going on past failed cells tagged `raises-exception` (a student copy's exercise checks), then the
+    widget panel twice; the notebook is saved by JupyterLab and read back: {status, measurements,
+    figure_problems, crowded_sections, path}.
+    """
+    from labkit.results import records_from_notebook
+    from labkit.tools import figcheck
+    from labkit.tools.nbcheck import crowded_sections
+
+    base = out / f"lab-{stem}"
+    base.mkdir(parents=True, exist_ok=True)
+    checks = base / "figures.jsonl"
+    start = time.perf_counter()
+    with serve(base, folder, dict(os.environ), figure_checks=checks) as (url, token), \
+            chromium(base / "profile", min(LIMIT_S, timeout_s + 240)) as (b, expired):
+        page = b.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+        try:
+            page.goto(f"{url}/lab/tree/{stem}.ipynb?token={token}&reset")
+            state = run_all(page, stop_on_error=False, timeout_s=timeout_s)
+            exercise_panel(page, stem)
+            page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+        except Exception as e:
+            if expired():
+                raise AssertionError(f"{stem} still ran after the watchdog's limit: it killed the browser") from e
+            raise
+        finally:
+            try:
+                page.close()
+            except Exception:
+                pass  # the browser is gone (watchdog)
+            delete_sessions(url, token)  # its kernel, and the kernel's children, end here
+    import nbformat
+
+    path = folder / f"{stem}.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    entry = {"status": "ok", "wall_s": round(time.perf_counter() - start, 3), "state": state,
+             "measurements": records_from_notebook(nb),
+             "figure_problems": figcheck.problems_by_cell(nb, figcheck.read_lines(checks)),
+             "crowded_sections": crowded_sections(nb), "path": path}
+    return entry
