@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from labkit.models import IGNORE_INDEX
+from labkit.models import IGNORE_INDEX, count_tokens
 from labkit.validate import check_choice, check_int
 
 NORMALISATIONS = ("mean", "tokens", "naive")
@@ -61,11 +61,6 @@ def split_batch(batch: Sequence[torch.Tensor], micro_batch_size: int) -> list[tu
     parts = [t.split(micro_batch_size) if isinstance(t, torch.Tensor) else None for t in batch]
     n = len(next(p for p in parts if p is not None))
     return [tuple(t if p is None else p[i] for t, p in zip(batch, parts)) for i in range(n)]
-
-
-def count_tokens(targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
-    """Return the number of real targets (those != ignore_index)."""
-    return int((targets != ignore_index).sum())
 
 
 def _logits(out):

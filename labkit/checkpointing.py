@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from labkit.models import blocks_name
 from labkit.validate import check_int
 
 MATMUL_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
@@ -111,13 +112,6 @@ class CheckpointedSequential(nn.Sequential):
                 f"use_reentrant={self.use_reentrant}")
 
 
-def _stack_name(model: nn.Module) -> str:
-    for name in ("blocks", "layers"):
-        if isinstance(getattr(model, name, None), nn.Sequential):
-            return name
-    raise TypeError(f"{type(model).__name__} has no nn.Sequential `blocks` (GPT) or `layers` (MLP) to checkpoint")
-
-
 def checkpoint_blocks(model: nn.Module, segments: int | None, *, checkpoint_last: bool = False,
                       selective: bool = False, save_ops=MATMUL_OPS, use_reentrant: bool = False,
                       preserve_rng_state: bool = True) -> nn.Module:
@@ -125,7 +119,7 @@ def checkpoint_blocks(model: nn.Module, segments: int | None, *, checkpoint_last
 
     segments=1 is the plain model; segments=n with checkpoint_last=True checkpoints every block.
     """
-    name = _stack_name(model)
+    name = blocks_name(model)
     blocks = list(getattr(model, name))
     if segments is None:
         setattr(model, name, nn.Sequential(*blocks))

@@ -21,8 +21,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from labkit.meter import MemoryMeter
-from labkit.models import GPTConfig, MLPConfig, build_model
-from labkit.train import make_optimizer, train_step
+from labkit.models import GPTConfig, MLPConfig, blocks_of, build_model
+from labkit.train import create_optimizer_state, make_optimizer, train_step
 from labkit.validate import check_int
 
 
@@ -100,10 +100,7 @@ def _one_process_step(cfg, batch_size: int, seq_len: int | None, optimizer: str)
         model = build_model(cfg)
         opt = make_optimizer(optimizer, model.parameters())
         batch = example_batch(cfg, batch_size, seq_len)
-        for p in model.parameters():  # create the optimizer state without a forward pass
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        create_optimizer_state(opt)
         peak, split, states = _metered_step(model, opt, batch)
         n = sum(p.numel() for p in model.parameters())
     _ONE_PROCESS.clear()  # keep one: a sweep over ranks and stages asks for the same step again and again
@@ -125,7 +122,7 @@ def _fsdp_step(cfg, batch_size: int, seq_len: int | None, optimizer: str, world_
         mesh = init_device_mesh("cpu", (world_size,))  # outside fake mode: the mesh reads real rank lists
         with torch.device("meta"):  # shard on meta tensors: FSDP2 splits every parameter N ways, cheap only here
             model = build_model(cfg)
-        for block in getattr(model, "blocks", getattr(model, "layers", [])):
+        for block in blocks_of(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         with FakeTensorMode(allow_non_fake_inputs=True):  # the meta shards become fake cpu ones: FSDP2's meta init

@@ -73,8 +73,9 @@ from dataclasses import dataclass
 
 import torch
 
-from labkit.device import as_device, synchronize
+from labkit.device import as_device
 from labkit.meter import MemoryMeter, active_meter
+from labkit.throughput import fastest_s
 from labkit.validate import check_choice, check_int
 
 HOST_KINDS = ("auto", "pinned", "memory", "disk")
@@ -288,17 +289,8 @@ def copy_bandwidth(dst: torch.Tensor, src: torch.Tensor, repeats: int = 3) -> fl
     if nbytes == 0:
         raise ValueError("src is empty: there is no copy to time")
     devices = {as_device(dst.device), as_device(src.device)}
-    best_s = math.inf
-    for i in range(repeats + 1):  # the first copy warms up (first touch of the pages, the driver's staging)
-        for d in devices:
-            synchronize(d)
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)  # no effect on pageable memory or between CPU tensors
-        for d in devices:
-            synchronize(d)
-        if i:
-            best_s = min(best_s, time.perf_counter() - t0)
-    return nbytes / best_s
+    # non_blocking has no effect on pageable memory or between CPU tensors; the warm-up copy touches the pages first
+    return nbytes / fastest_s(lambda: dst.copy_(src, non_blocking=True), repeats, *devices)
 
 
 def overlap_fraction(a_s: float, b_s: float, together_s: float) -> float:
@@ -374,15 +366,7 @@ def copy_compute_overlap(device, nbytes: int = 64 * 2**20, repeats: int = 3, mat
 
     def best_s(fn) -> float:
         """Return the fastest of `repeats` timed runs of `fn` (after a warm-up), synchronised around each."""
-        out = math.inf
-        for i in range(repeats + 1):
-            torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize(dev)
-            if i:
-                out = min(out, time.perf_counter() - t0)
-        return out
+        return fastest_s(fn, repeats, dev)
 
     def issue_s(host) -> float:
         """Return the fastest host time for `dst.copy_(host, non_blocking=True)` to return (not to finish)."""

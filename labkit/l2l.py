@@ -58,11 +58,10 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from labkit.models import IGNORE_INDEX
 from labkit.device import as_device
 from labkit.hosttier import host_tier, mark_host_state, pin, to_device, to_host
 from labkit.meter import MemoryMeter, active_meter
-from labkit.models import split_stages, stage_name
+from labkit.models import split_stages, stage_name, token_weights
 from labkit.validate import check_int
 
 __all__ = ["L2LTrainer", "measure_l2l_step"]
@@ -238,16 +237,6 @@ class L2LTrainer:
         """Return a visit's order of the k micro-batches: every other visit backwards, starting where the last ended."""
         return range(k) if visit % 2 == 0 else range(k - 1, -1, -1)
 
-    @staticmethod
-    def _loss_scales(mbs: list) -> list:
-        """Return each micro-batch's loss weight (its share of the real targets); [None] for one micro-batch."""
-        if len(mbs) == 1:
-            return [None]
-        counts = torch.stack([(t != IGNORE_INDEX).sum() for _, t in mbs]).tolist()
-        if sum(counts) == 0:
-            raise ValueError("the batch holds no real targets (every target is the ignore index)")
-        return [c / sum(counts) for c in counts]
-
     def _run(self, weights: Iterator[dict], mbs: list) -> tuple[list, torch.Tensor]:
         """Run the forward and backward visits over the micro-batches `mbs`; return (host_grads, loss)."""
         n, k = len(self.stages), len(mbs)
@@ -291,7 +280,7 @@ class L2LTrainer:
         # 2. the last stage: forward and backward at once, micro-batch by micro-batch
         host_grads: list = []  # (host parameter, host gradient) pairs, added up after the backward
         grads = [None] * k  # grads[j]: host copy of the gradient w.r.t. micro-batch j's input of the last visit
-        scales = self._loss_scales(mbs)
+        scales = [None] if k == 1 else token_weights(t for _, t in mbs)  # each one's share of the real targets
         losses = []
         with phase("backward"):
             w = self._trainable(n - 1, next(weights))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from labkit.validate import check_int
 
@@ -217,6 +218,42 @@ def _embed(m, idx, block_size: int):  # m: a GPT or its EmbedStage; idx (B, T) i
     if m.pos_emb is not None:
         x = x + m.pos_emb(torch.arange(T, device=idx.device))
     return m.drop(x)
+
+
+BLOCK_STACKS = ("blocks", "layers")  # where a model keeps its repeated blocks: GPT's `blocks`, MLP's `layers`
+
+
+def blocks_name(model: nn.Module) -> str:
+    """Return the name of the model's nn.Sequential of repeated blocks (`blocks` for a GPT, `layers` for an MLP)."""
+    for name in BLOCK_STACKS:
+        if isinstance(getattr(model, name, None), nn.Sequential):
+            return name
+    raise TypeError(f"{type(model).__name__} has no nn.Sequential `blocks` (GPT) or `layers` (MLP)")
+
+
+def blocks_of(model: nn.Module) -> nn.Sequential:
+    """Return the model's nn.Sequential of repeated blocks (a GPT's `blocks`, an MLP's `layers`)."""
+    return getattr(model, blocks_name(model))
+
+
+def count_tokens(targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
+    """Return the number of real targets (those != ignore_index)."""
+    return int((targets != ignore_index).sum())
+
+
+def token_weights(targets) -> list[float]:
+    """Return each micro-batch's share of the step's real targets: the weights of their mean losses in the step's loss.
+
+    `targets` holds one tensor per micro-batch. Fake tensors hold no values: they are weighed by their sizes.
+    """
+    targets = list(targets)
+    if any(isinstance(t, FakeTensor) for t in targets):
+        total = sum(t.numel() for t in targets)
+        return [t.numel() / total for t in targets]
+    counts = torch.stack([(t != IGNORE_INDEX).sum() for t in targets]).tolist()  # one read from the device
+    if sum(counts) == 0:
+        raise ValueError(f"the micro-batches hold no real targets (every target is IGNORE_INDEX, {IGNORE_INDEX})")
+    return [c / sum(counts) for c in counts]
 
 
 def token_loss(logits, targets):  # logits (B, T, V), targets (B, T) -> ()

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from labkit.accumulation import count_tokens
 from labkit.compare import flat
 from labkit.meter import MemoryMeter
+from labkit.models import blocks_of, token_weights
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -80,17 +80,7 @@ def amp_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mic
         raise ValueError("amp_train_step needs at least one micro-batch")
     device = next(model.parameters()).device
     check_precision(precision, device)
-    if len(micro_batches) == 1:
-        weights = [1.0]  # no count needed
-    elif any(isinstance(b[-1], FakeTensor) for b in micro_batches):  # fake tensors carry no values: weigh by size
-        total = sum(b[-1].numel() for b in micro_batches)
-        weights = [b[-1].numel() / total for b in micro_batches]
-    else:
-        counts = [count_tokens(b[-1]) for b in micro_batches]
-        total = sum(counts)
-        if total == 0:
-            raise ValueError("the micro-batches hold no targets (all are -100)")
-        weights = [n / total for n in counts]
+    weights = [1.0] if len(micro_batches) == 1 else token_weights(b[-1] for b in micro_batches)
     loss_sum = 0.0
     for batch, w in zip(micro_batches, weights):
         with autocast(precision, device):
@@ -199,14 +189,6 @@ class GradientSample:
     losses: list  # the loss of each step
 
 
-def _blocks(model: torch.nn.Module):
-    for name in ("blocks", "layers"):
-        seq = getattr(model, name, None)
-        if isinstance(seq, torch.nn.Sequential):
-            return list(seq)
-    raise ValueError("collect_gradients needs a model with a `blocks` or `layers` nn.Sequential (GPT, MLP)")
-
-
 def collect_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, batches,
                       loss_scale: float = 1.0) -> GradientSample:
     """Train one fp32 step per batch and return all weight gradients and block-output gradients seen.
@@ -221,7 +203,7 @@ def collect_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda g: acts.append(g.detach().flatten().clone()))
 
-    for block in _blocks(model):
+    for block in blocks_of(model):
         hooks.append(block.register_forward_hook(keep_output_grad))
     try:
         for batch in batches:

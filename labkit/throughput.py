@@ -14,6 +14,25 @@ from labkit.meter import active_meter
 from labkit.validate import check_int
 
 
+def timed_call(fn: Callable[[], object], *devices) -> float:
+    """Return the seconds `fn()` takes, each device given (a name or torch.device) synchronised before and after it."""
+    devices = [torch.device(d) for d in devices]
+    for d in devices:
+        synchronize(d)
+    t0 = time.perf_counter()
+    fn()
+    for d in devices:
+        synchronize(d)
+    return time.perf_counter() - t0
+
+
+def fastest_s(fn: Callable[[], object], repeats: int, *devices) -> float:
+    """Return the fastest of `repeats` timed calls of `fn` (timed_call) after one untimed warm-up call."""
+    check_int("repeats", repeats, 1)
+    timed_call(fn, *devices)
+    return min(timed_call(fn, *devices) for _ in range(repeats))
+
+
 @dataclass(frozen=True)
 class Throughput:
     """Timing of repeated steps (median step time)."""
@@ -56,12 +75,7 @@ def measure_throughputs(step_fns: Mapping[str, Callable[[], object]], *, samples
     names = list(step_fns)
     for r in range(steps):
         for name in names[r % len(names):] + names[:r % len(names)]:  # each round starts one later: no fixed places
-            fn = step_fns[name]
-            synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            synchronize(device)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(timed_call(step_fns[name], device))
     out = {}
     for name, ts in times.items():
         step_s = statistics.median(ts)

@@ -22,6 +22,15 @@ def make_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimizer
     raise ValueError(f"optimizer name must be one of {OPTIMIZERS}, got {name!r}")
 
 
+def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state without a forward pass: zero gradients, one update, gradients dropped."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch) -> torch.Tensor:
     """Run forward, backward and the optimizer step on one batch; return the detached loss."""
     _, loss = model(*batch)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
-import urllib.request
 import json
 from pathlib import Path
 

@@ -501,3 +501,35 @@ def test_running_example_does_not_fit_its_budget():
     assert isinstance(res.error, OutOfMemory)
     assert res.error.budget_bytes == ex.budget_bytes
     assert res.error.in_use_bytes + res.error.requested_bytes > ex.budget_bytes >= res.error.in_use_bytes
+
+
+# -- the step core: optimizer state without a forward, a timed call --------------------------------------
+def test_create_optimizer_state_makes_adams_state_and_leaves_no_gradient():
+    from labkit.train import create_optimizer_state, make_optimizer
+
+    model = torch.nn.Linear(4, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = make_optimizer("adam", model.parameters())
+    create_optimizer_state(opt)
+    assert all(set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # a zero gradient moves no weight
+
+
+def test_fastest_s_warms_up_once_then_keeps_the_fastest_of_its_repeats():
+    from labkit.throughput import fastest_s, timed_call
+
+    calls = []
+    pauses = iter([0.05, 0.03, 0.001, 0.02])  # the warm-up is the slowest: it must not count
+
+    def fn():
+        calls.append(1)
+        time_to_wait = next(pauses)
+        import time
+        time.sleep(time_to_wait)
+
+    best = fastest_s(fn, 3, "cpu")
+    assert len(calls) == 4 and 0.001 <= best < 0.02
+    assert timed_call(lambda: None, "cpu") >= 0
+    with pytest.raises(validate.ParameterError, match="repeats"):
+        fastest_s(fn, 0)

@@ -250,3 +250,28 @@ def test_split_stages_of_an_mlp_and_errors():
     assert isinstance(stages[-1], MLPHeadStage)
     with pytest.raises(TypeError, match="GPT and MLP"):
         split_stages(torch.nn.Linear(2, 2))
+
+
+# -- the step's shared rules: whose tokens count, where the blocks are --------------------------------------
+def test_token_weights_are_each_micro_batchs_share_of_the_real_targets():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from labkit.models import IGNORE_INDEX, token_weights
+
+    a = torch.tensor([[1, 2, IGNORE_INDEX]])  # 2 real targets
+    b = torch.tensor([[3, IGNORE_INDEX, IGNORE_INDEX], [4, 5, 6]])  # 4 real targets
+    assert token_weights([a, b]) == [2 / 6, 4 / 6]
+    with pytest.raises(ValueError, match="no real targets"):
+        token_weights([torch.full((2, 3), IGNORE_INDEX)])
+    with FakeTensorMode():  # no values to count: weighed by size
+        assert token_weights([torch.zeros(1, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long)]) == [1 / 3, 2 / 3]
+
+
+def test_blocks_of_finds_a_gpts_blocks_and_an_mlps_layers_and_names_what_is_missing():
+    from labkit.models import blocks_name, blocks_of
+
+    gpt, mlp = GPT(GPTConfig(n_layer=3, n_embd=16, n_head=2, block_size=8, vocab_size=32)), MLP(MLPConfig(depth=2))
+    assert blocks_name(gpt) == "blocks" and blocks_of(gpt) is gpt.blocks and len(blocks_of(gpt)) == 3
+    assert blocks_name(mlp) == "layers" and blocks_of(mlp) is mlp.layers and len(blocks_of(mlp)) == 2
+    with pytest.raises(TypeError, match="Linear has no nn.Sequential `blocks`"):
+        blocks_of(torch.nn.Linear(2, 2))

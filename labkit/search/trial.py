@@ -22,7 +22,6 @@ import dataclasses
 import json
 import math
 import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from labkit.accumulation import split_batch
 from labkit.checkpointing import checkpoint_blocks
 from labkit.data import MarkovTokens
-from labkit.device import as_device, device_memory_bytes, resolve_device, synchronize
+from labkit.device import as_device, resolve_device
 from labkit.estimate import example_batch
 from labkit.l2l import L2LTrainer
 from labkit.meter import MemoryMeter, OutOfMemory
@@ -39,8 +38,8 @@ from labkit.models import GPT, GPTConfig
 from labkit.offload import OffloadHooks
 from labkit.precision import amp_train_step, check_precision
 from labkit.search.space import check_params, workbook_space
-from labkit.throughput import Throughput, measure_throughputs
-from labkit.train import make_optimizer
+from labkit.throughput import Throughput, measure_throughputs, timed_call
+from labkit.train import create_optimizer_state, make_optimizer
 from labkit.validate import check_int
 
 STATUSES = ("ok", "predicted_oom", "oom", "pruned")
@@ -183,12 +182,7 @@ class SettingStep:
 
     def create_optimizer_state(self) -> None:
         """Create Adam's state without a forward pass (zero gradients, one update): a steady step's bytes."""
-        opt = self.l2l.optimizer if self.technique == "l2l" else self.optimizer
-        params = [p for group in opt.param_groups for p in group["params"]]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        create_optimizer_state(self.l2l.optimizer if self.technique == "l2l" else self.optimizer)
 
     def attach(self, meter: MemoryMeter) -> None:
         """Let `meter` count this setting's parameters, gradients and optimizer state by category."""
@@ -416,11 +410,7 @@ def confirm_oom(params: dict, config: StudyConfig) -> bool:
 
 def _timed_step(step: SettingStep, batch, device) -> float:
     """Run one optimizer step on `batch`; return its seconds, the device synchronised on both sides."""
-    synchronize(device)
-    t0 = time.perf_counter()
-    step.step(batch)
-    synchronize(device)
-    return time.perf_counter() - t0
+    return timed_call(lambda: step.step(batch), device)
 
 
 def time_settings(settings: dict[str, dict], config: StudyConfig, rounds: int) -> dict[str, Throughput]:
