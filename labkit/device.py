@@ -63,13 +63,6 @@ def resolve_device(name: str | torch.device = "auto", param: str = "device") -> 
     return torch.device("cpu")
 
 
-def device_memory_bytes(device: torch.device) -> int | None:
-    """Return the device's total memory in bytes (None where torch cannot tell, e.g. CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return None
-
-
 def hardware_report(device: str | torch.device = "auto") -> str:
     """Describe the device, its memory and the torch version in one line."""
     dev = resolve_device(device) if not isinstance(device, torch.device) else device
