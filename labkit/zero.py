@@ -21,7 +21,6 @@ from labkit.meter import format_bytes
 from labkit.validate import check_budget, check_choice, check_int
 
 STAGES = (0, 1, 2, 3)
-FP32_ADAM = {"param_bytes": 4, "grad_bytes": 4, "state_bytes": 8}  # weights, gradients, Adam's two moments
 MIXED_ADAM = {"param_bytes": 2, "grad_bytes": 2, "state_bytes": 12}  # fp16 weights and gradients; fp32 master, m, v
 
 

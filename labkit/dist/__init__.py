@@ -9,8 +9,8 @@
 """
 
 from labkit.dist.comm import CommCounter
-from labkit.dist.launch import RankFailure, RankResult, free_port, launch
-from labkit.dist.rank import add_span, device, meter, now_s, rank, run, span, world_size
+from labkit.dist.launch import RankFailure, RankResult, launch
+from labkit.dist.rank import device, meter, now_s, rank, run, span, world_size
 
-__all__ = ["CommCounter", "RankFailure", "RankResult", "add_span", "device", "free_port", "launch", "meter",
+__all__ = ["CommCounter", "RankFailure", "RankResult", "device", "launch", "meter",
            "now_s", "rank", "run", "span", "world_size"]

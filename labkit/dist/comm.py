@@ -71,10 +71,6 @@ class CommCounter(TorchDispatchMode):
         self.calls[kind] = self.calls.get(kind, 0) + 1
         self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
 
-    def total_bytes(self) -> int:
-        """Return the bytes handed to every kind of call together."""
-        return sum(self.bytes.values())
-
     def wire_bytes(self, world_size: int) -> float:
         """Return the bytes this rank sends with ring algorithms on `world_size` ranks (receiving counts nothing)."""
         n = world_size

@@ -94,14 +94,6 @@ def _failure(results: list[RankResult]) -> RankFailure:
     return RankFailure("\n".join(lines), results, first)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port on `host` that was free a moment ago (for a torchrun rendezvous endpoint)."""
-    import socket
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _cli(params: dict) -> list[str]:
     """Turn {"micro_batches": 4, "schedule": "1F1B"} into ["--micro_batches", "4", "--schedule", "'1F1B'"]."""
     out = []

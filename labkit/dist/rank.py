@@ -129,12 +129,6 @@ def _spans() -> list[list]:
     return out
 
 
-def add_span(label: str, start_s: float, end_s: float, core_wait_s: float = 0.0) -> None:
-    """Add a span measured elsewhere (seconds on this rank's clock, see now_s)."""
-    _state["spans"].append((label, float(start_s), float(end_s)))
-    _state["core_waits"].append(float(core_wait_s))
-
-
 @contextlib.contextmanager
 def meter(name: str, budget_bytes: int | None = None):
     """Open a MemoryMeter on this rank's device; its summary goes back to the launcher under `name`."""
