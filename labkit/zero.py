@@ -81,8 +81,13 @@ def describe_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float], bud
     others = [named(p) for p in fits if p != best]
     among = ("each paying something besides bytes; " if best in costs else
              "" if len(fits) == 1 else "of those that pay nothing besides bytes, ")
-    return (f"{len(fits)} of {len(peak_bytes)} points fit {format_bytes(budget_bytes)}; {among}{named(best)} sends the "
-            f"fewest ({format_bytes(sent_bytes[best])} per step, peak {format_bytes(peak_bytes[best])})"
+    candidates = [p for p in fits if p not in costs] or fits
+    tied = [named(p) for p in candidates if p != best and sent_bytes[p] == sent_bytes[best]]
+    fewest = (f"sends the fewest ({format_bytes(sent_bytes[best])} per step, peak {format_bytes(peak_bytes[best])})"
+              if not tied else
+              f"ties for the fewest ({format_bytes(sent_bytes[best])} per step, peak {format_bytes(peak_bytes[best])}) "
+              f"with {', '.join(tied)}; {best} is the simplest of the tied points (listed first)")
+    return (f"{len(fits)} of {len(peak_bytes)} points fit {format_bytes(budget_bytes)}; {among}{named(best)} {fewest}"
             + (f"; also fit{'s' if len(others) == 1 else ''}: {', '.join(others)}" if others else ""))
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from labkit.meter import format_bytes
 from labkit.tools import closing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,9 +52,9 @@ def test_missing_results_and_missing_chapters_are_named_with_the_command(results
     del partial["notebooks"]["06_model_and_pipeline_parallel"]
     partial["notebooks"]["03_mixed_precision"]["status"] = "failed"
     del partial["notebooks"]["05_layer_to_layer"]["measurements"]["l2l_peak_bytes"]
-    renamed = copy.deepcopy(results)  # chapter 03's 16-bit figures under their newer names count as recorded
+    renamed = copy.deepcopy(results)  # chapter 03's 16-bit figures under their older names count as recorded
     m03 = renamed["notebooks"]["03_mixed_precision"]["measurements"]
-    m03["peak_bytes_half"], m03["throughput_ratio_half"] = m03.pop("peak_bytes_bf16"), m03.pop("throughput_ratio_bf16")
+    m03["peak_bytes_bf16"], m03["throughput_ratio_bf16"] = m03.pop("peak_bytes_half"), m03.pop("throughput_ratio_half")
     assert closing.missing(renamed) == {}
     assert closing.one_device_rows(renamed) == closing.one_device_rows(results)
     gaps = closing.missing(partial)
@@ -102,21 +103,86 @@ def _set_time_ratio(results: dict, chapter: str, ratio: float) -> dict:
 def test_the_order_and_its_sentence_change_with_the_figures(results):
     rows = closing.cost_order(closing.one_device_rows(results))
     order, sentence = [r["technique"] for r in rows], closing.order_sentence(rows)
-    first, last = rows[0], rows[-1]
-    # the first technique made ten times slower goes to the end, and the sentence names the next one
+    ranked = [r["technique"] for r in rows if r["time_ranked"]]
+    unranked = [r["technique"] for r in rows if not r["time_ranked"]]
+    assert order == ranked + unranked  # a time not ranked never goes ahead of one that is
+    first = rows[0]
+    last = next(r for r in reversed(rows) if r["time_ranked"])
+    # the first technique made ten times slower goes to the end of the ranked ones, and the sentence names the next
     slow = closing.cost_order(closing.one_device_rows(_set_time_ratio(results, first["chapter"], 10.0)))
-    assert [r["technique"] for r in slow] == order[1:] + order[:1]
+    assert [r["technique"] for r in slow] == ranked[1:] + ranked[:1] + unranked
     assert closing.order_sentence(slow) != sentence
     assert closing.order_sentence(slow).startswith(f"On this run {order[1]} comes first")
-    # the last one made free (the plain step's time) moves ahead of every technique that costs time
+    # the last ranked one made free (the plain step's time) moves ahead of every technique that costs time
     free = closing.cost_order(closing.one_device_rows(_set_time_ratio(results, last["chapter"], 1.0)))
     names = [r["technique"] for r in free]
-    paying = [r["technique"] for r in rows if r["time_ratio"] > 1 and r is not last]
+    paying = [r["technique"] for r in rows if r["time_ranked"] and r["time_ratio"] > 1 and r is not last]
     assert names != order and all(names.index(last["technique"]) < names.index(p) for p in paying), names
     # made faster than every other, it comes first
     fast = closing.cost_order(closing.one_device_rows(_set_time_ratio(results, last["chapter"], 0.01)))
     assert fast[0]["technique"] == last["technique"]
     assert "saved memory and the step got faster" in closing.order_sentence(fast)
+
+
+def test_a_time_not_timed_in_pairs_or_judged_unreliable_is_not_ranked(results):
+    rows = {r["chapter"]: r for r in closing.one_device_rows(results)}
+    assert not rows["01"]["time_ranked"] and "not timed in pairs" in rows["01"]["timing"]
+    order = [r["technique"] for r in closing.cost_order(closing.one_device_rows(results))]
+    for ratio in (0.01, 10.0):  # 01's time, timed per setting, moves nothing
+        changed = closing.cost_order(closing.one_device_rows(_set_time_ratio(results, "01", ratio)))
+        assert [r["technique"] for r in changed] == order
+    unreliable = copy.deepcopy(results)
+    unreliable["notebooks"]["03_mixed_precision"]["measurements"]["throughput_ratio_half_reliable"] = False
+    rows = closing.cost_order(closing.one_device_rows(unreliable))
+    r03 = next(r for r in rows if r["chapter"] == "03")
+    assert not r03["time_ranked"] and "unreliable" in r03["timing"]
+    assert rows.index(r03) >= sum(r["time_ranked"] for r in rows)
+
+
+def test_close_costs_are_tied_and_time_savers_go_first_by_time_saved(results):
+    tweaked = _set_time_ratio(_set_time_ratio(results, "04", 1.30), "05", 1.36)
+    rows = closing.cost_order(closing.one_device_rows(tweaked), 0.05)
+    by_ch = {r["chapter"]: r for r in rows}
+    assert closing.tied(by_ch["04"], by_ch["05"], 0.05) and not closing.tied(by_ch["04"], by_ch["05"], 0.0)
+    line = closing.order_line(rows.index(by_ch["05"]) + 1, by_ch["05"], rows, 0.05)
+    assert f"tied with place {rows.index(by_ch['04']) + 1} within the tolerance" in line
+    # two techniques that save time: the one that saves more time first, whatever memory each saves
+    both = _set_time_ratio(_set_time_ratio(results, "04", 0.9), "03", 0.6)
+    rows = closing.cost_order(closing.one_device_rows(both), 0.05)
+    assert [r["chapter"] for r in rows[:2]] == ["03", "04"]
+
+
+def test_the_fit_sentence_states_the_headroom_left_for_a_reserve(results):
+    order = closing.cost_order(closing.one_device_rows(results))
+    fit = next(r for r in order if r["fits"])
+    sentence = closing.order_sentence(order)
+    assert format_bytes(fit["headroom"]) in sentence and "reserve" in sentence
+
+
+def test_the_search_lines_call_a_chapter_with_the_chosen_setting_the_same_setting(results):
+    chosen = closing.search_figures(results)
+    for name in chosen["same"]:
+        assert chosen["noise"] >= abs(chosen["ratios"][name] - 1)  # two copies of one setting widen the band
+    lines = closing.search_lines(chosen)
+    assert sum("the same setting" in line for line in lines) == len(chosen["same"])
+    changed = copy.deepcopy(results)
+    m = changed["notebooks"]["08_memory_aware_search"]["measurements"]
+    name = next(iter(m["fastest_vs_chapters_paired_ratio"]))
+    m["chapters_with_fastest_setting"], m["fastest_vs_chapters_paired_ratio"][name] = [name], 1.3
+    chosen = closing.search_figures(changed)
+    assert chosen["noise"] == pytest.approx(0.3) and f"against {name}: the same setting" in closing.search_lines(chosen)[0]
+
+
+def test_the_several_device_lines_print_every_bubble_and_say_a_tie(results):
+    f = closing.several_device_figures(results)
+    text = "\n".join(closing.several_device_lines(f, 8))
+    for schedule, bubble in f["bubble_by_microbatches"].items():
+        for m, b in bubble.items():
+            assert f"M={m}: {b:.0%}" in text
+    assert "with its share of the batch" in text
+    comm, chosen = f["comm_bytes"], f["use_when"]["whole_budget"]
+    tied = [p for p, v in f["points"].items() if v.get("whole budget") and p != chosen and comm[p] == comm[chosen]]
+    assert ("ties for the fewest" in text) == bool(tied)
 
 
 def test_the_sentence_says_when_nothing_fits_alone(results):

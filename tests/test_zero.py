@@ -143,11 +143,12 @@ def test_describe_fit_follows_the_numbers_not_their_order():
     swapped = zero.describe_fit(peaks, {**sent, "A": 3 * MiB, "B": 2 * MiB}, 16 * MiB,
                                 costs={"A": "precision", "B": "recomputation"})
     assert "B (pays in recomputation) sends the fewest (2.00 MiB per step" in swapped and swapped != both
-    assert zero.describe_fit(peaks, sent, 40 * MiB).startswith("3 of 3 points fit 40.00 MiB; of those that pay nothing "
-                                                               "besides bytes, A sends the fewest")
+    assert zero.describe_fit(peaks, sent, 40 * MiB).startswith(  # A and C send as much: a tie, said as one
+        "3 of 3 points fit 40.00 MiB; of those that pay nothing besides bytes, A ties for the fewest (2.00 MiB per step, "
+        "peak 12.00 MiB) with C; A is the simplest of the tied points (listed first)")
     assert zero.describe_fit({**peaks, "A": 31 * MiB}, sent, 40 * MiB).startswith(
-        "3 of 3 points fit 40.00 MiB; of those that pay nothing besides bytes, A sends")  # the first of equal senders
+        "3 of 3 points fit 40.00 MiB; of those that pay nothing besides bytes, A ties")  # the first of equal senders
     assert zero.describe_fit({"C": peaks["C"], "A": peaks["A"]}, sent, 40 * MiB).startswith(
-        "2 of 2 points fit 40.00 MiB; of those that pay nothing besides bytes, C sends")  # the order given decides
+        "2 of 2 points fit 40.00 MiB; of those that pay nothing besides bytes, C ties")  # the order given decides
     assert zero.describe_fit(peaks, sent, 10 * MiB) == ("no point fits 10.00 MiB: the lowest peak, B's 11.00 MiB, "
                                                         "is 1.00 MiB over")

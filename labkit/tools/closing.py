@@ -21,18 +21,21 @@ FIXTURE_NOTE = ("these figures are a real `make run`'s results.json, cut to the 
 SOURCES = {
     "00_where_the_memory_goes": ("measured_peak_bytes", "budget_bytes", "step_s"),
     "01_gradient_accumulation": ("peak_bytes_by_accum_steps", "samples_per_s_by_accum_steps", "fitting_accum_steps"),
-    "02_activation_checkpointing": ("peak_bytes_checkpointed", "step_time_ratio_full_checkpoint"),
+    "02_activation_checkpointing": ("peak_bytes_checkpointed", "step_time_ratio_full_checkpoint",
+                                    "step_time_ratio_full_checkpoint_reliable"),
     "03_mixed_precision": ("peak_bytes_fp32", ("peak_bytes_half", "peak_bytes_bf16"),
-                           ("throughput_ratio_half", "throughput_ratio_bf16")),
+                           ("throughput_ratio_half", "throughput_ratio_bf16"), "throughput_ratio_half_reliable"),
     "04_activation_offload": ("baseline_peak_bytes", "device_peak_bytes_offload", "step_time_ratio_offload"),
     "05_layer_to_layer": ("plain_peak_bytes", "l2l_peak_bytes", "step_time_ratio_l2l"),
     "06_model_and_pipeline_parallel": ("peak_bytes_by_rank_model_parallel", "utilisation_model_parallel",
                                        "sent_bytes_by_rank_model_parallel", "comm_bytes_per_step_tensor_parallel",
-                                       "bubble_fraction_measured_by_microbatches"),
+                                       "bubble_fraction_measured_by_microbatches",
+                                       "bubble_fraction_theory_by_microbatches"),
     "07_sharded_data_parallel": ("fits_whole_and_1_over_n_budget_by_point", "comm_bytes_per_step_by_stage",
                                  "rank_budget_bytes", "use_when"),
     "08_memory_aware_search": ("fastest_fitting_params", "fastest_fitting_peak_bytes",
-                               "fastest_vs_chapters_paired_ratio", "timing_noise_ratio"),
+                               "fastest_vs_chapters_paired_ratio", "timing_noise_ratio",
+                               "chapters_with_fastest_setting"),
 }
 
 
@@ -131,11 +134,16 @@ def budget_bytes(results: dict) -> int:
     return _m(results, "00_where_the_memory_goes")["budget_bytes"]
 
 
+TIME_TOLERANCE = 0.05  # two step-time ratios from separate timings closer than this (a fraction of a step): tied
+
+
 def one_device_rows(results: dict) -> list[dict]:
     """Return one row per one-device technique: peak before and after (bytes), saved (bytes), time paid (ratio).
 
     time_ratio is the technique's step time over the plain step's (above 1: it costs time); the figures are
     each chapter's own, on the running example where the chapter measured it there (`source` says which).
+    time_ranked says whether that ratio may order the techniques: only a ratio from rounds that timed the plain
+    step and the technique in turn (paired), and not judged unreliable by its chapter; `timing` says how it was timed.
     """
     budget = _m(results, "00_where_the_memory_goes")["budget_bytes"]
     plain_00 = _m(results, "00_where_the_memory_goes")["measured_peak_bytes"]
@@ -146,22 +154,32 @@ def one_device_rows(results: dict) -> list[dict]:
     off, l2l = _m(results, "04_activation_offload"), _m(results, "05_layer_to_layer")
     rows = [
         dict(technique=f"gradient accumulation, k = {k}", chapter="01", before=peaks[min(peaks)], after=peaks[k],
-             time_ratio=speeds[min(speeds)] / speeds[k], source="peak and samples/s by accumulation steps"),
+             time_ratio=speeds[min(speeds)] / speeds[k], reliable=None, paired=False,
+             source="peak and samples/s by accumulation steps (each k timed on its own)"),
         dict(technique="activation checkpointing, every block", chapter="02", before=plain_00,
-             after=ck["peak_bytes_checkpointed"], time_ratio=ck["step_time_ratio_full_checkpoint"],
-             source="peak: chapter 00's plain step and 02's; time: 02's sweep model"),
+             after=ck["peak_bytes_checkpointed"], time_ratio=ck["step_time_ratio_full_checkpoint"], paired=True,
+             reliable=ck.get("step_time_ratio_full_checkpoint_reliable"),
+             source="peak: chapter 00's plain step and 02's; time: 02's paired rounds on its deep sweep model"),
         dict(technique=f"{mp.get('half_precision', 'bf16')} autocast", chapter="03", before=mp["peak_bytes_fp32"],
              after=_get(mp, SOURCES["03_mixed_precision"][1]), time_ratio=1 / _get(mp, SOURCES["03_mixed_precision"][2]),
-             source="peaks and throughput ratio, fp32 against 16-bit autocast"),
+             paired=True, reliable=mp.get("throughput_ratio_half_reliable"),
+             source="peaks, and the throughput ratio of paired rounds, fp32 against 16-bit autocast"),
         dict(technique="activation offload", chapter="04", before=off["baseline_peak_bytes"],
-             after=off["device_peak_bytes_offload"], time_ratio=off["step_time_ratio_offload"],
-             source="device peak and step time ratio"),
+             after=off["device_peak_bytes_offload"], time_ratio=off["step_time_ratio_offload"], paired=True,
+             reliable=None, source="device peak and the median step-time ratio of paired rounds"),
         dict(technique="layer-to-layer (L2L)", chapter="05", before=l2l["plain_peak_bytes"],
-             after=l2l["l2l_peak_bytes"], time_ratio=l2l["step_time_ratio_l2l"], source="device peak and step time ratio"),
+             after=l2l["l2l_peak_bytes"], time_ratio=l2l["step_time_ratio_l2l"], paired=True, reliable=None,
+             source="device peak and the step-time ratio of interleaved rounds"),
     ]
     for row in rows:
         row["saved"] = row["before"] - row["after"]
         row["fits"] = row["after"] <= budget
+        row["headroom"] = budget - row["after"]  # what the budget leaves for what the tensors do not show
+        row["time_ranked"] = row["paired"] and row["reliable"] is not False
+        row["timing"] = ("not timed in pairs (each setting on its own): its time is not ranked" if not row["paired"]
+                         else "paired rounds the chapter judged unreliable: its time is not ranked"
+                         if row["reliable"] is False else "paired rounds, judged reliable" if row["reliable"]
+                         else "paired rounds (the chapter records no reliability verdict)")
     return rows
 
 
@@ -170,9 +188,98 @@ def cost_per_mib(row: dict) -> float:
     return (row["time_ratio"] - 1) / (row["saved"] / MiB) if row["saved"] > 0 else float("inf")
 
 
-def cost_order(rows: list[dict]) -> list[dict]:
-    """Return the rows cheapest first: least extra step time per MiB saved (saving nothing: last)."""
-    return sorted(rows, key=lambda r: (cost_per_mib(r), -r["saved"]))
+def saves_time(row: dict, tolerance: float = TIME_TOLERANCE) -> bool:
+    """Return whether a row's ranked step time is below the plain step's by more than `tolerance`."""
+    return row["time_ranked"] and row["saved"] > 0 and row["time_ratio"] < 1 - tolerance
+
+
+def rank_key(row: dict, tolerance: float = TIME_TOLERANCE) -> tuple:
+    """Return the key the order sorts by: techniques that save time first (most time saved first), then those that
+    pay, least extra step time per MiB saved first; last, those whose time is not ranked (most memory saved first)."""
+    if not row["time_ranked"]:
+        return (2, -row["saved"])
+    if saves_time(row, tolerance):
+        return (0, row["time_ratio"])
+    return (1, cost_per_mib(row), -row["saved"])
+
+
+def cost_order(rows: list[dict], tolerance: float = TIME_TOLERANCE) -> list[dict]:
+    """Return the rows in the order to try them (`rank_key`)."""
+    return sorted(rows, key=lambda r: rank_key(r, tolerance))
+
+
+def tied(a: dict, b: dict, tolerance: float = TIME_TOLERANCE) -> bool:
+    """Return whether two ranked rows are not told apart: their step times, each uncertain by `tolerance` of a step,
+    allow either to come first (compared by time saved when both save time, else by time per MiB saved)."""
+    if not (a["time_ranked"] and b["time_ranked"]) or min(a["saved"], b["saved"]) <= 0:
+        return False
+    if saves_time(a, tolerance) != saves_time(b, tolerance):
+        return False
+    if saves_time(a, tolerance):
+        return abs(a["time_ratio"] - b["time_ratio"]) <= 2 * tolerance
+    return abs(cost_per_mib(a) - cost_per_mib(b)) <= tolerance / (a["saved"] / MiB) + tolerance / (b["saved"] / MiB)
+
+
+def ties(order: list[dict], tolerance: float = TIME_TOLERANCE) -> dict[str, list[int]]:
+    """Return {technique: the places (1-based) of the neighbours in `order` it is tied with}."""
+    out: dict[str, list[int]] = {r["technique"]: [] for r in order}
+    for i, (a, b) in enumerate(zip(order, order[1:])):
+        if tied(a, b, tolerance):
+            out[a["technique"]].append(i + 2)
+            out[b["technique"]].append(i + 1)
+    return out
+
+
+def order_line(place: int, row: dict, order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
+    """Return one numbered line of the order: what the row saves, what it pays (or why its time is not ranked)."""
+    from labkit.meter import format_bytes
+
+    cost = cost_per_mib(row)
+    if not row["time_ranked"]:
+        paid = f"step time {row['time_ratio']:.2f}x, {row['timing']}"
+    elif cost == float("inf"):
+        paid = "saves nothing here"
+    elif saves_time(row, tolerance):
+        paid = f"free: the step also got faster, {row['time_ratio']:.2f}x the plain step's time"
+    else:
+        paid = f"pays {cost:.2%} of a step per MiB ({row['time_ratio']:.2f}x the step time)"
+    with_ = ties(order, tolerance)[row["technique"]]
+    return (f"{place}. {row['technique']} (chapter {row['chapter']}): saves {format_bytes(row['saved'])}, {paid}"
+            + (f"; tied with place {', '.join(map(str, with_))} within the tolerance" if with_ else "")
+            + (f"; fits the budget alone, {format_bytes(row['headroom'])} to spare" if row["fits"] else ""))
+
+
+def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
+    """Return what the order says, in words computed from its figures: which comes first, which fits first."""
+    from labkit.meter import format_bytes
+
+    first = order[0]
+    if cost_per_mib(first) == float("inf"):
+        return "no technique saved memory on this run: nothing to order"
+    if not first["time_ranked"]:
+        return ("no technique's step time was timed in reliable pairs on this run: the order below is by memory "
+                "saved alone, and says nothing about time")
+    cost = cost_per_mib(first)
+    why = (f"it saved memory and the step got faster ({first['time_ratio']:.2f}x the plain step's time)"
+           if saves_time(first, tolerance) else f"it pays the least time per MiB it saves ({cost:.2%} of a step)")
+    with_ = ties(order, tolerance)[first["technique"]]
+    if with_:
+        why += f", tied with {', '.join(order[p - 1]['technique'] for p in with_)} within the tolerance"
+    fit = next((r for r in order if r["fits"]), None)
+    if fit is None:
+        then = ("none fits the budget alone on this run: combine them in this order (chapter 08 searches the "
+                "combinations)")
+    else:
+        spare = (f", leaving {format_bytes(fit['headroom'])} ({fit['headroom'] / (fit['after'] + fit['headroom']):.0%} "
+                 "of the budget) for what the tensors do not show; on a GPU check that this covers your reserve "
+                 "(chapter 08's recipe, step 2)")
+        if fit is first:
+            then = "and it fits the budget alone" + spare + ": stop there"
+        else:
+            place = order.index(fit) + 1
+            then = (f"the first in the order that fits the budget alone is {fit['technique']} (place {place}, "
+                    f"saves {format_bytes(fit['saved'])} at {fit['time_ratio']:.2f}x the step time)" + spare)
+    return f"On this run {first['technique']} comes first: {why}; {then}."
 
 
 def several_device_figures(results: dict) -> dict:
@@ -193,42 +300,54 @@ def several_device_figures(results: dict) -> dict:
         budget=_m(results, "00_where_the_memory_goes")["budget_bytes"],
         pipeline_sent_max=max(sent), tensor_parallel_comm=mp["comm_bytes_per_step_tensor_parallel"],
         utilisation=mp["utilisation_model_parallel"], bubble_by_microbatches=bubble,
+        bubble_theory=_by_int_key(mp.get("bubble_fraction_theory_by_microbatches") or {}),
     )
 
 
-def order_sentence(order: list[dict]) -> str:
-    """Return what the order says, in words computed from its figures: which comes first, which fits first."""
+def search_figures(results: dict) -> dict:
+    """Return chapter 08's choice: its knobs, metered peak, paired speed ratios against the chapters, the noise band.
+
+    same: the chapters whose setting is the chosen one (their ratio is two copies of one setting). noise: the
+    widest gap between two copies of one setting, the noise control's and those chapters' alike.
+    """
+    m = _m(results, "08_memory_aware_search")
+    same = list(m.get("chapters_with_fastest_setting") or [])
+    ratios = m["fastest_vs_chapters_paired_ratio"]
+    noise = max([abs(m["timing_noise_ratio"] - 1)] + [abs(ratios[n] - 1) for n in same if n in ratios])
+    return dict(params=m["fastest_fitting_params"], peak_bytes=m["fastest_fitting_peak_bytes"],
+                ratios=ratios, noise=noise, same=same)
+
+
+def search_lines(chosen: dict) -> list[str]:
+    """Return one line per chapter setting: the chosen setting's paired speed against it, or why there is none."""
+    lines = []
+    for name, ratio in chosen["ratios"].items():
+        if name in chosen["same"]:
+            lines.append(f"  against {name}: the same setting (timed {ratio:.2f}x apart: two copies of one setting, "
+                         "part of the noise band)")
+        elif abs(ratio - 1) > chosen["noise"]:
+            lines.append(f"  against {name}: {ratio:.2f}x as fast")
+        else:
+            lines.append(f"  against {name}: {ratio:.2f}x (within the timing's noise of {chosen['noise']:.0%}: "
+                         "not told apart)")
+    return lines
+
+
+def _fewest(fit: list[str], comm: dict, chosen: str) -> str:
+    """Return "X sends the fewest (B)" or, where others send exactly as much, "X ties for the fewest ... with ..."."""
     from labkit.meter import format_bytes
 
-    first = order[0]
-    cost = cost_per_mib(first)
-    if cost == float("inf"):
-        return "no technique saved memory on this run: nothing to order"
-    why = ("it saved memory and the step got faster" if first["time_ratio"] < 1 else
-           f"it pays the least time per MiB it saves ({cost:.2%} of a step)")
-    fit = next((r for r in order if r["fits"]), None)
-    if fit is None:
-        then = ("none fits the budget alone on this run: combine them in this order (chapter 08 searches the "
-                "combinations)")
-    elif fit is first:
-        then = "and it fits the budget alone: stop there"
-    else:
-        place = order.index(fit) + 1
-        then = (f"the first in the order that fits the budget alone is {fit['technique']} (place {place}, "
-                f"saves {format_bytes(fit['saved'])} at {fit['time_ratio']:.2f}x the step time)")
-    return f"On this run {first['technique']} comes first: {why}; {then}."
-
-
-def search_figures(results: dict) -> dict:
-    """Return chapter 08's choice: its knobs, metered peak, paired speed ratios against the chapters, the noise band."""
-    m = _m(results, "08_memory_aware_search")
-    return dict(params=m["fastest_fitting_params"], peak_bytes=m["fastest_fitting_peak_bytes"],
-                ratios=m["fastest_vs_chapters_paired_ratio"], noise=abs(m["timing_noise_ratio"] - 1))
+    tied = [p for p in fit if p != chosen and comm.get(p) == comm.get(chosen)]
+    if not tied:
+        return f"{chosen} sends the fewest bytes of them ({format_bytes(comm[chosen])} per step)"
+    return (f"{chosen} ties for the fewest bytes ({format_bytes(comm[chosen])} per step) with {', '.join(tied)}; "
+            f"{chosen} is the simplest of the tied points (chapter 07 lists them simplest first)")
 
 
 def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
     """Return the few-GPU and many-GPU lines: each rule (chapters 06-07) beside this run's figure that bears on it."""
     from labkit.meter import format_bytes
+    from labkit.trend import describe_trend
 
     lines = []
     points, comm = f["points"], f["comm_bytes"]
@@ -237,16 +356,18 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
     whole_fit = [p for p, v in points.items() if v.get("whole budget")]
     part_fit = [p for p, v in points.items() if part and v.get(part)]
     lines.append(
-        f"a few GPUs (2 to {gpus_per_node}, one machine): DDP when the step fits one GPU. Here DDP's peak per rank "
+        f"a few GPUs (2 to {gpus_per_node}, one machine): DDP when one rank's step, with its share of the batch "
+        "(the batch over N ranks), fits one GPU. Here DDP's peak per rank "
         + ("fits" if ddp.get("whole budget") else "does not fit") + f" one device's budget ({format_bytes(f['budget'])})"
-        + (f", and it sends {format_bytes(comm['DDP'])} per step" if "DDP" in comm else "")
-        + (f"; {f['use_when']['whole_budget']} sends the least of the points that fit it" if whole_fit else "")
+        + f", although the whole batch's step on one device ({format_bytes(f['plain_peak'])}) "
+        + ("does not" if f["plain_peak"] > f["budget"] else "does too")
+        + (f"; {_fewest(whole_fit, comm, f['use_when']['whole_budget'])}" if whole_fit else "")
         + ".")
     lines.append(
         f"  when it does not fit (a device with {(part or '').replace(' of it', '')} of the budget, "
         f"{format_bytes(f['rank_budget'])}): shard, FSDP2 "
         "(ZeRO-3), with bf16 or checkpointing when sharding alone is not enough. Here "
-        + (f"{', '.join(part_fit)} fit; {f['use_when']['part_budget']} sends the least" if part_fit else
+        + (f"{', '.join(part_fit)} fit; {_fewest(part_fit, comm, f['use_when']['part_budget'])}" if part_fit else
            "no point fits that budget")
         + ".")
     ratio = f["tensor_parallel_comm"] / f["pipeline_sent_max"] if f["pipeline_sent_max"] else float("inf")
@@ -257,13 +378,17 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
         + (": the traffic belongs on the fast link" if ratio > 1 else
            ": at this model's size it did not move more; the rule rests on larger layers, whose all-reduces grow "
            "with the width while a boundary sends one activation"))
-    idle = []
-    for schedule, bubble in f["bubble_by_microbatches"].items():
-        lo, hi = min(bubble), max(bubble)
-        idle.append(f"{schedule} {bubble[lo]:.0%} with {lo} micro-batch{'es' if lo != 1 else ''} per step, "
-                    f"{bubble[hi]:.0%} with {hi}" + ("" if bubble[hi] < bubble[lo] else " (no fall on this run)"))
+    theory = f.get("bubble_theory") or {}
     lines.append(
-        f"  a pipeline's stages wait for each other; the measured idle share (bubble): {'; '.join(idle)}. Splitting "
-        f"the model over {f['model_parallel_ranks']} ranks left at most {format_bytes(f['model_parallel_peak_max'])} "
-        f"per rank, against {format_bytes(f['plain_peak'])} on one device.")
+        "  a pipeline's stages wait for each other. The measured idle share (bubble) against M micro-batches per "
+        "step, with chapter 06's theory, (K-1)/(M+K-1) for K stages, in brackets; the measured times include time "
+        "outside the compute, which the theory leaves out (chapter 06 explains it):")
+    for schedule, bubble in f["bubble_by_microbatches"].items():
+        ms = sorted(bubble)
+        each = ", ".join(f"M={m}: {bubble[m]:.0%}" + (f" ({theory[m]:.0%})" if m in theory else "") for m in ms)
+        shape = describe_trend(ms, [bubble[m] for m in ms], fmt="{:.0%}", x_name="M", tol=0.02) if len(ms) > 1 else ""
+        lines.append(f"    {schedule}: {each}" + (f"; it {shape}" if shape else ""))
+    lines.append(
+        f"  splitting the model over {f['model_parallel_ranks']} ranks left at most "
+        f"{format_bytes(f['model_parallel_peak_max'])} per rank, against {format_bytes(f['plain_peak'])} on one device.")
     return lines
