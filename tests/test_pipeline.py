@@ -89,6 +89,33 @@ def test_a_replay_removes_the_waiting_and_keeps_the_compute(schedule):
     assert measured_bubble(delayed)["busy_s"] == pytest.approx(measured_bubble(again)["busy_s"])
 
 
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_a_replay_lies_between_the_ideal_steps_of_its_fastest_and_slowest_actions(schedule):
+    """Actions of unequal length, each after a wait (the ranks' clocks apart): the replay keeps no waiting and loses
+    no compute, so its step lies between the ideal schedules fed each stage's fastest and slowest forward and backward."""
+    import random
+
+    rng = random.Random(0)
+    K, M = 3, 6
+    measured = {}
+    for s, actions in ideal_schedule(schedule, K, M, t_f=[1.0, 1.5, 1.2], t_b=[2.0, 2.5, 3.0]).items():
+        t, rows = 0.0, []
+        for label, a, b in actions:
+            start = t + rng.uniform(0.0, 0.5)  # a wait before every action
+            t = start + (b - a) * rng.uniform(0.5, 1.5)  # an action of its own length
+            rows.append((label, start, t))
+        measured[s] = rows
+    plan = replay(measured)
+
+    def ideal_makespan(pick):
+        t_f = [pick(b - a for label, a, b in plan[s] if label[0] == "F") for s in range(K)]
+        t_b = [pick(b - a for label, a, b in plan[s] if label[0] == "B") for s in range(K)]
+        return measured_bubble(ideal_schedule(schedule, K, M, t_f=t_f, t_b=t_b))["makespan_s"]
+
+    makespan = measured_bubble(plan)["makespan_s"]
+    assert ideal_makespan(min) - 1e-9 <= makespan <= ideal_makespan(max) + 1e-9
+
+
 def test_a_replay_follows_the_stage_named_in_each_label():
     """Interleaved: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3; "F0/s2" is stage 2's forward."""
     acts = {0: [("F0/s0", 0, 1), ("F0/s2", 5, 6), ("B0/s2", 9, 10), ("B0/s0", 13, 14)],
