@@ -42,8 +42,8 @@ def test_notebook_06_invariants_with_other_parameters(execute_notebook):
         assert all(abs(h - (k - s)) <= 0.25 for by_stage in held["1F1B"].values() for s, h in enumerate(by_stage))
         assert all(abs(h - mb) <= 0.25 + 0.02 * mb for mb, by_stage in held["GPipe"].items() for h in by_stage)
     assert sorted(int(mb) for mb in m["micro_batches_held_4_stages"]["1F1B"]) == [4, 8, 16]
-    gpipe = {int(k): v for k, v in m["stage_peak_bytes_gpipe_by_microbatches"].items()}
-    one_f = {int(k): v for k, v in m["stage_peak_bytes_1f1b_by_microbatches"].items()}
+    gpipe = {int(k): v for k, v in m["stage_activation_peak_bytes_gpipe_by_microbatches"].items()}
+    one_f = {int(k): v for k, v in m["stage_activation_peak_bytes_1f1b_by_microbatches"].items()}
     assert all(a < g for a, g in zip(one_f[16], gpipe[16]))  # 1F1B holds fewer micro-batches than GPipe
     assert all(a16 < a2 for a2, a16 in zip(one_f[2], one_f[16]))  # and fewer bytes as M grows at a fixed batch
     # torch's schedules ran labkit's order and, forwards numbered from 0, their own description
