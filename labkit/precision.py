@@ -1,9 +1,9 @@
 """Mixed precision: an autocast training step (GradScaler, accumulation, clipping) and fp16 range statistics.
 
-The tested reference implementations of notebook 03, reused by later chapters (offload, HPO):
+The tested reference implementations of notebook 03, reused by chapter 08's search:
 
     step = amp_train_step(model, opt, [batch], precision="bf16")               # autocast bf16
-    step = amp_train_step(model, opt, micro_batches, precision="fp16",         # fp16 + loss scaling,
+    step = amp_train_step(model, opt, batches, precision="fp16",               # fp16 + loss scaling,
                           scaler=torch.amp.GradScaler("cuda"), clip_norm=1.0)  # accumulation, clipping
     step.loss, step.stepped, step.scale
 
@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from labkit.compare import flat
 from labkit.meter import MemoryMeter
+from labkit.validate import ParameterError, check_choice
 from labkit.models import blocks_of, token_weights
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -35,11 +36,10 @@ FP16_MAX = 65504.0  # largest finite fp16 value
 
 
 def check_precision(precision: str, device: torch.device | str) -> None:
-    """Raise ValueError for an unknown precision, or for fp16 compute on a CPU (slow generic kernels)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    """Raise ParameterError for an unknown precision, or for fp16 compute on a CPU (slow generic kernels)."""
+    check_choice("precision", precision, PRECISIONS)
     if precision == "fp16" and torch.device(device).type == "cpu":
-        raise ValueError("fp16 compute on CPU runs on slow generic kernels (notebook 03 never runs it there); "
+        raise ParameterError("fp16 compute on CPU runs on slow generic kernels (notebook 03 never runs it there); "
                          "use bf16 on CPU, or study fp16's range with casts (fp16_cast_stats)")
 
 
@@ -63,26 +63,26 @@ class AmpStep:
     grad_norm: float | None  # total gradient norm before clipping (None without clipping)
 
 
-def amp_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches, *,
+def amp_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, *,
                    precision: str = "bf16", scaler: torch.amp.GradScaler | None = None,
                    clip_norm: float | None = None) -> AmpStep:
-    """Run one optimizer step over micro-batches under autocast, with an optional GradScaler and clipping.
+    """Run one optimizer step over `batches` (its micro-batches) under autocast, with an optional GradScaler and clipping.
 
     Each micro-batch's mean loss is weighted by its share of the step's targets (targets != -100),
     so the accumulated gradient equals the full batch's token-mean gradient. With a scaler, the
     scaled loss is backpropagated, the gradients are unscaled *before* clipping, and
     `scaler.step`/`scaler.update` run once per optimizer step (never per micro-batch).
     """
-    if isinstance(micro_batches, tuple) and micro_batches and isinstance(micro_batches[0], torch.Tensor):
-        micro_batches = [micro_batches]  # one (inputs, targets) batch given directly
-    micro_batches = list(micro_batches)
-    if not micro_batches:
+    if isinstance(batches, tuple) and batches and isinstance(batches[0], torch.Tensor):
+        batches = [batches]  # one (inputs, targets) batch given directly
+    batches = list(batches)  # the micro-batches (a count is `micro_batches` elsewhere in labkit)
+    if not batches:
         raise ValueError("amp_train_step needs at least one micro-batch")
     device = next(model.parameters()).device
     check_precision(precision, device)
-    weights = [1.0] if len(micro_batches) == 1 else token_weights(b[-1] for b in micro_batches)
+    weights = [1.0] if len(batches) == 1 else token_weights(b[-1] for b in batches)
     loss_sum = 0.0
-    for batch, w in zip(micro_batches, weights):
+    for batch, w in zip(batches, weights):
         with autocast(precision, device):
             _, loss = model(*batch)  # fp32 loss: cross-entropy runs in fp32 under autocast
         loss = loss.float() * w if w != 1.0 else loss.float()
