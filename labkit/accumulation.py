@@ -1,7 +1,7 @@
 """Gradient accumulation: k micro-batches, one optimizer step, the full batch's gradient.
 
-The reference implementation that notebook 01 checks its visible loop against and that later
-notebooks (offload, the HPO study) reuse:
+The reference implementation that notebook 01 checks its visible loop against; notebooks 03 and 05
+and chapter 08's search reuse its micro-batch split:
 
     step = make_accumulation_step(micro_batch_size=4, normalise="tokens")
     step(model, optimizer, (x, y))          # same signature as labkit.train_step
