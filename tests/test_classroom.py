@@ -72,7 +72,10 @@ def test_student_copies_build_for_every_chapter_without_solutions(course):
         assert all(not c.get("outputs") for c in copy["cells"] if c["cell_type"] == "code"), stem
         checks = [c for c in classroom.exercise_cells(copy).values() if c["metadata"]["nbgrader"]["grade"]]
         assert checks and all("raises-exception" in c["metadata"]["tags"] for c in checks), stem
-        assert len(copy["cells"]) == len(teacher["cells"]), stem
+        teacher_cells = [c for c in teacher["cells"] if classroom.TEACHER_ONLY not in c["metadata"].get("tags", [])]
+        assert len(teacher_cells) < len(teacher["cells"]), f"{stem}: no teacher-only cell (where the solutions are)"
+        assert len(copy["cells"]) == len(teacher_cells), stem
+        assert "make lab STUDENT=1" not in text, stem  # the teacher's pointer to the student copies is not in them
 
 
 @pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")  # nbgrader's own gradebook code

@@ -76,6 +76,17 @@ def test_rows_are_the_chapters_figures(results):
     assert rows["04"]["fits"] == (m["device_peak_bytes_offload"] <= closing.budget_bytes(results))
 
 
+def test_accumulation_is_ranked_when_chapter_01_timed_it_in_pairs(results):
+    unpaired = {r["chapter"]: r for r in closing.one_device_rows(results)}["01"]
+    assert not unpaired["paired"] and not unpaired["time_ranked"]  # the fixture's 01 timed each k on its own
+    results = copy.deepcopy(results)
+    m = results["notebooks"]["01_gradient_accumulation"]["measurements"]
+    k = m["fitting_accum_steps"]
+    m["step_time_ratio_by_accum_steps"] = {str(j): 1.0 + 0.1 * j for j in (1, 2, 4, 8)}
+    paired = {r["chapter"]: r for r in closing.one_device_rows(results)}["01"]
+    assert paired["paired"] and paired["time_ranked"] and paired["time_ratio"] == pytest.approx(1.0 + 0.1 * k)
+
+
 def _set_cost(results, chapter_stem, key, value):
     results["notebooks"][chapter_stem]["measurements"][key] = value
 

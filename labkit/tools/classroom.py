@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE_STUB = "# YOUR CODE HERE\npass"  # valid in a function body too; the check cell below then fails
+TEACHER_ONLY = "teacher-only"  # a cell with this tag is left out of the student copy (e.g. "the solution is below")
 CELL_TIMEOUT_S = 900  # nbgrader's default, 30 s a cell, is shorter than the chapters' longest cells
 
 
@@ -75,6 +76,7 @@ def build_student_copies(notebooks: Path, course: Path, out: Path) -> list[Path]
         _check(api.generate_assignment(name, force=True, create=True), f"generate_assignment {name}")
         released = course / "release" / name / nb_path.name
         nb = json.loads(released.read_text())
+        nb["cells"] = [c for c in nb["cells"] if TEACHER_ONLY not in c["metadata"].get("tags", [])]
         for cell in exercise_cells(nb).values():  # papermill and JupyterLab's Run All go on past a failed check
             if cell["metadata"]["nbgrader"].get("grade"):
                 tags = cell["metadata"].setdefault("tags", [])

@@ -20,7 +20,8 @@ FIXTURE_NOTE = ("these figures are a real `make run`'s results.json, cut to the 
 # (chapter 03's 16-bit figures are `*_half` since it picks bf16 or fp16 by device; `*_bf16` before)
 SOURCES = {
     "00_where_the_memory_goes": ("measured_peak_bytes", "budget_bytes", "step_s"),
-    "01_gradient_accumulation": ("peak_bytes_by_accum_steps", "samples_per_s_by_accum_steps", "fitting_accum_steps"),
+    "01_gradient_accumulation": ("peak_bytes_by_accum_steps", ("step_time_ratio_by_accum_steps",
+                                                               "samples_per_s_by_accum_steps"), "fitting_accum_steps"),
     "02_activation_checkpointing": ("peak_bytes_checkpointed", "step_time_ratio_full_checkpoint",
                                     "step_time_ratio_full_checkpoint_reliable"),
     "03_mixed_precision": ("peak_bytes_fp32", ("peak_bytes_half", "peak_bytes_bf16"),
@@ -148,14 +149,20 @@ def one_device_rows(results: dict) -> list[dict]:
     budget = _m(results, "00_where_the_memory_goes")["budget_bytes"]
     plain_00 = _m(results, "00_where_the_memory_goes")["measured_peak_bytes"]
     acc = _m(results, "01_gradient_accumulation")
-    peaks, speeds = _by_int_key(acc["peak_bytes_by_accum_steps"]), _by_int_key(acc["samples_per_s_by_accum_steps"])
+    peaks = _by_int_key(acc["peak_bytes_by_accum_steps"])
     k = acc["fitting_accum_steps"] or max(peaks)
+    if "step_time_ratio_by_accum_steps" in acc:  # 01 times every k beside the plain step in the same rounds
+        acc_time = dict(time_ratio=_by_int_key(acc["step_time_ratio_by_accum_steps"])[k], paired=True,
+                        source="peak by accumulation steps; time: the paired rounds' median against the plain step")
+    else:  # an older 01 timed each k on its own
+        speeds = _by_int_key(acc["samples_per_s_by_accum_steps"])
+        acc_time = dict(time_ratio=speeds[min(speeds)] / speeds[k], paired=False,
+                        source="peak and samples/s by accumulation steps (each k timed on its own)")
     ck, mp = _m(results, "02_activation_checkpointing"), _m(results, "03_mixed_precision")
     off, l2l = _m(results, "04_activation_offload"), _m(results, "05_layer_to_layer")
     rows = [
         dict(technique=f"gradient accumulation, k = {k}", chapter="01", before=peaks[min(peaks)], after=peaks[k],
-             time_ratio=speeds[min(speeds)] / speeds[k], reliable=None, paired=False,
-             source="peak and samples/s by accumulation steps (each k timed on its own)"),
+             reliable=None, **acc_time),
         dict(technique="activation checkpointing, every block", chapter="02", before=plain_00,
              after=ck["peak_bytes_checkpointed"], time_ratio=ck["step_time_ratio_full_checkpoint"], paired=True,
              reliable=ck.get("step_time_ratio_full_checkpoint_reliable"),
