@@ -33,7 +33,7 @@ TEST_ENV := LABKIT_BATCH=1 OMP_NUM_THREADS=1 LABKIT_RESULTS=$(CURDIR)/tests/data
 
 test: $(STAMP)  ## unit and notebook tests, then nbval over every notebook; the 15 slowest tests are listed at the end
 	$(PY) -m labkit.tools.nbcheck notebooks build/nbval
-	$(TEST_ENV) $(PY) -m pytest tests build/nbval --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --durations=15
+	$(TEST_ENV) $(PY) -m pytest tests build/nbval --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15
 
 unit: $(STAMP)  ## labkit's unit tests only: no notebook is run (tests marked `notebook` are left out)
 	$(TEST_ENV) $(PY) -m pytest tests -m "not notebook" -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --durations=10
