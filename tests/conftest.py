@@ -176,7 +176,7 @@ def student_copies(tmp_path_factory) -> Path:
 
 
 def exercise_failures(nb: dict) -> tuple[dict, set, list]:
-    """Return an executed notebook's {cell: error} , its graded check cells, and the code cells that never ran."""
+    """Return an executed notebook's {cell: (grade_id, error)}, its graded check cells, and the code cells that never ran."""
     failed = {}
     for i, cell in enumerate(nb["cells"]):
         for out in cell.get("outputs", []):

@@ -519,17 +519,17 @@ def test_create_optimizer_state_makes_adams_state_and_leaves_no_gradient():
 def test_fastest_s_warms_up_once_then_keeps_the_fastest_of_its_repeats():
     from labkit.throughput import fastest_s, timed_call
 
+    import time
+
     calls = []
-    pauses = iter([0.05, 0.03, 0.001, 0.02])  # the warm-up is the slowest: it must not count
+    pauses = iter([0.3, 0.15, 0.001, 0.1])  # a warm-up, then three timed calls: the fastest sleeps 1 ms
 
     def fn():
         calls.append(1)
-        time_to_wait = next(pauses)
-        import time
-        time.sleep(time_to_wait)
+        time.sleep(next(pauses))
 
     best = fastest_s(fn, 3, "cpu")
-    assert len(calls) == 4 and 0.001 <= best < 0.02
+    assert len(calls) == 4 and 0.001 <= best < 0.1  # a sleep never returns early: only the 1 ms call is below 0.1 s
     assert timed_call(lambda: None, "cpu") >= 0
     with pytest.raises(validate.ParameterError, match="repeats"):
         fastest_s(fn, 0)
