@@ -1,25 +1,8 @@
 """Count the bytes of live tensors exactly, by category, with an optional memory budget.
 
-`MemoryMeter` is a `TorchDispatchMode`: every tensor an operator returns (and every tensor it
-first sees as an input) is traced to its untyped storage. A storage is counted once, however
-many views share it, and leaves the count when Python finalises it (a weakref callback). It
-counts storages, not an allocator's blocks, so the same model gives the same bytes on CPU and on
-GPU; on CUDA the allocator's own figures (rounded blocks, cache) are reported beside it. One
-difference: under a CUDA meter, CPU tensors count as host memory, and Adam keeps its 4-byte
-`step` counters on the CPU, so its device state is 8 B/param there and 8 B/param + 4 B per
-parameter tensor on a CPU meter. Buffers (e.g. BatchNorm statistics) count as parameters.
-After the `with` block, frees still lower `current_bytes`; the timeline stops at the exit.
-
-Categories are resolved when asked for, so a tensor that only later turns out to be a gradient
-(or optimizer state) is counted as such at the peak too:
-
-    with MemoryMeter(budget_bytes=64 * 2**20) as meter:
-        meter.track(model, optimizer)
-        loss = model(x).loss; loss.backward(); optimizer.step()
-    meter.peak_bytes, meter.peak_split()   # {'parameters': ..., 'gradients': ..., ...}
-
-Each meter is independent (one per process, as many in a row as you like); nesting two active
-meters in one thread is refused.
+`MemoryMeter` counts each untyped storage an operator returns or first sees once, until Python frees it;
+under a CUDA meter, CPU tensors count as host memory. Buffers count as parameters. Categories are resolved
+when asked for. Two active meters in one thread are refused.
 """
 
 from __future__ import annotations
@@ -49,11 +32,7 @@ _open_meters = [0]  # meters open in this process: while any is, storage resizes
 
 
 def _resize_and_count(storage, size):
-    """UntypedStorage.resize_ while a meter is open: resize, then let the thread's meter count the new size.
-
-    `storage.resize_(n)` is a method call, not an operator, so no dispatch mode sees it; FSDP2 frees
-    each gathered parameter that way after use and grows it back before the next all-gather.
-    """
+    """Resize `storage` (UntypedStorage.resize_, which no dispatch mode sees) and let the thread's meter count it."""
     out = _RESIZE(storage, size)
     meter = active_meter()
     if meter is not None:
@@ -62,11 +41,7 @@ def _resize_and_count(storage, size):
 
 
 class OutOfMemory(torch.OutOfMemoryError):
-    """Raised when an allocation would take the device beyond a `MemoryMeter` budget.
-
-    On CUDA it also carries the allocator's figures at the refusal (`cuda_allocated_bytes`,
-    `cuda_reserved_bytes`): what the caching allocator held beside the meter's exact count.
-    """
+    """Raised when an allocation would take the device beyond a `MemoryMeter` budget (CUDA: with allocator figures)."""
 
     def __init__(self, requested_bytes: int, in_use_bytes: int, budget_bytes: int,
                  cuda_allocated_bytes: int | None = None, cuda_reserved_bytes: int | None = None):
@@ -98,11 +73,7 @@ def _is_tensor(obj) -> bool:
 
 
 def live_tensor_bytes(device: str | torch.device | None = None, collect: bool = True) -> int:
-    """Return the bytes of every tensor alive in this process (each storage once; optionally one device type's).
-
-    A leak check between repetitions (trials, steps): garbage is collected first (unless the
-    caller just did), so only tensors something still refers to are counted.
-    """
+    """Return the bytes of every tensor alive in this process (each storage once; optionally one device type's)."""
     import gc
     import warnings
 
@@ -157,11 +128,7 @@ def _storage(t: torch.Tensor):
 
 
 def _inner(t: torch.Tensor) -> list[torch.Tensor]:
-    """Return the tensors that hold a tensor's memory: itself, or a wrapper subclass's inner tensors.
-
-    A DTensor (FSDP2's sharded parameters, tensor parallelism) is a wrapper whose own storage
-    has the global size; the memory this process holds is its local shard, `_local_tensor`.
-    """
+    """Return the tensors that hold a tensor's memory: itself, or a wrapper subclass's (a DTensor's) inner tensors."""
     if not is_traceable_wrapper_subclass(t):
         return [t]
     names, _ = t.__tensor_flatten__()
@@ -234,9 +201,6 @@ class MemoryMeter(TorchDispatchMode):
         if self.device.type == "cuda":  # before the meter is active: a failure here leaves nothing set
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        # The budget is enforced here, exactly, on live tensor bytes. The CUDA allocator is not capped too:
-        # it reserves rounded blocks (512 B, 2 MiB and 20 MiB segments), keeps per-stream pools and cuBLAS
-        # workspaces, so a cap at the budget would refuse steps whose tensors fit it.
         self._open = True
         _ACTIVE.meter = self
         if _open_meters[0] == 0:
@@ -341,49 +305,32 @@ class MemoryMeter(TorchDispatchMode):
                 self._renew(st, rec, rec.nbytes, host=True, check_budget=False)
         return t
 
-    def reset_peak(self) -> None:
-        """Start a new peak from the bytes live now (and drop the timeline so far)."""
-        self._classify()
-        self.peak_bytes = self.current_bytes
-        self.host_peak_bytes = self.host_current_bytes
-        self._peak_seq = self._seq
-        self._history = [r for r in self._history if r.free_seq is None]
-        self._timeline.clear()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-
     # -- results -----------------------------------------------------------------------------
     def peak_split(self) -> dict[str, int]:
         """Return device bytes at the peak by category (sums to `peak_bytes`)."""
-        self._classify()
-        out = dict.fromkeys(CATEGORIES, 0)
-        for r in self._history:
-            if r.host or r.alloc_seq > self._peak_seq:
-                continue
-            if r.free_seq is not None and r.free_seq <= self._peak_seq:
-                continue
-            out[r.category or "activations"] += r.nbytes
+        out = self._split(self._at_peak)
         assert sum(out.values()) == self.peak_bytes, (out, self.peak_bytes)
         return out
 
     def peak_bytes_of(self, *tensors: torch.Tensor) -> int:
         """Return the device bytes these live tensors' storages held at the peak (each storage once; 0 if unseen)."""
-        total = 0
-        for key in {k for t in tensors for k in _storage_ids(t)}:
-            rec = self._records.get(key)
-            if rec is None or rec.host or rec.alloc_seq > self._peak_seq:
-                continue
-            if rec.free_seq is None or rec.free_seq > self._peak_seq:
-                total += rec.nbytes
-        return total
+        recs = [self._records.get(key) for key in {k for t in tensors for k in _storage_ids(t)}]
+        return sum(rec.nbytes for rec in recs if rec is not None and self._at_peak(rec))
 
     def current_split(self) -> dict[str, int]:
         """Return device bytes live now by category (sums to `current_bytes`)."""
+        return self._split(lambda r: r.free_seq is None and not r.host)
+
+    def _at_peak(self, r: _Record) -> bool:
+        """Tell whether a record held device bytes at the peak."""
+        return not r.host and r.alloc_seq <= self._peak_seq and (r.free_seq is None or r.free_seq > self._peak_seq)
+
+    def _split(self, counted) -> dict[str, int]:
+        """Return the bytes of the history's records for which `counted(record)` holds, by category."""
         self._classify()
         out = dict.fromkeys(CATEGORIES, 0)
-        for r in self._history:
-            if r.free_seq is None and not r.host:
-                out[r.category or "activations"] += r.nbytes
+        for r in filter(counted, self._history):
+            out[r.category or "activations"] += r.nbytes
         return out
 
     @property
@@ -408,21 +355,15 @@ class MemoryMeter(TorchDispatchMode):
 
     # -- dispatch ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # Inputs: a tensor first seen here (the batch, an untracked weight) is counted, never refused.
-        # Operator arguments are tensors, lists of tensors or plain values: no general tree walk needed.
+        # Inputs first seen here (the batch, an untracked weight) are counted, never refused.
         records = self._records
         for a in (args, kwargs.values()) if kwargs else (args,):
             for t in a:
-                if isinstance(t, torch.Tensor):
-                    st = _storage(t)
-                    if st is not None and id(st) not in records:
-                        self._see(t, check_budget=False)
-                elif isinstance(t, (list, tuple)):
-                    for u in t:
-                        if isinstance(u, torch.Tensor):
-                            st = _storage(u)
-                            if st is not None and id(st) not in records:
-                                self._see(u, check_budget=False)
+                for u in t if isinstance(t, (list, tuple)) else (t,):
+                    if isinstance(u, torch.Tensor):
+                        st = _storage(u)
+                        if st is not None and id(st) not in records:
+                            self._see(u, check_budget=False)
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):
             self._see(out)
@@ -469,16 +410,14 @@ class MemoryMeter(TorchDispatchMode):
         if category not in CATEGORIES:
             raise ValueError(f"category must be one of {CATEGORIES}, got {category!r}")
         self._see(t, check_budget=False)
-        for key in _storage_ids(t):
-            rec = self._records.get(key)
-            if rec is not None:
-                rec.category = category
+        self._set_category(t, category, force=True)
         return t
 
-    def _set_category(self, t, category):
+    def _set_category(self, t, category, force: bool = False):
+        """Give the records of `t`'s storages `category` (a parameter's stays a parameter unless `force`)."""
         for key in _storage_ids(t):
             rec = self._records.get(key)
-            if rec is not None and rec.category != "parameters":
+            if rec is not None and (force or rec.category != "parameters"):
                 rec.category = category
 
     def _classify(self) -> None:
@@ -488,10 +427,7 @@ class MemoryMeter(TorchDispatchMode):
             if m is None:
                 continue
             for t in list(m.parameters()) + list(m.buffers()):
-                for key in _storage_ids(t):
-                    rec = self._records.get(key)
-                    if rec is not None:
-                        rec.category = "parameters"
+                self._set_category(t, "parameters", force=True)
                 if t.grad is not None:
                     self._set_category(t.grad, "gradients")
         for ref in self._tracked_optimizers:
@@ -542,12 +478,7 @@ class MemoryMeter(TorchDispatchMode):
         self._refs[key] = weakref.ref(st, functools.partial(_freed, self._self_ref, key, rec))
 
     def _renew(self, st, rec: _Record, nbytes: int, host: bool, check_budget: bool) -> None:
-        """End `rec` and count its live storage anew (resized, or moved to the host tier).
-
-        The old record keeps its size and tier in the history, so a peak it belonged to still
-        splits correctly. The storage exists already, so it is counted before a budget refusal
-        (the count stays true, and its later free subtracts what was added).
-        """
+        """End `rec` and count its live storage anew (resized, or moved to the host tier), before any budget refusal."""
         self._release(rec)
         rec.free_seq = self._seq
         new = _Record(nbytes, host, self._seq)
@@ -610,11 +541,7 @@ def _freed(meter_ref, key: int, rec: _Record, _storage_ref) -> None:
 
 
 class DispatchFloor(TorchDispatchMode):
-    """A dispatch mode that only forwards each operator: the least any TorchDispatchMode adds to a step.
-
-    Timing a step inside it, beside the same step plain and inside a `MemoryMeter`, splits the
-    meter's overhead into what Python dispatch costs anyway and what the meter's counting adds.
-    """
+    """A dispatch mode that only forwards each operator: the least any TorchDispatchMode adds to a step."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
@@ -628,11 +555,7 @@ def _optimizer_state_tensors(opt: torch.optim.Optimizer):
 
 
 def active_meter() -> MemoryMeter | None:
-    """Return the meter active in this thread, or the open meter whose dispatch mode this thread runs under.
-
-    A CUDA backward runs on autograd's device thread: the engine hands it the caller's dispatch
-    modes (the meter among them) but not Python's thread-locals, so the mode stack is asked too.
-    """
+    """Return the meter active in this thread, or the open meter whose dispatch mode this thread runs under."""
     meter = getattr(_ACTIVE, "meter", None)
     if meter is not None:
         return meter
@@ -652,11 +575,7 @@ class FitResult:
 
 
 def try_fit(fn, *args, **kwargs) -> FitResult:
-    """Call `fn`; turn an out-of-memory error (budget or allocator) into FitResult(fits=False), releasing memory.
-
-    A budget refusal is a `labkit.OutOfMemory` with the requested, in-use and allowed bytes; a real
-    CUDA allocator failure is kept as the allocator raised it (its message carries its own figures).
-    """
+    """Call `fn`; turn an out-of-memory error (budget or allocator) into FitResult(fits=False), releasing memory."""
     import gc
     try:
         return FitResult(True, fn(*args, **kwargs))

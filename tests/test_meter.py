@@ -420,20 +420,6 @@ def test_meter_is_single_use_and_not_nested():
         del b
 
 
-def test_reset_peak_starts_a_new_peak():
-    with MemoryMeter(device="cpu") as m:
-        a = torch.empty(1000)  # 4000
-        b = torch.empty(2000)  # 12000 live
-        del b
-        m.reset_peak()
-        assert m.peak_bytes == 4000
-        assert all(p.bytes <= 4000 for p in m.timeline)
-        c = torch.empty(250)  # 1000 -> 5000 live
-        assert m.peak_bytes == 5000
-        assert m.peak_split()["activations"] == 5000
-        del a, c
-
-
 def test_track_rejects_other_objects():
     with MemoryMeter(device="cpu") as m:
         with pytest.raises(TypeError, match="track"):
@@ -612,7 +598,6 @@ def test_a_resize_in_a_backward_on_another_thread_is_counted():
         y = _GatherAndFree.apply(x, gathered)  # 400 B
         loss = y.sum()
         before = m.current_bytes
-        m.reset_peak()
         _backward_on_another_thread(m, loss)
         # at the peak: x, y, the regathered 4000 B and at least the 400 B gradient being computed
         assert m.peak_bytes >= before + 1000 * F32 + 100 * F32, (m.peak_bytes, before)
@@ -710,7 +695,6 @@ def test_a_cuda_backward_on_autograds_device_thread_counts_the_resize():
         x = torch.ones(100, device="cuda", requires_grad=True)
         loss = _GatherAndFree.apply(x, gathered).sum()
         before = m.current_bytes
-        m.reset_peak()
         loss.backward()
         assert m.peak_bytes >= before + 1000 * F32 + 100 * F32, (m.peak_bytes, before)
     assert m.cuda_max_allocated_bytes >= m.peak_bytes  # the allocator rounds up; it never holds less
