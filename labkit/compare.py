@@ -1,18 +1,6 @@
-"""Compare two trainings: gradients and parameters, absolute and relative, one definition of each.
+"""Compare two trainings' gradients and parameters: largest absolute and norm-wise relative differences.
 
-    g_ref = grads(model)                      # {name: copy of .grad, or None}
-    ...                                       # run the technique on a copy of the model
-    max_abs_diff(grads(other), g_ref)         # largest |a - b| over every element
-    max_rel_diff(grads(other), g_ref)         # largest ||a - b|| / ||b|| over tensors (b: the reference)
-    max_grad_diff(model_a, model_b, relative=True)   # the same, straight from two models
-    max_param_diff(model_a, model_b)
-    flat(model)                               # its parameters as one flat copy, in order (flat(grads(model)))
-
-The absolute difference is taken in the tensors' own dtype (the difference of two fp32 values is
-exact in fp32 when they are close). The relative difference is **norm-wise per tensor**, computed
-in float64: ||a - b||_2 / ||b||_2 with a floor of 1e-12 on the denominator. Elementwise ratios would blow up on entries near zero in
-both; an absolute difference depends on the gradients' scale. A tensor that exists on one side
-and is None (no gradient) on the other makes the difference infinite.
+A tensor that is None on one side only (no gradient) makes the difference infinite.
 """
 
 from __future__ import annotations
@@ -109,16 +97,15 @@ def max_rel_diff(a: Tensors, b: Tensors, floor: float = FLOOR) -> float:
 
 def max_grad_diff(model_a: torch.nn.Module, model_b: torch.nn.Module, relative: bool = False) -> float:
     """Return max_abs_diff (or max_rel_diff) of the two models' gradients; model_b is the reference."""
-    fn = max_rel_diff if relative else max_abs_diff
-    return fn(_live(model_a, "grad"), _live(model_b, "grad"))
+    return _max_diff(model_a, model_b, relative, lambda p: p.grad)
 
 
 def max_param_diff(model_a: torch.nn.Module, model_b: torch.nn.Module, relative: bool = False) -> float:
     """Return max_abs_diff (or max_rel_diff) of the two models' parameters; model_b is the reference."""
-    fn = max_rel_diff if relative else max_abs_diff
-    return fn(_live(model_a, "param"), _live(model_b, "param"))
+    return _max_diff(model_a, model_b, relative, lambda p: p)
 
 
-def _live(model: torch.nn.Module, what: str) -> dict:
-    """Return the model's parameters (or their .grad) by name, without copying."""
-    return {name: (p if what == "param" else p.grad) for name, p in model.named_parameters()}
+def _max_diff(model_a: torch.nn.Module, model_b: torch.nn.Module, relative: bool, pick) -> float:
+    """Return the largest difference of `pick(p)` over the two models' parameters, by name, without copying."""
+    a, b = ({name: pick(p) for name, p in m.named_parameters()} for m in (model_a, model_b))
+    return max_rel_diff(a, b) if relative else max_abs_diff(a, b)

@@ -15,12 +15,7 @@ _announced: set[str] = set()  # accelerators "auto" has already said it passes o
 
 
 def as_device(device: str | torch.device) -> torch.device:
-    """Return `device` as a torch.device, a CUDA device always with its index ("cuda" -> "cuda:<current>").
-
-    `torch.device("cuda")` has no index, so it compares unequal to a tensor's `cuda:0` and
-    `torch.cuda.set_per_process_memory_fraction` refuses it; every labkit object that keeps a device
-    keeps it in this form.
-    """
+    """Return `device` as a torch.device, a CUDA device always with its index ("cuda" -> "cuda:<current>")."""
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -28,10 +23,9 @@ def as_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_device(name: str | torch.device = "auto", param: str = "device") -> torch.device:
-    """Return the torch device for "auto" | "cpu" | "cuda[:i]" (auto: CUDA, else CPU); errors name `param`.
+    """Return the torch device for "auto" | "cpu" | "cuda[:i]" (auto: CUDA, else CPU, saying so over mps/xpu).
 
-    "auto" passes over other accelerators (Apple's mps, Intel's xpu) with a printed reason: the
-    chapters measure memory on CPU and CUDA only, so choosing one would mean refusing it later.
+    Raises TypeError or ValueError naming `param`.
     """
     if not isinstance(name, (str, torch.device)):
         raise TypeError(f"{param} must be one of {DEVICE_CHOICES}, got {name!r}")
@@ -56,8 +50,6 @@ def resolve_device(name: str | torch.device = "auto", param: str = "device") -> 
         other = acc.current_accelerator()
         if other is not None and other.type not in ("cpu", "cuda") and other.type not in _announced:
             _announced.add(other.type)
-            # never pick a device the chapters then refuse: their memory figures come from labkit's meter
-            # and, on a GPU, from the CUDA allocator; other accelerators (Apple's mps, xpu) are not measured
             print(f"{param}='auto': torch found a {other.type!r} accelerator, which labkit does not measure "
                   f"(its chapters support {DEVICE_CHOICES[1:]}); running on cpu instead")
     return torch.device("cpu")
@@ -108,11 +100,7 @@ def cpuinfo_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
 
 
 def cpu_bf16_features(path: str = "/proc/cpuinfo") -> dict:
-    """Say what this CPU offers bf16 matmuls: PyTorch's vector level, the cpuinfo bf16 flags, PyTorch's own probes.
-
-    `has_bf16_units` is the verdict: the cpuinfo flags where they can be read, else PyTorch's probes
-    (AVX-512-BF16 or AMX tiles). Without such units a bf16 matmul runs on a generic kernel.
-    """
+    """Return what this CPU offers bf16 matmuls: vector level, cpuinfo flags, PyTorch's probes, `has_bf16_units`."""
     flags = cpuinfo_flags(path)
     found = {
         "capability": torch.backends.cpu.get_cpu_capability(),  # the vector ISA PyTorch's CPU kernels use
@@ -140,14 +128,7 @@ class HalfPrecision:
 
 
 def half_precision(device: str | torch.device) -> HalfPrecision:
-    """Choose bf16 where `device` computes it natively, else fp16 with a GradScaler; say why in `reason`.
-
-    A CPU always gets bf16: fp16 compute is never run on a CPU (its fp16 matmuls use slow generic kernels).
-    A CUDA GPU gets bf16 from compute capability 8.0 (Ampere: A100, L4, RTX 30xx) and on ROCm; older cards
-    (T4, V100, P100) get fp16 with a GradScaler. `torch.cuda.is_bf16_supported()` is no guide there: it
-    returns True on a T4 too, because torch can emulate bf16 (slowly); this asks for native support, as
-    `torch.cuda.is_bf16_supported(including_emulation=False)` does, for the given device.
-    """
+    """Return bf16 where `device` computes it natively (CPU, CUDA >= 8.0, ROCm), else fp16 with a GradScaler."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return HalfPrecision("bf16", torch.bfloat16, False,
@@ -177,12 +158,9 @@ class RankPlacement:
 
 
 def rank_placement(nproc: int, device: str = "auto", backend: str = "auto") -> RankPlacement:
-    """Place `nproc` local ranks: NCCL with one GPU per rank when there are enough GPUs, else gloo on the CPU.
+    """Return where `nproc` local ranks run: NCCL with one GPU per rank when there are enough, else gloo on the CPU.
 
-    NCCL needs a GPU of its own for every rank (it refuses two ranks on one GPU), so with fewer GPUs than
-    ranks "auto" runs them on the CPU with gloo, and says so once per process (a Colab T4 running two ranks;
-    Kaggle's two T4s run two ranks with NCCL). device "cuda" with too few GPUs, and backend "nccl" on the
-    CPU, are refused with a ParameterError naming the parameter.
+    Raises ParameterError for device "cuda" with too few GPUs, or backend "nccl" on the CPU.
     """
     from labkit.validate import ParameterError, check_choice, check_int
 

@@ -1,12 +1,4 @@
-"""Many processes: launch rank code on N local ranks from a notebook, and the runtime inside each rank.
-
-    import labkit.dist as dist
-    results = dist.launch("06_pipeline_ranks.py", nproc=2, params={...})   # in the notebook
-    dist.run(main)                                                         # at the end of the rank script
-
-`launch` (launch.py) is the notebook's side; `run`, `span`, `meter`, `device`, `rank`,
-`world_size` (rank.py) are the rank's; `CommCounter` (comm.py) counts the bytes collectives move.
-"""
+"""Many processes: `launch` rank code on N local ranks from a notebook; `run`, `span`, `meter` inside a rank."""
 
 from labkit.dist.comm import CommCounter
 from labkit.dist.launch import RankFailure, RankResult, launch

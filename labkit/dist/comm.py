@@ -1,17 +1,6 @@
-"""Count what a rank hands to collectives and point-to-point sends: calls and bytes, by operator.
+"""Count what a rank hands to collectives and point-to-point sends: calls and input bytes, by kind.
 
-    with CommCounter() as comm:
-        loss = model(x, y)[1]; loss.backward()
-    comm.calls, comm.bytes          # {"all_reduce": 24, ...}, {"all_reduce": 12582912, ...}
-
-A `TorchDispatchMode`: the c10d operators (`dist.all_reduce`, `dist.send`, ...) and the functional
-collectives that DTensor uses go through PyTorch's dispatcher, so the mode sees each call and
-its tensors. Bytes are the payload one rank hands over: the input tensors' bytes (for all_gather,
-this rank's shard; for reduce_scatter, its whole input). What travels on the wire depends on the
-algorithm: `wire_bytes(K)` gives what each rank sends with ring algorithms on K ranks (an
-all-reduce sends 2(K-1)/K of its payload, an all-gather K-1 times its shard). Collectives issued
-from C++ without the dispatcher are not seen (DDP's built-in all-reduce: give DDP a Python comm
-hook, as notebook 07 does, and they are).
+Only operators that pass PyTorch's dispatcher are seen (DDP's built-in all-reduce is not; its comm hook is).
 """
 
 from __future__ import annotations
@@ -19,11 +8,8 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# operator name -> (the collective it is, the argument holding this rank's input tensors). c10d's
-# in-place operators end in "_" and take (outputs, inputs, ...) where they have both; the functional
-# collectives (DTensor's) take the input first. The coalesced forms (several tensors in one call)
-# count as their collective. Every c10d operator of torch 2.13 is here or in NOT_COMMUNICATION:
-# CommCounter refuses one it does not know rather than leave its bytes out.
+# operator name -> (its kind, the argument holding this rank's input tensors); every c10d operator of
+# torch 2.13 is here or in NOT_COMMUNICATION: CommCounter refuses one it does not know
 COLLECTIVES = {"allreduce_": ("all_reduce", 0), "all_reduce": ("all_reduce", 0), "all_reduce_": ("all_reduce", 0),
                "allreduce_coalesced_": ("all_reduce", 0), "all_reduce_coalesced": ("all_reduce", 0),
                "all_reduce_coalesced_": ("all_reduce", 0),

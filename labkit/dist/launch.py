@@ -1,21 +1,7 @@
 """Launch a rank script on N local processes from a notebook cell and bring back what each rank produced.
 
-    results = labkit.dist.launch("06_pipeline_ranks.py", nproc=2, params={"micro_batches_sweep": [2, 8]})
-    results[1].value, results[1].records, results[1].meters, results[1].spans, results[1].core_waits
-
-Built on torch's own process launcher (`torch.distributed.elastic.multiprocessing.start_processes`,
-the engine under torchrun): each rank is `python <script> --name value ...` in its own process
-group, its output captured. The launcher hosts the group's TCPStore on a free loopback port (two
-notebooks at once never collide) and the ranks join it as torchrun's workers join its agent's
-store (`TORCHELASTIC_USE_AGENT_STORE`), so the same script also runs under
-`torchrun --nproc-per-node N script.py --name value ...`.
-
-Failure is a result, not a hang. A rank that raises reports its traceback; a rank killed by a
-signal is reported with the signal; either way the other ranks are stopped at once. A group
-that does not finish within `timeout_s` is stopped too; interrupting the cell (KeyboardInterrupt)
-stops every rank before the interrupt goes on. With `check=True` (the default) any of these raises
-`RankFailure`, whose message names each rank and what happened to it; `.results` keeps what the
-ranks reported. No rank outlives the call.
+Each rank is `python <script> --name value ...`, started by torch's elastic launcher with a TCPStore on a
+free loopback port. A rank that fails, dies or outlives `timeout_s` stops the others; no rank outlives the call.
 """
 
 from __future__ import annotations
@@ -33,12 +19,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.device import DEVICE_CHOICES, RANK_BACKENDS, rank_placement
+from labkit.device import RANK_BACKENDS, rank_placement
 from labkit.dist.rank import BACKEND_ENV, DEVICE_ENV, PARENT_ENV, RESULT_DIR_ENV, TIMEOUT_ENV
 from labkit.validate import ParameterError, check_choice, check_float, check_int
 
-DEVICES = DEVICE_CHOICES
-BACKENDS = RANK_BACKENDS  # auto: NCCL with a GPU per rank, gloo on CPU
 OUTPUT_CHARS = 20_000  # the tail of each rank's stdout/stderr kept in its result
 
 
@@ -66,11 +50,7 @@ class RankResult:
 
 
 class RankFailure(RuntimeError):
-    """One or more ranks failed, died, hung past the timeout or were stopped; `.results` has what they reported.
-
-    `.first` is the rank that failed first: when one rank raises or dies, the ranks waiting on it
-    often fail a moment later on the broken connection (gloo's "Connection reset by peer").
-    """
+    """One or more ranks failed, died, hung past the timeout or were stopped; `.results`, `.first` (failed first)."""
 
     def __init__(self, message: str, results: list[RankResult], first: RankResult):
         super().__init__(message)
@@ -108,16 +88,13 @@ def _cli(params: dict) -> list[str]:
 def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = None, device: str = "auto",
            backend: str = "auto", timeout_s: float = 120.0, check: bool = True, echo: bool = True,
            threads_per_rank: int | None = None) -> list[RankResult]:
-    """Run `script` on `nproc` local ranks and return their results in rank order (see the module docstring).
+    """Run `script` on `nproc` local ranks and return their results in rank order; raise RankFailure if one fails.
 
-    device "auto": one GPU per rank when there are enough, else CPU. backend "auto": NCCL on GPUs,
-    gloo on CPU (gloo also runs on GPUs). echo prints each rank's output after the run, prefixed
-    with its rank. threads_per_rank: torch threads of each rank (default: the machine's cores
-    shared out, at least one).
+    echo prints each rank's output after the run; threads_per_rank defaults to the cores shared out.
     """
     check_int("nproc", nproc, 1, 64)
     check_float("timeout_s", timeout_s, 0.0, 24 * 3600.0, lo_open=True)
-    check_choice("backend", backend, BACKENDS)
+    check_choice("backend", backend, RANK_BACKENDS)
     script = Path(script)
     if not script.is_file():
         raise ParameterError(f"script: no such file {str(script)!r}")
@@ -180,11 +157,7 @@ def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = N
 
 @contextlib.contextmanager
 def _own_signal_handlers():
-    """Keep this process's signal handlers: torch's launcher replaces SIGINT's (and others) for good.
-
-    In a notebook kernel SIGINT must stay KeyboardInterrupt (the interrupt button); the ranks are
-    stopped by `launch`'s own clean-up, and die with this process if it is killed.
-    """
+    """Keep this process's signal handlers (SIGINT stays KeyboardInterrupt): torch's launcher replaces them."""
     names = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
     main = threading.current_thread() is threading.main_thread()
     saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names if hasattr(signal, n))}

@@ -1,27 +1,7 @@
 """Inside a rank: join the process group from the environment, run the rank's code, report what it produced.
 
-A rank script (a notebook writes one with `%%writefile`; any script will do) ends with
-
-    if __name__ == "__main__":
-        labkit.dist.run(main)
-
-`run` is the same under `labkit.dist.launch` (from a notebook cell) and under `torchrun`: it reads
-RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, joins the group with gloo on CPU or
-NCCL on CUDA (one GPU per rank, `LOCAL_RANK` picks it), and calls `main(**parameters)`, the
-parameters being the command line's `--name value` pairs (`--micro_batches 4 --schedule 1F1B`:
-values read as Python literals where they parse, else as strings).
-
-What a rank produces travels back to the launcher as plain data (JSON, one file per rank):
-main's return value, what it `labkit.record()`ed, the summaries of the meters opened with
-`meter(name)`, and the labelled `span`s it timed, on a clock that starts at the same barrier on
-every rank (on CUDA, from CUDA events: when the GPU ran the span's work), with the seconds the rank
-spent inside each span waiting for a CPU core (`core_wait_s`: other processes had the cores; on
-Linux, 0 elsewhere). Under torchrun (no launcher) each rank prints that summary on one line of JSON
-instead.
-
-If main raises, the rank writes its traceback into its report and exits with status 1; the
-launcher then stops the other ranks. A rank started by the launcher also dies with it (Linux:
-the parent-death signal; elsewhere a thread that watches the parent).
+A rank script ends with `labkit.dist.run(main)`, under `labkit.dist.launch` and under `torchrun` alike. The
+report (main's value, records, meter summaries, spans) goes to the launcher as JSON, or one stdout line.
 """
 
 from __future__ import annotations
@@ -75,11 +55,7 @@ def now_s() -> float:
 
 
 def core_wait_s() -> float:
-    """Return the seconds this thread has spent ready to run but waiting for a CPU core (Linux; 0.0 elsewhere).
-
-    The kernel's run-queue delay (/proc/thread-self/schedstat, second field): on a machine shared
-    with other processes a span's wall time is its work plus this wait.
-    """
+    """Return the seconds this thread has spent ready to run but waiting for a CPU core (Linux; 0.0 elsewhere)."""
     try:
         with open("/proc/thread-self/schedstat") as f:
             return int(f.read().split()[1]) / 1e9
@@ -89,13 +65,9 @@ def core_wait_s() -> float:
 
 @contextlib.contextmanager
 def span(label: str):
-    """Time the block as a labelled span of this rank's timeline (on CUDA: when the GPU ran it, from CUDA events).
+    """Time the block as a labelled span of this rank's timeline (on CUDA: from CUDA events, unsynchronised).
 
-    On CUDA nothing is synchronised: two events on the current stream mark where the block's GPU
-    work starts and ends, and the span's times are read from them (relative to an event recorded
-    at the start barrier) when the rank reports, so pending sends, receives and kernels overlap as
-    they would untimed. Also notes how long the rank waited for a CPU core inside the block
-    (RankResult.core_waits; host time).
+    Also notes how long the rank waited for a CPU core inside the block (RankResult.core_waits).
     """
     dev = device()
     cuda = dev.type == "cuda" and _state["t0_event"] is not None
@@ -200,9 +172,7 @@ def run(main) -> None:
         sys.stderr.write(report["error"])
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip the interpreter's teardown: the report is written, and C++ threads of the process group
-    # (gloo's, a device mesh's) can abort a normal exit. After a failure the launcher stops the
-    # other ranks; a clean teardown could wait on them forever.
+    # skip the interpreter's teardown: the process group's C++ threads can abort or hang a normal exit
     os._exit(0 if ok else 1)
 
 
