@@ -1,8 +1,4 @@
-"""labkit: the instruments of the Fit the Model workbook.
-
-Meters, budgets, an estimator, models, data, plots, widgets and results; the techniques
-themselves are written out in the notebooks. Importing labkit has no side effects.
-"""
+"""labkit: the instruments of the Fit the Model workbook (meters, models, data, plots, widgets, results)."""
 
 from labkit.device import DEVICE_CHOICES, hardware_report, resolve_device, synchronize
 from labkit.estimate import MemoryEstimate, estimate_training_memory, example_batch

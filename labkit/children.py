@@ -1,17 +1,6 @@
-"""Child processes that never outlive the cell that started them: rank groups (labkit.dist), search workers.
+"""Child processes that never outlive the cell that started them, and whether a recorded process still lives.
 
-    with ChildProcesses() as kids:                    # leaving the block (an error, an interrupt) stops them
-        kids.start([sys.executable, "-m", "labkit.tools.search", "worker", ...])
-        kids.wait(timeout_s=600)                      # exit codes
-
-A child started here gets the parent's pid in LABKIT_PARENT_PID; calling `die_with_parent()`
-first thing makes it die with the parent even when the parent is killed outright (Linux:
-PR_SET_PDEATHSIG; elsewhere a watcher thread).
-
-Liveness of a process recorded elsewhere (a search worker's, in its trial): a pid means something
-only where it was taken, so it is recorded with `machine_id()` (this boot of this kernel and its pid
-namespace: machines cloned from one image differ, containers with their own pids differ) and
-`process_start(pid)` (a reused pid differs); `process_alive(pid, start)` answers only for this machine.
+A child that calls `die_with_parent()` first thing dies with its parent, even one killed outright.
 """
 
 from __future__ import annotations
@@ -102,12 +91,9 @@ class ChildProcesses:
 # -- liveness -----------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def machine_id() -> str | None:
-    """Return an id shared by exactly the processes whose pids this one can check; None where pids cannot be checked.
+    """Return an id shared by exactly the processes whose pids this one can check (None on Windows).
 
-    Linux: the kernel's boot id (random at each boot: machines cloned from one image differ, unlike
-    their hostname and /etc/machine-id) and this process's pid namespace (containers with their own
-    pids differ). Other POSIX systems: hostname and a hardware (MAC) address. Windows: None (os.kill
-    there ends the process it probes).
+    Linux: the boot id and the pid namespace; other POSIX systems: hostname and MAC address.
     """
     if os.name == "nt":
         return None

@@ -1,8 +1,4 @@
-"""Memory and throughput plots: static figures and live ones that redraw while a run goes on.
-
-Figures are built with `matplotlib.figure.Figure` (no pyplot state, any backend, headless-safe)
-and shown as PNG images, so they look the same in JupyterLab, under papermill and in the report.
-"""
+"""Memory and throughput plots on headless matplotlib Figures, shown as PNG images; live ones redraw in place."""
 
 from __future__ import annotations
 
@@ -30,25 +26,24 @@ def new_figure(nrows: int = 1, ncols: int = 1, width_in: float = 6.0, height_in:
     return fig, axes
 
 
-def png_bytes(fig: Figure) -> bytes:
-    """Render a figure to PNG bytes."""
+def png_bytes(fig: Figure, **savefig) -> bytes:
+    """Render a figure to PNG bytes (at 90 dpi; `savefig` adds keyword arguments of Figure.savefig)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
+    fig.savefig(buf, format="png", dpi=90, **savefig)
     return buf.getvalue()
 
 
-def show(fig: Figure) -> None:
+def show(fig: Figure, **savefig) -> None:
     """Display a figure as a PNG image in the notebook (nothing outside a kernel)."""
     if in_kernel():
         from IPython.display import Image, display
-        display(Image(png_bytes(fig)))
+        display(Image(png_bytes(fig, **savefig)))
 
 
 def show_pyplot(draw, width_in: float = 6.0, height_in: float = 3.2, after=None) -> Figure:
-    """Run `draw()`, a pyplot-based plot that returns its Axes (Optuna's), show the figure as a PNG, close it.
+    """Run `draw()`, a pyplot plot that returns its Axes (Optuna's), show it as a PNG, close it, restore rcParams.
 
-    Optuna's matplotlib plots switch pyplot to the "ggplot" style for good; rcParams are restored
-    here, so later figures keep their look. `after(ax)` may add to the plot (a budget line).
+    `after(ax)` may add to the plot (a budget line).
     """
     import matplotlib
     import matplotlib.pyplot as plt
@@ -60,11 +55,7 @@ def show_pyplot(draw, width_in: float = 6.0, height_in: float = 3.2, after=None)
             after(first)
         fig = first.figure
         fig.set_size_inches(width_in, height_in)
-        if in_kernel():
-            from IPython.display import Image, display
-            buf = io.BytesIO()
-            fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")  # no label cut off, whatever its layout
-            display(Image(buf.getvalue()))
+        show(fig, bbox_inches="tight")  # no label cut off, whatever its layout
     plt.close(fig)  # else the inline backend shows it a second time at the end of the cell
     return fig
 
@@ -220,12 +211,9 @@ def plain_ticks(axis) -> None:
 
 def plot_gantt(spans_by_rank: dict, ax=None, title: str = "Timeline by rank", unit: str = "ms",
                label_actions: bool = True, xlabel: str | None = None, legend: bool = False):
-    """Draw each rank's spans as bars on its own row: forward blue, backward red, waiting light grey, sends teal.
+    """Draw each rank's (label, start_s, end_s) spans as bars on its own row, coloured by kind (see _gantt_kind).
 
-    `spans_by_rank` maps a rank (or stage) to (label, start, end) tuples; times in seconds, drawn
-    from the earliest start. Labels F3, B3 or W3 are pipeline actions (labkit.pipeline), "wait" a
-    rank idle in a receive; any other label (send, all_reduce) is communication. A bar is labelled
-    only where its text fits; legend: a colour key under the axes.
+    A bar is labelled only where its text fits; legend: a colour key under the axes.
     """
     if ax is None:
         fig, ax = new_figure()

@@ -1,12 +1,7 @@
 """Record a notebook's key measurements so that batch runs can collect them.
 
-`record(name, value)` keeps the value in this process (`recorded()`), and, inside a Jupyter
-kernel, displays it as one output of the single MIME type `application/vnd.labkit.record+json`:
-front ends with no renderer for it (JupyterLab, Notebook 7, nbconvert) show nothing, so a
-chapter is not interrupted by a line per key. `labkit.tools.runner` reads these outputs from the
-executed notebooks into `build/results.json`; `show_records()` shows a chapter's records as one
-table where the chapter chooses (its end). In a torch.distributed job every rank may record; the
-rank is stored beside the value.
+`record(name, value)` keeps the value in this process and, in a Jupyter kernel, displays it as an output of
+MIME type `application/vnd.labkit.record+json` that front ends do not show and the batch runner collects.
 """
 
 from __future__ import annotations
@@ -55,7 +50,6 @@ def record(name: str, value) -> None:
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"record name must be an identifier like 'peak_bytes', got {name!r}")
     value = jsonable(value)
-    json.dumps(value)  # sanity: must serialise
     _RECORDS[name] = value
     payload = {"name": name, "value": value}
     rank = _rank()
@@ -113,12 +107,7 @@ def checkout_root() -> Path | None:
 
 
 def build_dir(*parts: str) -> Path:
-    """Return a writable folder under the workbook's build/, created: the first of the places below that works.
-
-    $LABKIT_BUILD_DIR; the checkout's build/ (labkit installed by `make setup`); build/ in the working directory
-    (a hosted notebook's: Colab's /content, Kaggle's /kaggle/working); build/ under the temporary folder, where
-    the working directory is read-only.
-    """
+    """Return a writable folder under build/, created: in $LABKIT_BUILD_DIR, the checkout, the cwd or the temp folder."""
     root = checkout_root()
     if os.environ.get(BUILD_DIR_ENV):
         places = [Path(os.environ[BUILD_DIR_ENV])]  # asked for: an error there is the user's to see

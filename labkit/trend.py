@@ -1,11 +1,4 @@
-"""Say in words what shape a measured sequence has, from its numbers: the trend sentences of the chapters.
-
-    describe_trend([1, 2, 4, 8, 16], [0.515, 0.406, 0.316, 0.339, 0.411], x_name="M")
-    # 'falls from 0.515 at M = 1 to its lowest, 0.316 at M = 4, then rises to 0.411 at M = 16'
-
-A chapter prints this sentence instead of typing "falls" into its prose, so the words change when
-the numbers do (another seed, another machine, a GPU).
-"""
+"""Say in words what shape a measured sequence has, from its numbers: the trend sentences of the chapters."""
 
 from __future__ import annotations
 
@@ -44,10 +37,7 @@ def shape_words(ys, tol: float = 0.0) -> str:
 
 
 def describe_trend(xs, ys, fmt: str = "{:.3f}", x_name: str = "x", tol: float = 0.0) -> str:
-    """Return a phrase for how ys moves along xs: "falls from a at x = 1 to b at x = 16", "... its lowest ...", ...
-
-    The phrase has no subject: the caller writes "GPipe's measured bubble " + describe_trend(...).
-    """
+    """Return a phrase without subject for how ys moves along xs: "falls from a at x = 1 to b at x = 16", ..."""
     xs, ys = list(xs), [float(y) for y in ys]
     if len(xs) != len(ys):
         raise ValueError(f"xs and ys need the same length, got {len(xs)} and {len(ys)}")

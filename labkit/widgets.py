@@ -1,10 +1,6 @@
 """Widget panels: controls and a Run button around an ordinary experiment function.
 
-A control offers only values the function accepts: give a list of the valid values (`choices`)
-where a range would hold some it refuses. A panel checks this when it is built: it moves every
-control that its function's leading checks read (`validate.*` calls; `if ...:` blocks that raise a
-ParameterError, or print and return) to every position, runs those checks alone (not the
-experiment) and refuses to build if any setting is refused (`ControlPanel.refusals`).
+A panel refuses to build when its function's leading checks refuse a position its controls offer.
 """
 
 from __future__ import annotations
@@ -14,6 +10,7 @@ import contextlib
 import inspect
 import io
 import itertools
+import math
 import textwrap
 import traceback
 from dataclasses import dataclass
@@ -59,8 +56,7 @@ def _widget_for(name: str, spec):
     if isinstance(spec, Choices):  # numbers on a slider (keys and drag move it), names in a dropdown
         kind = W.SelectionSlider if _numbers(spec.values) and len(spec.values) > 1 else W.Dropdown
         return kind(options=list(spec.values), value=spec.value, description=name)
-    # a tuple of numbers is a slider's range; a list is always options (a list of four micro-batch sizes
-    # read as (min, max, step, value) gave an inverted slider)
+    # a tuple of numbers is a slider's range; a list is always options
     if isinstance(spec, tuple) and len(spec) in (3, 4) and _numbers(spec):
         lo, hi, step = spec[:3]
         value = spec[3] if len(spec) == 4 else lo
@@ -114,12 +110,9 @@ def _is_clamp(stmt: ast.stmt) -> bool:
 
 
 def validation_of(fn):
-    """Return (checks, names): `fn`'s leading checks as a function of fn's arguments, and the arguments they read.
+    """Return (checks, names): `fn`'s leading checks as a function of its arguments, and the arguments they read.
 
-    The checks are the statements before the first one that does work: `validate.*` / `check_*` calls,
-    `if ...:` blocks that print and raise or return, and clamps such as `n = min(n, m)`. The returned
-    function returns `_ACCEPTED` when every check passes. (None, set()) when fn has no such checks or
-    its source cannot be read.
+    The function returns `_ACCEPTED` when every check passes; (None, set()) when fn has no leading checks.
     """
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
@@ -167,8 +160,7 @@ def refusal(checks, values: dict) -> str | None:
 class ControlPanel(W.VBox):
     """Controls, a Run button and an Output area; Run calls `run_fn(**values)` inside the output.
 
-    On construction every setting of the controls that `run_fn`'s leading checks read is checked
-    (`refusals`); with `check=True` (the default) a refused setting is an error naming it.
+    With `check=True` a setting that `run_fn`'s leading checks refuse is a ValueError naming it.
     """
 
     def __init__(self, run_fn, title: str = "", check: bool = True, **controls):
@@ -195,39 +187,25 @@ class ControlPanel(W.VBox):
         """Return the controls' current values by name."""
         return {name: w.value for name, w in self.controls.items()}
 
-    def positions(self) -> dict[str, list]:
-        """Return every value each control can be moved to, by name."""
-        return {name: positions(w) for name, w in self.controls.items()}
-
-    def settings(self, names=None):
-        """Yield every combination of the positions of the controls `names` (default all), the others as they are."""
-        names = [n for n in self.controls if names is None or n in names]
-        pos = self.positions()
-        for combo in itertools.product(*(pos[n] for n in names)):
-            yield {**self.values(), **dict(zip(names, combo))}
-
     def refusals(self, limit: int | None = None) -> list[tuple[dict, str]]:
-        """Return (setting, why) for settings `run_fn`'s leading checks refuse, every control at every position.
+        """Return (setting, why) for each combination of the checked controls' positions that `run_fn`'s checks refuse.
 
-        Only the controls those checks read are moved together (all their combinations); the others keep
-        their values. Nothing of the experiment itself runs.
+        The other controls keep their values; nothing of the experiment itself runs.
         """
         checks, names = validation_of(self.run_fn)
-        names &= set(self.controls)
+        names = [n for n in self.controls if n in names]
         if checks is None or not names:
             return []
-        pos = self.positions()
-        count = 1
-        for n in names:
-            count *= len(pos[n])
+        pos = [positions(self.controls[n]) for n in names]
+        count = math.prod(len(p) for p in pos)
         if count > MAX_CHECKED_SETTINGS:
             raise ValueError(f"the panel's checked controls {sorted(names)} have {count:,} combinations, more than "
                              f"{MAX_CHECKED_SETTINGS:,}: offer fewer positions")
         found = []
-        for setting in self.settings(names):
-            why = refusal(checks, setting)
+        for combo in itertools.product(*pos):
+            why = refusal(checks, {**self.values(), **dict(zip(names, combo))})
             if why is not None:
-                found.append(({n: setting[n] for n in self.controls if n in names}, why))
+                found.append((dict(zip(names, combo)), why))
                 if limit and len(found) >= limit:
                     break
         return found
