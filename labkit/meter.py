@@ -99,11 +99,11 @@ def live_tensor_bytes(device: str | torch.device | None = None, collect: bool = 
 def format_bytes(n: float) -> str:
     """Format a byte count with a binary unit (B, KiB, MiB, GiB, TiB)."""
     n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    raise AssertionError("unreachable")
+    return f"{n:.2f} TiB"
 
 
 class _Record:

@@ -118,11 +118,9 @@ def plot_memory_bars(splits: dict[str, dict[str, int]], ax=None, budget_bytes: i
 def plot_grouped_bars(series: dict[str, dict[str, float]], ax=None, title: str = "", ylabel: str = "",
                       colors: dict[str, str] | None = None, hatches: dict[str, str] | None = None,
                       names: dict[str, str] | None = None):
-    """Plot bars side by side: one group per category, one bar per series in each group; return the bar containers.
+    """Plot {series label: {group: value}} as bars side by side, one group per key; return the bar containers.
 
-    `series` maps a series label to {group: value}; groups come in first-seen order, and a series
-    without a value for a group leaves its slot empty (a formula that does not apply). `colors` and
-    `hatches` style series by label (hatched: a formula beside a measurement); `names` renames groups.
+    A series without a value for a group leaves its slot empty; `colors` and `hatches` style series by label.
     """
     names, colors, hatches = names or {}, colors or {}, hatches or {}
     if ax is None:

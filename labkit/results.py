@@ -36,13 +36,8 @@ def jsonable(value):
 
 
 def _rank() -> int | None:
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:  # pragma: no cover - torch always has it
-        pass
-    return None
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
 def record(name: str, value) -> None:
