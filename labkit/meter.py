@@ -251,26 +251,23 @@ class MemoryMeter(TorchDispatchMode):
 
     def _track(self, objs) -> None:
         for obj in objs:
+            if isinstance(obj, torch.Tensor):
+                self._see(obj, check_budget=False)
+                continue
+            if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+                raise TypeError(f"track() takes modules, optimizers or tensors, got {type(obj).__name__}")
+            for t, _ in _categorised(obj):
+                self._see(t, check_budget=False)  # already allocated: counted, never refused
             if isinstance(obj, torch.nn.Module):
                 self._tracked_modules.append(weakref.ref(obj))
-                for t in list(obj.parameters()) + list(obj.buffers()):
-                    self._see(t, check_budget=False)  # already allocated: counted, never refused
-                    if t.grad is not None:
-                        self._see(t.grad, check_budget=False)
                 self._hooks.append(obj.register_forward_pre_hook(self._enter_forward))
                 for p in obj.parameters():
                     if p.requires_grad:
                         self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
-            elif isinstance(obj, torch.optim.Optimizer):
+            else:
                 self._tracked_optimizers.append(weakref.ref(obj))
-                for t in _optimizer_state_tensors(obj):
-                    self._see(t, check_budget=False)
                 self._hooks.append(obj.register_step_pre_hook(self._enter_optimizer))
                 self._hooks.append(obj.register_step_post_hook(self._leave_optimizer))
-            elif isinstance(obj, torch.Tensor):
-                self._see(obj, check_budget=False)
-            else:
-                raise TypeError(f"track() takes modules, optimizers or tensors, got {type(obj).__name__}")
         self._classify()
 
     @contextlib.contextmanager
@@ -422,19 +419,10 @@ class MemoryMeter(TorchDispatchMode):
 
     def _classify(self) -> None:
         """Give live storages of tracked parameters, gradients and optimizer state their category."""
-        for ref in self._tracked_modules:
-            m = ref()
-            if m is None:
-                continue
-            for t in list(m.parameters()) + list(m.buffers()):
-                self._set_category(t, "parameters", force=True)
-                if t.grad is not None:
-                    self._set_category(t.grad, "gradients")
-        for ref in self._tracked_optimizers:
-            opt = ref()
-            if opt is not None:
-                for t in _optimizer_state_tensors(opt):
-                    self._set_category(t, "optimizer_state")
+        for obj in (ref() for ref in self._tracked_modules + self._tracked_optimizers):
+            if obj is not None:
+                for t, category in _categorised(obj):
+                    self._set_category(t, category, force=category == "parameters")
 
     def _see(self, t: torch.Tensor, check_budget: bool = True) -> None:
         if not self._open:
@@ -552,6 +540,18 @@ def _optimizer_state_tensors(opt: torch.optim.Optimizer):
         for v in state.values():
             if isinstance(v, torch.Tensor):
                 yield v
+
+
+def _categorised(obj):
+    """Yield (tensor, category) for a module's parameters, buffers and their gradients, or an optimizer's state."""
+    if isinstance(obj, torch.optim.Optimizer):
+        for t in _optimizer_state_tensors(obj):
+            yield t, "optimizer_state"
+        return
+    for t in list(obj.parameters()) + list(obj.buffers()):
+        yield t, "parameters"
+        if t.grad is not None:
+            yield t.grad, "gradients"
 
 
 def active_meter() -> MemoryMeter | None:

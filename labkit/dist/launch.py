@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.device import RANK_BACKENDS, rank_placement
+from labkit.device import rank_placement
 from labkit.dist.rank import BACKEND_ENV, DEVICE_ENV, PARENT_ENV, RESULT_DIR_ENV, TIMEOUT_ENV
-from labkit.validate import ParameterError, check_choice, check_float, check_int
+from labkit.validate import ParameterError, check_float, check_int
 
 OUTPUT_CHARS = 20_000  # the tail of each rank's stdout/stderr kept in its result
 
@@ -94,11 +94,10 @@ def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = N
     """
     check_int("nproc", nproc, 1, 64)
     check_float("timeout_s", timeout_s, 0.0, 24 * 3600.0, lo_open=True)
-    check_choice("backend", backend, RANK_BACKENDS)
     script = Path(script)
     if not script.is_file():
         raise ParameterError(f"script: no such file {str(script)!r}")
-    placement = rank_placement(nproc, device, backend)  # NCCL with one GPU per rank, else gloo on the CPU
+    placement = rank_placement(nproc, device, backend)  # checks device and backend
     dev, backend = placement.device, placement.backend
     cli = _cli(params or {})
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
