@@ -87,7 +87,7 @@ def synchronize(device: torch.device) -> None:
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # /proc/cpuinfo: x86 AVX-512-BF16, x86 AMX, Arm's BF16 extension
 
 
-def cpuinfo_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
+def _cpuinfo_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
     """Return the CPU's feature flags from /proc/cpuinfo (x86 "flags", Arm "Features"), or None where unreadable."""
     try:
         with open(path) as f:
@@ -101,7 +101,7 @@ def cpuinfo_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
 
 def cpu_bf16_features(path: str = "/proc/cpuinfo") -> dict:
     """Return what this CPU offers bf16 matmuls: vector level, cpuinfo flags, PyTorch's probes, `has_bf16_units`."""
-    flags = cpuinfo_flags(path)
+    flags = _cpuinfo_flags(path)
     found = {
         "capability": torch.backends.cpu.get_cpu_capability(),  # the vector ISA PyTorch's CPU kernels use
         "cpuinfo_bf16_flags": None if flags is None else sorted(flags & set(BF16_CPU_FLAGS)),
