@@ -3,8 +3,8 @@
 `record(name, value)` keeps the value in this process (`recorded()`), and, inside a Jupyter
 kernel, displays it as one output of the single MIME type `application/vnd.labkit.record+json`:
 front ends with no renderer for it (JupyterLab, Notebook 7, nbconvert) show nothing, so a
-chapter is not interrupted by a line per key. `labkit.tools.runner` reads these outputs from the
-executed notebooks into `build/results.json`; `show_records()` shows a chapter's records as one
+chapter is not interrupted by a line per key. `labkit.execute` reads these outputs from an
+executed notebook (`make run` gathers them into `build/results.json`); `show_records()` shows a chapter's records as one
 table where the chapter chooses (its end). In a torch.distributed job every rank may record; the
 rank is stored beside the value.
 """

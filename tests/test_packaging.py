@@ -213,12 +213,12 @@ def test_makefile_has_the_three_commands():
     assert phony and {"run", "test", "lab"} <= set(phony.group(1).split())
     test_recipe = " ".join(targets["test"])
     assert "pytest tests" in test_recipe and "--nbval" in test_recipe and "--durations" in test_recipe
-    assert "labkit.tools.runner" in " ".join(targets["run"])
+    assert "workbook.runner" in " ".join(targets["run"])
     unit_recipe = " ".join(targets["unit"])
     assert '-m "not notebook"' in unit_recipe and "nbval" not in unit_recipe
-    assert "labkit.tools.lab" in " ".join(targets["lab"])
-    assert "labkit.tools.classroom student" in " ".join(targets["student"])
-    assert "labkit.tools.classroom grade" in " ".join(targets["grade"])
+    assert "workbook.lab" in " ".join(targets["lab"])
+    assert "workbook.classroom student" in " ".join(targets["student"])
+    assert "workbook.classroom grade" in " ".join(targets["grade"])
     assert "labkit.tools.gpucheck" in " ".join(targets["gpu-check"])
 
 

@@ -1,6 +1,6 @@
 """The closing page's figures: what each technique saved and cost on the running example, read from results.json.
 
-`make run` writes build/results.json (`labkit.tools.runner`); notebook 09 reads it with `load`, names the
+`make run` writes build/results.json (`workbook.runner`); notebook 09 reads it with `load`, names the
 chapters still to run with `missing`, and builds its tables with `one_device_rows`, `cost_order` and
 `several_device_figures`. Every figure here is a chapter's own record, named by `SOURCES`; nothing is typed in.
 """
@@ -87,7 +87,7 @@ def run_first(gaps: dict[str, str]) -> str:
     """Return the line that names the chapters to run first, and the command that runs them."""
     only = " ".join(f"--only {stem[:2]}" for stem in gaps)
     return ("run these chapters first: " + "; ".join(f"{stem} ({why})" for stem, why in gaps.items())
-            + f". `make run` runs them all and then this page; `.venv/bin/python -m labkit.tools.runner {only}` "
+            + f". `make run` runs them all and then this page; `.venv/bin/python -m workbook.runner {only}` "
             "runs only these, then run this page again")
 
 

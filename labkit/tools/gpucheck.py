@@ -318,7 +318,7 @@ def check_notebooks(setup: Setup, repo: Path | None, out: Path) -> Row:
         multi_rank = nb.name[:2] in ("06", "07")
         device = "cuda" if not multi_rank or gpus >= 2 else "auto"
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "labkit.tools.runner", "--notebooks", str(repo / "notebooks"),
+        proc = subprocess.run([sys.executable, "-m", "workbook.runner", "--notebooks", str(repo / "notebooks"),
                                "--out", str(out), "--only", nb.name, "-p", "DEVICE", device],
                               cwd=repo, capture_output=True, text=True)
         seconds[nb.stem] = time.perf_counter() - t0
