@@ -91,8 +91,8 @@ def serve(base: Path, root: Path, env: dict, figure_checks: Path | None = None):
     if figure_checks is not None:
         profile = base / "ipython" / "profile_default"
         profile.mkdir(parents=True, exist_ok=True)
-        (profile / "ipython_kernel_config.py").write_text(
-            "c.IPKernelApp.extra_extensions = ['workbook.figcheck']\n")
+        (profile / "ipython_kernel_config.py").write_text(  # `workbook` is found from any working directory
+            f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nc.IPKernelApp.extra_extensions = ['workbook.figcheck']\n")
         env.update(IPYTHONDIR=str(base / "ipython"), **{figcheck.OUT_ENV: str(figure_checks)})
     (base / "workspaces").mkdir(parents=True, exist_ok=True)
     argv = lab.command(root, base / "workspaces", [

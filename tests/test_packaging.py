@@ -222,6 +222,21 @@ def test_makefile_has_the_three_commands():
     assert "labkit.tools.gpucheck" in " ".join(targets["gpu-check"])
 
 
+def test_pip_installs_labkit_alone_and_the_library_imports_no_tooling():
+    """workbook/ (the repository's tooling) is not installed; labkit imports neither it nor, outside tools/, labkit.tools."""
+    import ast
+
+    assert _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"] == ["labkit*"]
+    for path in sorted((ROOT / "labkit").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        names += [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
+        assert not [m for m in names if m.split(".")[0] == "workbook"], f"{path} imports the repository's tooling"
+        if "tools" not in path.relative_to(ROOT).parts:
+            assert not [m for m in names if m.startswith("labkit.tools")], f"{path}: library code imports labkit.tools"
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: make gpu-check runs for real")
 def test_make_gpu_check_without_cuda_exits_2_with_its_reason():
     import subprocess

@@ -1,1 +1,1 @@
-"""The repository's own tooling (run from its root, not installed): runner, report, nbcheck, figcheck, classroom, hosted, lab."""
+"""The repository's own tooling, run from its root and not installed: what make run, test, lab, student, grade run."""
