@@ -23,7 +23,7 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CODE_STUB = "# YOUR CODE HERE\npass"  # valid in a function body too; the check cell below then fails
 TEACHER_ONLY = "teacher-only"  # a cell with this tag is left out of the student copy (e.g. "the solution is below")
 CELL_TIMEOUT_S = 900  # nbgrader's default, 30 s a cell, is shorter than the chapters' longest cells
