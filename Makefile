@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)  ## create .venv and install labkit with its dependencies
 
 run: $(STAMP)  ## execute every notebook (fast defaults) into build/, write build/results.json and build/report.html; 09, last, reads the others' figures
-	$(PY) -m labkit.tools.runner --notebooks notebooks --out build
+	$(PY) -m workbook.runner --notebooks notebooks --out build
 
 # Tests run in TEST_WORKERS processes (pytest-xdist; a notebook's cells stay together in one), each on one
 # thread: two processes of two OpenMP threads on two cores spin against each other and run many times slower.
@@ -32,7 +32,7 @@ TEST_WORKERS ?= 2
 TEST_ENV := LABKIT_BATCH=1 OMP_NUM_THREADS=1 LABKIT_RESULTS=$(CURDIR)/tests/data/closing_results.json
 
 test: $(STAMP)  ## unit and notebook tests, then nbval over every notebook; the 15 slowest tests are listed at the end
-	$(PY) -m labkit.tools.nbcheck notebooks build/nbval
+	$(PY) -m workbook.nbcheck notebooks build/nbval
 	$(TEST_ENV) $(PY) -m pytest tests build/nbval --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15
 
 unit: $(STAMP)  ## labkit's unit tests only: no notebook is run (tests marked `notebook` are left out)
@@ -41,15 +41,15 @@ unit: $(STAMP)  ## labkit's unit tests only: no notebook is run (tests marked `n
 LAB_ARGS ?=
 STUDENT ?=
 lab: $(STAMP)  ## JupyterLab on notebooks/, the first chapter open, no news prompt, a fresh layout (token on); e.g. LAB_ARGS="--port 9999"; STUDENT=1: on the student copies (make student), nbgrader's teacher tools off
-	$(PY) -m labkit.tools.lab $(if $(STUDENT),--student) $(LAB_ARGS)
+	$(PY) -m workbook.lab $(if $(STUDENT),--student) $(LAB_ARGS)
 
 student: $(STAMP)  ## write a student copy of every chapter to build/student/ (nbgrader: solutions replaced by stubs)
-	$(PY) -m labkit.tools.classroom student
+	$(PY) -m workbook.classroom student
 
 SUBMISSIONS ?=
 grade: $(STAMP)  ## autograde SUBMISSIONS=dir (<student>/<chapter>.ipynb); scores in build/grades/scores.csv and .html
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=folder (one folder per student, chapters inside)"; exit 2; }
-	LABKIT_BATCH=1 $(PY) -m labkit.tools.classroom grade --submissions "$(SUBMISSIONS)"
+	LABKIT_BATCH=1 $(PY) -m workbook.classroom grade --submissions "$(SUBMISSIONS)"
 
 GPU_CHECK_ARGS ?=
 gpu-check: $(STAMP)  ## every CUDA path at GPT-2 small: a table, and build/gpu-check.json (needs CUDA; exit 2 without)

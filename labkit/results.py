@@ -1,7 +1,7 @@
 """Record a notebook's key measurements so that batch runs can collect them.
 
 `record(name, value)` keeps the value in this process and, in a Jupyter kernel, displays it as an output of
-MIME type `application/vnd.labkit.record+json` that front ends do not show and the batch runner collects.
+MIME type `application/vnd.labkit.record+json` that front ends do not show and `labkit.execute` collects.
 """
 
 from __future__ import annotations

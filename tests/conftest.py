@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 
-# Figure problems the chapters had when the figure check came (labkit.tools.figcheck, found by `make run`), as
+# Figure problems the chapters had when the figure check came (workbook.figcheck, found by `make run`), as
 # {chapter: rules} (figcheck.rule_of): a test that runs a whole chapter allows these and fails on any other.
 # Remove a chapter's rules once its figures pass: the list only shrinks.
 KNOWN_FIGURE_PROBLEMS: dict[str, set[str]] = {  # chapters 00-07 and 09 pass every rule since 2026-11-25
@@ -168,7 +168,7 @@ def tiny_batch(tiny_config):
 @pytest.fixture(scope="session")
 def student_copies(tmp_path_factory) -> Path:
     """Build every chapter's student copy once per test process (nbgrader); return their folder."""
-    from labkit.tools import classroom
+    from workbook import classroom
 
     base = tmp_path_factory.mktemp("student-copies")
     classroom.build_student_copies(NOTEBOOKS, base / "course", base / "student")
@@ -195,7 +195,7 @@ def execute_notebook(tmp_path, student_copies, monkeypatch):
     widget panel twice, the notebook saved and read back), else under papermill as `make run` runs it
     (LABKIT_TEST_PAPERMILL=1 chooses papermill). Either way the copy must run to its end with exactly the
     exercises' checks failing (their stubs solve nothing). Its figures are checked as they are drawn
-    (labkit.tools.figcheck): a problem not in KNOWN_FIGURE_PROBLEMS fails; so does a section (text under one
+    (workbook.figcheck): a problem not in KNOWN_FIGURE_PROBLEMS fails; so does a section (text under one
     heading) that printed more than one PASS line.
     """
     import json
@@ -207,8 +207,8 @@ def execute_notebook(tmp_path, student_copies, monkeypatch):
     from papermill.iorw import load_notebook_node
     from papermill.parameterize import parameterize_notebook
 
-    from labkit.tools.figcheck import rule_of
-    from labkit.tools.runner import run_notebook
+    from workbook.figcheck import rule_of
+    from workbook.runner import run_notebook
 
     monkeypatch.setenv("LABKIT_BUILD_DIR", str(tmp_path / "build"))  # chapter 08's studies: this test's own
     in_browser = labdriver.have_chromium() and not os.environ.get("LABKIT_TEST_PAPERMILL")

@@ -22,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from labkit.tools import lab
+from workbook import lab
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("LABKIT_CHROMIUM", "/usr/bin/chromium")
@@ -77,10 +77,10 @@ def stop(proc: subprocess.Popen) -> None:
 def serve(base: Path, root: Path, env: dict, figure_checks: Path | None = None):
     """Start JupyterLab as `make lab` does, on `root`; yield (url, token); stop it.
 
-    With `figure_checks`, every kernel it starts checks each figure it draws into that file (labkit.tools.figcheck),
+    With `figure_checks`, every kernel it starts checks each figure it draws into that file (workbook.figcheck),
     as the runner's kernels do.
     """
-    from labkit.tools import figcheck
+    from workbook import figcheck
 
     lab.install_settings()  # what `make lab` does first
     port, token = free_port(), secrets.token_hex(16)
@@ -91,8 +91,8 @@ def serve(base: Path, root: Path, env: dict, figure_checks: Path | None = None):
     if figure_checks is not None:
         profile = base / "ipython" / "profile_default"
         profile.mkdir(parents=True, exist_ok=True)
-        (profile / "ipython_kernel_config.py").write_text(
-            "c.IPKernelApp.extra_extensions = ['labkit.tools.figcheck']\n")
+        (profile / "ipython_kernel_config.py").write_text(  # `workbook` is found from any working directory
+            f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nc.IPKernelApp.extra_extensions = ['workbook.figcheck']\n")
         env.update(IPYTHONDIR=str(base / "ipython"), **{figcheck.OUT_ENV: str(figure_checks)})
     (base / "workspaces").mkdir(parents=True, exist_ok=True)
     argv = lab.command(root, base / "workspaces", [
@@ -245,8 +245,8 @@ def run_chapter(folder: Path, stem: str, out: Path, timeout_s: float = RUN_ALL_T
     figure_problems, crowded_sections, path}.
     """
     from labkit.results import records_from_notebook
-    from labkit.tools import figcheck
-    from labkit.tools.nbcheck import crowded_sections
+    from workbook import figcheck
+    from workbook.nbcheck import crowded_sections
 
     base = out / f"lab-{stem}"
     base.mkdir(parents=True, exist_ok=True)

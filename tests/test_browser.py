@@ -1,6 +1,6 @@
 """JupyterLab and Optuna's dashboard in a real browser: the lab `make lab` opens, the student lab, the dashboard.
 
-JupyterLab starts on loopback with a token, by the command `make lab` runs (labkit.tools.lab), on a
+JupyterLab starts on loopback with a token, by the command `make lab` runs (workbook.lab), on a
 copy of the notebooks; headless Chromium is Debian's (`/usr/bin/chromium`, or $LABKIT_CHROMIUM),
 driven by Playwright, which downloads nothing here (tests/labdriver.py). Every chapter's Run All and
 widget panel run in the browser too, in its whole-chapter test (conftest's `execute_notebook`), so
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import labdriver
-from labkit.tools import lab
+from workbook import lab
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = labdriver.SHOTS
@@ -44,7 +44,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def student_server(tmp_path_factory):
     """Start the student lab (`make lab STUDENT=1`) on the student copy of STUDENT_CHAPTER; yield (url, token)."""
-    from labkit.tools import classroom
+    from workbook import classroom
 
     base = tmp_path_factory.mktemp("student-lab")
     (base / "teacher").mkdir()

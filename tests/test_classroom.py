@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.tools import classroom
+from workbook import classroom
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"

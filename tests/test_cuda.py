@@ -1,7 +1,8 @@
 """CUDA invariants (marked `cuda`: skipped, with the reason, where torch sees no CUDA device).
 
-The same functions `make gpu-check` runs at GPT-2 small, here at a size that runs in seconds, plus
-gradients that must not change when a step moves tensors between host and device.
+`make gpu-check`'s rows at a size that runs in seconds (it runs them itself at GPT-2 small and leaves
+`test_gpu_check_rows_hold` out of its `tests` row), plus gradients that must not change when a step moves
+tensors between host and device.
 """
 
 from __future__ import annotations

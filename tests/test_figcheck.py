@@ -1,4 +1,4 @@
-"""labkit.tools.figcheck: each rule passes a figure that keeps it and names the one that breaks it."""
+"""workbook.figcheck: each rule passes a figure that keeps it and names the one that breaks it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
-from labkit.tools.figcheck import figure_problems, problems_by_cell
+from workbook.figcheck import figure_problems, problems_by_cell
 
 
 def _fig(width_in=6.0, height_in=3.2):
@@ -135,7 +135,7 @@ def test_checking_leaves_the_figure_printable(maker):
 
 
 def test_rule_of_names_each_rule():
-    from labkit.tools.figcheck import rule_of
+    from workbook.figcheck import rule_of
 
     fig = good_figure()
     ax = fig.axes[0]

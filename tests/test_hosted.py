@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from labkit.results import BUILD_DIR_ENV, build_dir
-from labkit.tools import hosted
+from workbook import hosted
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -36,7 +36,7 @@ HOSTED_CHAPTER = "01_gradient_accumulation.ipynb"  # the faster of the first two
 def test_every_chapter_has_the_links_and_the_canonical_install_cell():
     chapters = hosted.chapters(NOTEBOOKS)
     assert [p.name[:2] for p in chapters] == [f"{i:02d}" for i in range(10)]
-    assert hosted.apply(NOTEBOOKS, check=True) == [], "run: python -m labkit.tools.hosted notebooks"
+    assert hosted.apply(NOTEBOOKS, check=True) == [], "run: python -m workbook.hosted notebooks"
     for path in chapters:
         cells = json.loads(path.read_text())["cells"]
         assert hosted.links_line(path.name) in "".join(cells[0]["source"]), path.name

@@ -78,11 +78,11 @@ def test_make_lab_serves_notebooks_with_a_token(tmp_path):
 
 
 def _page_config(root: Path, env: dict, tmp_path: Path) -> dict:
-    """Start JupyterLab as labkit.tools.lab does on `root` with `env`; return the page config of its /lab page."""
+    """Start JupyterLab as workbook.lab does on `root` with `env`; return the page config of its /lab page."""
     import json
     import secrets
 
-    from labkit.tools import lab
+    from workbook import lab
 
     port, token = _free_port(), secrets.token_hex(8)
     env = {**env, "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")}
@@ -104,7 +104,7 @@ def _page_config(root: Path, env: dict, tmp_path: Path) -> dict:
 
 
 def test_the_student_lab_switches_off_only_nbgrader_teacher_tools(tmp_path):
-    from labkit.tools import lab
+    from workbook import lab
 
     (tmp_path / "nb").mkdir()
     teacher = _page_config(tmp_path / "nb", dict(os.environ), tmp_path / "teacher")
@@ -125,6 +125,6 @@ def test_the_student_lab_switches_off_only_nbgrader_teacher_tools(tmp_path):
 
 def test_make_lab_student_passes_the_flag():
     out = subprocess.run(["make", "-n", "lab", "STUDENT=1"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert "labkit.tools.lab --student" in out
+    assert "workbook.lab --student" in out
     out = subprocess.run(["make", "-n", "lab"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert "labkit.tools.lab" in out and "--student" not in out
+    assert "workbook.lab" in out and "--student" not in out

@@ -213,13 +213,28 @@ def test_makefile_has_the_three_commands():
     assert phony and {"run", "test", "lab"} <= set(phony.group(1).split())
     test_recipe = " ".join(targets["test"])
     assert "pytest tests" in test_recipe and "--nbval" in test_recipe and "--durations" in test_recipe
-    assert "labkit.tools.runner" in " ".join(targets["run"])
+    assert "workbook.runner" in " ".join(targets["run"])
     unit_recipe = " ".join(targets["unit"])
     assert '-m "not notebook"' in unit_recipe and "nbval" not in unit_recipe
-    assert "labkit.tools.lab" in " ".join(targets["lab"])
-    assert "labkit.tools.classroom student" in " ".join(targets["student"])
-    assert "labkit.tools.classroom grade" in " ".join(targets["grade"])
+    assert "workbook.lab" in " ".join(targets["lab"])
+    assert "workbook.classroom student" in " ".join(targets["student"])
+    assert "workbook.classroom grade" in " ".join(targets["grade"])
     assert "labkit.tools.gpucheck" in " ".join(targets["gpu-check"])
+
+
+def test_pip_installs_labkit_alone_and_the_library_imports_no_tooling():
+    """workbook/ (the repository's tooling) is not installed; labkit imports neither it nor, outside tools/, labkit.tools."""
+    import ast
+
+    assert _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"] == ["labkit*"]
+    for path in sorted((ROOT / "labkit").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        names += [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
+        assert not [m for m in names if m.split(".")[0] == "workbook"], f"{path} imports the repository's tooling"
+        if "tools" not in path.relative_to(ROOT).parts:
+            assert not [m for m in names if m.startswith("labkit.tools")], f"{path}: library code imports labkit.tools"
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: make gpu-check runs for real")

@@ -1,4 +1,4 @@
-"""labkit.tools.runner executes real notebooks with papermill and collects their records into results.json and report.html."""
+"""workbook.runner executes real notebooks with papermill and collects their records into results.json and report.html."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from labkit.tools import report, runner
+from workbook import report, runner
 
 GOOD = "00_good"
 BAD = "01_bad"
@@ -176,7 +176,7 @@ def test_crowded_sections_counts_pass_lines_under_each_heading():
     """A section is the text under one heading (any level); two PASS lines in one section are reported."""
     from nbformat.v4 import new_output
 
-    from labkit.tools.nbcheck import crowded_sections, pass_lines_by_section
+    from workbook.nbcheck import crowded_sections, pass_lines_by_section
 
     def ran(*lines):
         cell = new_code_cell("print(...)")

@@ -24,7 +24,7 @@ def notebook_objective(notebook: str | Path, space: list[Param], value: str, out
     `feasible` names a boolean record: False sets the trial's constraint to 1 (infeasible).
     A notebook that fails fails the trial, with the notebook's own error.
     """
-    from labkit.tools.runner import run_notebook  # the same papermill runner as `make run`
+    from labkit.execute import run_notebook  # the same papermill run as `make run`'s
 
     notebook = Path(notebook)
     workbook = Path(__file__).resolve().parents[2] / "notebooks" / notebook
@@ -36,7 +36,8 @@ def notebook_objective(notebook: str | Path, space: list[Param], value: str, out
 
     def objective(trial):
         params = suggest(trial, space)
-        entry = run_notebook(notebook, Path(out_dir) / f"trial-{trial.number}", {**fixed, **params}, timeout_s)
+        executed = Path(out_dir) / f"trial-{trial.number}" / notebook.name
+        entry = run_notebook(notebook, executed, {**fixed, **params}, timeout_s)
         trial.set_user_attr("wall_s", entry["wall_s"])
         if entry["status"] != "ok":
             raise RuntimeError(f"{notebook.name} failed: {entry.get('error', '')}")

@@ -1,1 +1,1 @@
-"""Command-line programs of the workbook (what `make` runs): runner (make run), report, nbcheck (make test)."""
+"""Programs a learner runs: gpucheck (a GPU's check), writefiles (rank scripts), search (08's workers), closing (09)."""

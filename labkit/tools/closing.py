@@ -1,15 +1,14 @@
-"""The closing page's figures: what each technique saved and cost on the running example, read from results.json.
-
-`make run` writes build/results.json (`labkit.tools.runner`); notebook 09 reads it with `load`, names the
-chapters still to run with `missing`, and builds its tables with `one_device_rows`, `cost_order` and
-`several_device_figures`. Every figure here is a chapter's own record, named by `SOURCES`; nothing is typed in.
-"""
+"""Chapter 09's figures: what each technique saved and cost, read from the chapters' records in results.json."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+
+from labkit.meter import format_bytes
+from labkit.results import build_dir
+from labkit.trend import describe_trend
 
 RESULTS_ENV = "LABKIT_RESULTS"  # another results.json to read (the tests' fixture); default build/results.json
 MiB = 2**20
@@ -46,7 +45,6 @@ def results_path(path: str | Path | None = None) -> Path:
         return Path(path)
     if os.environ.get(RESULTS_ENV):
         return Path(os.environ[RESULTS_ENV])
-    from labkit.results import build_dir
     return build_dir() / "results.json"
 
 
@@ -87,7 +85,7 @@ def run_first(gaps: dict[str, str]) -> str:
     """Return the line that names the chapters to run first, and the command that runs them."""
     only = " ".join(f"--only {stem[:2]}" for stem in gaps)
     return ("run these chapters first: " + "; ".join(f"{stem} ({why})" for stem, why in gaps.items())
-            + f". `make run` runs them all and then this page; `.venv/bin/python -m labkit.tools.runner {only}` "
+            + f". `make run` runs them all and then this page; `.venv/bin/python -m workbook.runner {only}` "
             "runs only these, then run this page again")
 
 
@@ -139,14 +137,11 @@ TIME_TOLERANCE = 0.05  # two step-time ratios from separate timings closer than 
 
 
 def one_device_rows(results: dict) -> list[dict]:
-    """Return one row per one-device technique: peak before and after (bytes), saved (bytes), time paid (ratio).
+    """Return one row per one-device technique: peaks before and after, bytes saved, step-time ratio and its ranking.
 
-    time_ratio is the technique's step time over the plain step's (above 1: it costs time); the figures are
-    each chapter's own, on the running example where the chapter measured it there (`source` says which).
-    time_ranked says whether that ratio may order the techniques: only a ratio from rounds that timed the plain
-    step and the technique in turn (paired), and not judged unreliable by its chapter; `timing` says how it was timed.
+    time_ranked: the ratio comes from paired rounds its chapter did not judge unreliable (`timing` says which).
     """
-    budget = _m(results, "00_where_the_memory_goes")["budget_bytes"]
+    budget = budget_bytes(results)
     plain_00 = _m(results, "00_where_the_memory_goes")["measured_peak_bytes"]
     acc = _m(results, "01_gradient_accumulation")
     peaks = _by_int_key(acc["peak_bytes_by_accum_steps"])
@@ -239,8 +234,6 @@ def ties(order: list[dict], tolerance: float = TIME_TOLERANCE) -> dict[str, list
 
 def order_line(place: int, row: dict, order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
     """Return one numbered line of the order: what the row saves, what it pays (or why its time is not ranked)."""
-    from labkit.meter import format_bytes
-
     cost = cost_per_mib(row)
     if not row["time_ranked"]:
         paid = f"step time {row['time_ratio']:.2f}x, {row['timing']}"
@@ -258,8 +251,6 @@ def order_line(place: int, row: dict, order: list[dict], tolerance: float = TIME
 
 def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
     """Return what the order says, in words computed from its figures: which comes first, which fits first."""
-    from labkit.meter import format_bytes
-
     first = order[0]
     if cost_per_mib(first) == float("inf"):
         return "no technique saved memory on this run: nothing to order"
@@ -292,30 +283,26 @@ def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
 def several_device_figures(results: dict) -> dict:
     """Return chapters 06 and 07's figures for several devices: verdicts, bytes sent, per-rank peaks, the bubble."""
     mp, sh = _m(results, "06_model_and_pipeline_parallel"), _m(results, "07_sharded_data_parallel")
-    peaks = mp["peak_bytes_by_rank_model_parallel"]
-    peaks = list(peaks.values()) if isinstance(peaks, dict) else list(peaks)
-    sent = mp["sent_bytes_by_rank_model_parallel"]
-    sent = list(sent.values()) if isinstance(sent, dict) else list(sent)
+    peaks = list(mp["peak_bytes_by_rank_model_parallel"].values())
     bubble = mp["bubble_fraction_measured_by_microbatches"]  # {schedule: {micro-batches: fraction}}
-    bubble = ({name: _by_int_key(v) for name, v in bubble.items()} if all(isinstance(v, dict) for v in bubble.values())
-              else {"pipeline": _by_int_key(bubble)})
     return dict(
         points=sh["fits_whole_and_1_over_n_budget_by_point"], comm_bytes=sh["comm_bytes_per_step_by_stage"],
         rank_budget=sh["rank_budget_bytes"], use_when=sh["use_when"],
         model_parallel_peak_max=max(peaks), model_parallel_ranks=len(peaks),
         plain_peak=_m(results, "00_where_the_memory_goes")["measured_peak_bytes"],
-        budget=_m(results, "00_where_the_memory_goes")["budget_bytes"],
-        pipeline_sent_max=max(sent), tensor_parallel_comm=mp["comm_bytes_per_step_tensor_parallel"],
-        utilisation=mp["utilisation_model_parallel"], bubble_by_microbatches=bubble,
+        budget=budget_bytes(results),
+        pipeline_sent_max=max(mp["sent_bytes_by_rank_model_parallel"].values()),
+        tensor_parallel_comm=mp["comm_bytes_per_step_tensor_parallel"],
+        utilisation=mp["utilisation_model_parallel"],
+        bubble_by_microbatches={name: _by_int_key(v) for name, v in bubble.items()},
         bubble_theory=_by_int_key(mp.get("bubble_fraction_theory_by_microbatches") or {}),
     )
 
 
 def search_figures(results: dict) -> dict:
-    """Return chapter 08's choice: its knobs, metered peak, paired speed ratios against the chapters, the noise band.
+    """Return chapter 08's choice: knobs, peak, paired speed ratios, `same` (chapters with its setting), `noise`.
 
-    same: the chapters whose setting is the chosen one (their ratio is two copies of one setting). noise: the
-    widest gap between two copies of one setting, the noise control's and those chapters' alike.
+    noise: the widest gap between two copies of one setting, the noise control's and those chapters' alike.
     """
     m = _m(results, "08_memory_aware_search")
     same = list(m.get("chapters_with_fastest_setting") or [])
@@ -342,8 +329,6 @@ def search_lines(chosen: dict) -> list[str]:
 
 def _fewest(fit: list[str], comm: dict, chosen: str) -> str:
     """Return "X sends the fewest (B)" or, where others send exactly as much, "X ties for the fewest ... with ..."."""
-    from labkit.meter import format_bytes
-
     tied = [p for p in fit if p != chosen and comm.get(p) == comm.get(chosen)]
     if not tied:
         return f"{chosen} sends the fewest bytes of them ({format_bytes(comm[chosen])} per step)"
@@ -353,9 +338,6 @@ def _fewest(fit: list[str], comm: dict, chosen: str) -> str:
 
 def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
     """Return the few-GPU and many-GPU lines: each rule (chapters 06-07) beside this run's figure that bears on it."""
-    from labkit.meter import format_bytes
-    from labkit.trend import describe_trend
-
     lines = []
     points, comm = f["points"], f["comm_bytes"]
     part = next((k for v in points.values() for k in v if k != "whole budget"), None)  # "1/N of it"

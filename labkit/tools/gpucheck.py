@@ -1,25 +1,12 @@
 """Run every CUDA path of the workbook at a GPU-sized model, print a table, write build/gpu-check.json.
 
-    make gpu-check                       # GPT-2 small shape, batch 4 x 1024 tokens
-    python -m labkit.tools.gpucheck --n-layer 6 --batch 2 --skip notebooks
+    make gpu-check                                            # GPT-2 small, batch 4 x 1024 tokens
+    python -m labkit.tools.gpucheck --n-layer 6 --batch 2     # a hosted notebook (labkit installed, no repository)
 
-Each check is a row: what was measured, what theory or torch's own figure says, and ok or not.
-The rows: the meter against `torch.cuda.max_memory_allocated`; a budget refusal and the recovery
-after it; activation offload (side-stream prefetch, none, `save_on_cpu`) and its copy bandwidth
-against one large pinned copy; L2L with and without weight prefetch; fp16 with GradScaler training
-for real and bf16; full checkpointing against Chen's one-extra-forward bound; the `cuda` tests;
-every notebook with DEVICE="cuda". Without CUDA it says so in one line and exits with status 2.
-
-`--rehearse-on-cpu` runs the same code on the CPU at a tiny size, with the CUDA-only figures left
-out: labkit's tests use it so that this tool's code runs on every commit, GPU or not.
-
-From a notebook (Colab, Kaggle: labkit installed by a chapter's first cell), one cell runs the same rows:
-
-    !python -m labkit.tools.gpucheck --n-layer 6 --batch 2          # or, in the kernel itself:
-    from labkit.tools import gpucheck; gpucheck.main(["--n-layer", "6", "--batch", "2"])
-
-Without the repository (labkit installed from its address) the `tests` and `notebooks` rows say so and
-are not run; the figures go to build/ of the working directory (`labkit.results.build_dir`).
+One row per check (`CHECKS`): what was measured, what it is held against, ok or not. The rows live here
+once: tests/test_cuda.py runs them at a small size, and the `tests` row runs the other `cuda` tests.
+The `tests` and `notebooks` rows need the repository. Without CUDA it says so and exits with status 2;
+`--rehearse-on-cpu` runs the same code on the CPU at a tiny size (the tests'), with no CUDA figure.
 """
 
 from __future__ import annotations
@@ -291,16 +278,17 @@ def check_checkpoint(setup: Setup) -> Row:
 
 
 NO_CHECKOUT = "labkit is installed without its repository (a hosted notebook): the repository's {} are not here"
+ROWS_TEST = "tests/test_cuda.py::test_gpu_check_rows_hold"  # this tool's own rows: run above, not again
 
 
 def check_tests(setup: Setup, repo: Path | None) -> Row:
-    """Run the tests marked `cuda` (repo None: labkit installed without its repository; not run, said so)."""
+    """Run the tests marked `cuda` but this tool's own rows (repo None: no repository, not run, said so)."""
     if not _cuda(setup):
         return Row("tests", "not run", "pytest -m cuda passes", None, "rehearsal on cpu")
     if repo is None:
         return Row("tests", "not run", "pytest -m cuda passes", None, NO_CHECKOUT.format("tests"))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "tests", "-m", "cuda", "-q", "-p", "no:cacheprovider"],
-                          cwd=repo, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "tests", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+                           "--deselect", ROWS_TEST], cwd=repo, capture_output=True, text=True)
     last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
     return Row("tests", last, "pytest -m cuda passes", proc.returncode == 0,
                "" if proc.returncode == 0 else proc.stdout[-2000:], {"returncode": proc.returncode})
@@ -318,7 +306,7 @@ def check_notebooks(setup: Setup, repo: Path | None, out: Path) -> Row:
         multi_rank = nb.name[:2] in ("06", "07")
         device = "cuda" if not multi_rank or gpus >= 2 else "auto"
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "labkit.tools.runner", "--notebooks", str(repo / "notebooks"),
+        proc = subprocess.run([sys.executable, "-m", "workbook.runner", "--notebooks", str(repo / "notebooks"),
                                "--out", str(out), "--only", nb.name, "-p", "DEVICE", device],
                               cwd=repo, capture_output=True, text=True)
         seconds[nb.stem] = time.perf_counter() - t0

@@ -1,10 +1,6 @@
-"""Write the files a notebook's `%%writefile` cells write, without running the notebook.
+"""Write a notebook's `%%writefile` files next to it without running it (the rank scripts, for torchrun).
 
     python -m labkit.tools.writefiles notebooks/06_model_and_pipeline_parallel.ipynb
-
-The multi-process chapters keep their rank code in `%%writefile` cells, so that the learner reads
-it in the notebook; this writes those scripts (relative paths resolve against the notebook's
-folder, as they do when the notebook runs) for `torchrun` from a terminal.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Run the workbook's notebooks in batch and collect their measurements (the engine of `make run`).
 
-    python -m labkit.tools.runner [--notebooks DIR] [--out DIR] [--only PATTERN ...] [-p NAME VALUE ...]
+    python -m workbook.runner [--notebooks DIR] [--out DIR] [--only PATTERN ...] [-p NAME VALUE ...]
 
 Each numbered notebook is executed with papermill (kernel "python3", LABKIT_BATCH=1, working
 directory = the notebooks folder) into OUT/notebooks/. The values each notebook `record()`s are
-gathered into OUT/results.json, and OUT/report.html (`labkit.tools.report`) shows them with the
+gathered into OUT/results.json, and OUT/report.html (`workbook.report`) shows them with the
 notebook's plots; results.json is rewritten after each notebook, so a later notebook (the closing page)
-reads the figures of the earlier ones of the same run. Every kernel loads `labkit.tools.figcheck`: each figure is checked as it is drawn
+reads the figures of the earlier ones of the same run. Every kernel loads `workbook.figcheck`: each figure is checked as it is drawn
 (titles, axis labels with units, legends clear of data) and the problems go to the entry's
 `figure_problems`, by cell.
 Exit status: 0 if every notebook ran, 1 if any failed, 2 for bad command-line input.
@@ -16,21 +16,20 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import json
 import os
 import sys
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from labkit.tools import figcheck
-from labkit.tools.nbcheck import crowded_sections
+from labkit import execute
+from workbook import figcheck
+from workbook.nbcheck import crowded_sections
 
 NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
-FIGURE_CHECK = "labkit.tools.figcheck"  # the IPython extension every kernel of a run loads
-ERROR_CHARS = 2000
+FIGURE_CHECK = "workbook.figcheck"  # the IPython extension every kernel of a run loads
+ROOT = Path(__file__).resolve().parents[1]  # the repository: `workbook` is imported from here
 
 
 def find_notebooks(dir: str | Path, only: Iterable[str] = ()) -> list[Path]:
@@ -46,97 +45,26 @@ def find_notebooks(dir: str | Path, only: Iterable[str] = ()) -> list[Path]:
     return found
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    """Set an environment variable (inherited by kernels) for the duration, then restore the environment."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
-def _batch_env():
-    """Set LABKIT_BATCH=1 (inherited by kernels) for the duration, then restore the environment."""
-    return _env("LABKIT_BATCH", "1")
-
-
-def kernel_manager_class():
-    """Return the kernel manager class for batch runs: kernels that do not talk plain TCP where that can be avoided.
-
-    ipykernel warns "Kernel is running over TCP without encryption" on every start otherwise, and
-    that warning lands between the runner's progress lines. With a pyzmq that has CurveZMQ (the
-    wheels do) and a kernelspec that declares it (ipykernel's does), jupyter_client provisions
-    Curve keys; elsewhere a POSIX machine uses IPC sockets; else plain TCP (and the warning) stays.
-    """
-    import zmq
-    from jupyter_client.manager import AsyncKernelManager
-    from traitlets import default
-
-    if "transport_encryption" in AsyncKernelManager.class_trait_names() and zmq.has("curve"):
-        class CurveKernelManager(AsyncKernelManager):
-            @default("transport_encryption")
-            def _curve_when_the_kernel_supports_it(self):
-                return "auto"
-        return CurveKernelManager
-    if os.name == "posix":
-        class IPCKernelManager(AsyncKernelManager):
-            @default("transport")
-            def _ipc(self):
-                return "ipc"
-        return IPCKernelManager
-    return AsyncKernelManager
-
-
-def _error_text(exc: BaseException) -> str:
-    ename = getattr(exc, "ename", None) or type(exc).__name__
-    evalue = getattr(exc, "evalue", None)
-    evalue = str(exc) if evalue is None else str(evalue)
-    return f"{ename}: {evalue}"[:ERROR_CHARS]
-
-
 def run_notebook(path: str | Path, out_dir: str | Path, parameters: dict, timeout_s: float) -> dict:
-    """Execute one notebook into OUT/notebooks/ and return its results.json entry."""
-    import papermill
-
-    from labkit.results import records_from_notebook
-    from labkit.tools.report import read_notebook
+    """Execute one notebook into OUT/notebooks/ with the figure check loaded; return its results.json entry."""
+    import nbformat
 
     path = Path(path).resolve()
     out_dir = Path(out_dir)
     executed = out_dir / "notebooks" / path.name
-    executed.parent.mkdir(parents=True, exist_ok=True)
     checks = executed.with_suffix(".figures.jsonl")
     checks.unlink(missing_ok=True)
-    entry: dict = {"status": "ok"}
-    start = time.perf_counter()
-    with _batch_env(), _env(figcheck.OUT_ENV, str(checks.resolve())):
-        try:
-            papermill.execute_notebook(
-                str(path), str(executed), parameters=dict(parameters), kernel_name="python3",
-                cwd=str(path.parent), progress_bar=False, log_output=False,
-                execution_timeout=timeout_s, kernel_manager_class=kernel_manager_class(),
-                extra_arguments=[f"--IPKernelApp.extra_extensions={FIGURE_CHECK}"],
-            )
-        except Exception as exc:  # PapermillExecutionError, timeouts, dead kernels: keep going
-            entry["status"] = "failed"
-            entry["error"] = _error_text(exc)
-    entry["wall_s"] = round(time.perf_counter() - start, 3)
-    measurements: dict = {}
+    env = {figcheck.OUT_ENV: str(checks.resolve()),  # the kernel finds `workbook` from any working directory
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    entry = execute.run_notebook(path, executed, parameters, timeout_s, extensions=[FIGURE_CHECK], env=env)
     if executed.exists():
         try:
-            nb = read_notebook(executed)
-            measurements = records_from_notebook(nb)
+            nb = nbformat.read(executed, as_version=4)
             entry["figure_problems"] = figcheck.problems_by_cell(nb, figcheck.read_lines(checks))
             entry["crowded_sections"] = crowded_sections(nb)  # sections that printed more than one PASS line
         except Exception as exc:  # an unreadable partial notebook must not hide the run's error
-            entry.setdefault("error", f"could not read executed notebook: {_error_text(exc)}")
+            entry.setdefault("error", f"could not read executed notebook: {execute.error_text(exc)}")
     checks.unlink(missing_ok=True)
-    entry["measurements"] = measurements
     entry["executed"] = executed.relative_to(out_dir).as_posix()
     keys = ("status", "wall_s", "measurements", "figure_problems", "crowded_sections", "error", "executed")
     return {k: entry[k] for k in keys if k in entry}
@@ -176,7 +104,7 @@ def _parse_value(text: str):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m labkit.tools.runner", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m workbook.runner", description=__doc__.split("\n\n")[0])
     parser.add_argument("--notebooks", default="notebooks", help="folder of numbered notebooks (default: notebooks)")
     parser.add_argument("--out", default="build", help="output folder (default: build)")
     parser.add_argument("--only", action="append", default=[], metavar="PATTERN",
@@ -217,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {entry.get('error', '').splitlines()[0] if entry.get('error') else ''}", flush=True)
         # after each notebook: the closing page (09), run last, reads this run's figures of 00-08 from it
         results_path = write_results(entries, out_dir, parameters, merge=bool(args.only))
-    from labkit.tools.report import write_report
+    from workbook.report import write_report
 
     report_path = write_report(json.loads(results_path.read_text(encoding="utf-8")), out_dir)
     failed = [stem for stem, e in entries.items() if e["status"] != "ok"]

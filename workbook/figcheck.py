@@ -17,7 +17,7 @@ matplotlib can tell:
 - **overlap**: no two of these texts overlap: the suptitle, each axes' titles, axis labels and legends,
   and neighbouring tick labels of one axis; none of them runs past the figure's edge (cut off).
 
-`python -m labkit.tools.runner` (`make run`, and the tests' `execute_notebook`) loads this module into
+`python -m workbook.runner` (`make run`, and the tests' `execute_notebook`) loads this module into
 every kernel it starts (`load_ipython_extension`): each figure the chapter renders is checked as it is
 drawn, and the problems land in the chapter's results entry, by cell (`figure_problems`). Nothing runs a
 chapter a second time for it.

@@ -1,7 +1,7 @@
 """Give every chapter its way in from a hosted notebook: Colab and Kaggle links, and a cell that installs labkit.
 
-    python -m labkit.tools.hosted notebooks            # write the links and the install cell into every chapter
-    python -m labkit.tools.hosted notebooks --check    # exit 1, naming the chapters, where either differs
+    python -m workbook.hosted notebooks            # write the links and the install cell into every chapter
+    python -m workbook.hosted notebooks --check    # exit 1, naming the chapters, where either differs
 
 Each chapter's first markdown cell carries an "Open in Colab / Kaggle" line, and its first code cell
 (`INSTALL_CELL_ID`) installs labkit when it is missing: from the repository's address (the placeholder
@@ -107,7 +107,7 @@ def apply(folder: str | Path, check: bool = False, repository: str = REPOSITORY,
 
 def main(argv: list[str] | None = None) -> int:
     """Apply or check the hosted-notebook cells of every chapter in a folder."""
-    p = argparse.ArgumentParser(prog="python -m labkit.tools.hosted", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m workbook.hosted", description=__doc__.splitlines()[0])
     p.add_argument("folder", nargs="?", default="notebooks", help="folder of chapter notebooks (default notebooks)")
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 naming the chapters that differ")
     p.add_argument("--repository", default=REPOSITORY, help=f"GitHub owner/name (default the placeholder {REPOSITORY})")
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in differ:
         print(f"{'differs' if args.check else 'wrote'} {path}")
     if args.check and differ:
-        print("run: python -m labkit.tools.hosted " + args.folder)
+        print("run: python -m workbook.hosted " + args.folder)
         return 1
     return 0
 

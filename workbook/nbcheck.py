@@ -10,7 +10,7 @@ comment block that readers see too:
     # Expected output:
     # PASS: offload lowers the device peak
 
-`python -m labkit.tools.nbcheck notebooks build/nbval` copies every numbered notebook into
+`python -m workbook.nbcheck notebooks build/nbval` copies every numbered notebook into
 `build/nbval/`, with those expected lines stored as the cell's output; `make test` runs
 `pytest --nbval-lax` on the copies.
 """
@@ -86,7 +86,7 @@ def prepare(src_dir: str | Path, out_dir: str | Path, only=()) -> list[Path]:
     """Write a copy of every numbered notebook in `src_dir`, with expected outputs, into `out_dir`."""
     import nbformat
 
-    from labkit.tools.runner import find_notebooks
+    from workbook.runner import find_notebooks
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -106,7 +106,7 @@ def prepare(src_dir: str | Path, out_dir: str | Path, only=()) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """Copy notebooks with their expected outputs (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m labkit.tools.nbcheck", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m workbook.nbcheck", description=__doc__.splitlines()[0])
     parser.add_argument("src", help="folder of the numbered notebooks")
     parser.add_argument("out", help="folder to write the prepared copies into")
     parser.add_argument("--only", action="append", default=[], help="only notebooks whose name contains this")

@@ -1,8 +1,8 @@
 """JupyterLab for a classroom: on the chapters, on the first one, with no prompt and a fresh layout.
 
-    python -m labkit.tools.lab [jupyter lab options]     # what `make lab` runs
-    python -m labkit.tools.lab --student [options]       # `make lab STUDENT=1`: the student copies
-    python -m labkit.tools.lab --install-settings PREFIX  # what Binder's postBuild runs
+    python -m workbook.lab [jupyter lab options]     # what `make lab` runs
+    python -m workbook.lab --student [options]       # `make lab STUDENT=1`: the student copies
+    python -m workbook.lab --install-settings PREFIX  # what Binder's postBuild runs
 
 `--student` writes the student copies first (`make student`: build/student/, exercises stubbed,
 their checks kept) and serves those, with nbgrader's teacher tools (the Create Assignment panel,
@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 FIRST_CHAPTER = "00_where_the_memory_goes.ipynb"
 OVERRIDES = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}}
 STUDENT_DIR = ROOT / "build" / "student"
@@ -66,7 +66,7 @@ def student_env(config: Path, env: dict | None = None) -> dict:
 
 def student_copies(out: Path = STUDENT_DIR) -> Path:
     """Write the student copy of every chapter to `out` (what `make student` does); return `out`."""
-    from labkit.tools import classroom
+    from workbook import classroom
 
     classroom.build_student_copies(ROOT / "notebooks", ROOT / "build" / "classroom", out)
     return out

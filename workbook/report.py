@@ -113,7 +113,7 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
             parts.append("<p class=\"meta\">No measurements recorded.</p>")
         problems = entry.get("figure_problems") or []
         if problems:
-            parts.append(f"<p>Figure check (<code>labkit.tools.figcheck</code>): {len(problems)} problem(s)</p>")
+            parts.append(f"<p>Figure check (<code>workbook.figcheck</code>): {len(problems)} problem(s)</p>")
             parts.append("<table><tr><th>Cell</th><th>Figure</th><th>Problem</th></tr>")
             for p in problems:
                 parts.append(f'<tr><td class="num">{esc(str(p.get("cell")))}</td><td>{esc(str(p.get("figure")))}</td>'

@@ -1,12 +1,12 @@
-"""Student copies and autograding with nbgrader: `python -m labkit.tools.classroom student|grade`.
+"""Student copies and autograding with nbgrader: `python -m workbook.classroom student|grade`.
 
 Each chapter is one nbgrader assignment of a course directory under build/classroom/ (nbgrader's
 own layout: source/, release/, submitted/, autograded/, gradebook.db). The teacher notebooks carry
 nbgrader's cell metadata: an exercise's solution cell (`### BEGIN SOLUTION` ... `### END SOLUTION`)
 and the graded check cell after it, locked, with its points.
 
-    python -m labkit.tools.classroom student                  # build/student/<chapter>.ipynb
-    python -m labkit.tools.classroom grade --submissions DIR  # build/grades/scores.csv and scores.html
+    python -m workbook.classroom student                  # build/student/<chapter>.ipynb
+    python -m workbook.classroom grade --submissions DIR  # build/grades/scores.csv and scores.html
 
 DIR holds one folder per student with that student's chapters, as `DIR/<student>/<chapter>.ipynb`
 or as nbgrader's `collect` leaves them, `DIR/<student>/<chapter>/<chapter>.ipynb`.
@@ -23,7 +23,7 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CODE_STUB = "# YOUR CODE HERE\npass"  # valid in a function body too; the check cell below then fails
 TEACHER_ONLY = "teacher-only"  # a cell with this tag is left out of the student copy (e.g. "the solution is below")
 CELL_TIMEOUT_S = 900  # nbgrader's default, 30 s a cell, is shorter than the chapters' longest cells
@@ -161,7 +161,7 @@ def _write_tables(rows: list[dict], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labkit.tools.classroom", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m workbook.classroom", description=__doc__.splitlines()[0])
     parser.add_argument("--notebooks", type=Path, default=ROOT / "notebooks", help="the teacher notebooks")
     parser.add_argument("--course", type=Path, default=ROOT / "build" / "classroom", help="nbgrader's course folder")
     sub = parser.add_subparsers(dest="command", required=True)

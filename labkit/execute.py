@@ -1,0 +1,95 @@
+"""Execute a notebook with papermill in batch mode and read back what it recorded (`labkit.record`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from labkit.results import records_from_notebook
+
+ERROR_CHARS = 2000
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """Set environment variables (inherited by kernels) for the duration, then restore the environment."""
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def kernel_manager_class():
+    """Return a kernel manager class that avoids plain TCP where it can (Curve keys, else IPC sockets).
+
+    Plain TCP makes ipykernel warn "Kernel is running over TCP without encryption" on every start.
+    """
+    import zmq
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import default
+
+    if "transport_encryption" in AsyncKernelManager.class_trait_names() and zmq.has("curve"):
+        class CurveKernelManager(AsyncKernelManager):
+            @default("transport_encryption")
+            def _curve_when_the_kernel_supports_it(self):
+                return "auto"
+        return CurveKernelManager
+    if os.name == "posix":
+        class IPCKernelManager(AsyncKernelManager):
+            @default("transport")
+            def _ipc(self):
+                return "ipc"
+        return IPCKernelManager
+    return AsyncKernelManager
+
+
+def error_text(exc: BaseException) -> str:
+    """Return `name: value` of a (papermill) error, shortened to ERROR_CHARS."""
+    ename = getattr(exc, "ename", None) or type(exc).__name__
+    evalue = getattr(exc, "evalue", None)
+    evalue = str(exc) if evalue is None else str(evalue)
+    return f"{ename}: {evalue}"[:ERROR_CHARS]
+
+
+def run_notebook(path: str | Path, executed: str | Path, parameters: dict, timeout_s: float,
+                 extensions: Iterable[str] = (), env: dict[str, str] | None = None) -> dict:
+    """Execute `path` into `executed` (LABKIT_BATCH=1, cwd its folder); return status, wall_s, measurements, error.
+
+    `extensions`: IPython extensions the kernel loads; `env`: environment variables the kernel inherits.
+    """
+    import nbformat
+    import papermill
+
+    path = Path(path).resolve()
+    executed = Path(executed)
+    executed.parent.mkdir(parents=True, exist_ok=True)
+    entry: dict = {"status": "ok"}
+    start = time.perf_counter()
+    with environment(LABKIT_BATCH="1", **(env or {})):
+        try:
+            papermill.execute_notebook(
+                str(path), str(executed), parameters=dict(parameters), kernel_name="python3",
+                cwd=str(path.parent), progress_bar=False, log_output=False,
+                execution_timeout=timeout_s, kernel_manager_class=kernel_manager_class(),
+                extra_arguments=[f"--IPKernelApp.extra_extensions={name}" for name in extensions],
+            )
+        except Exception as exc:  # PapermillExecutionError, timeouts, dead kernels: keep going
+            entry["status"] = "failed"
+            entry["error"] = error_text(exc)
+    entry["wall_s"] = round(time.perf_counter() - start, 3)
+    entry["measurements"] = {}
+    if executed.exists():
+        try:
+            entry["measurements"] = records_from_notebook(nbformat.read(executed, as_version=4))
+        except Exception as exc:  # an unreadable partial notebook must not hide the run's error
+            entry.setdefault("error", f"could not read executed notebook: {error_text(exc)}")
+    return entry
