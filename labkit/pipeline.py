@@ -113,20 +113,21 @@ def stage_order(schedule: str, stage: int, stages: int, micro_batches: int) -> l
     check_choice("schedule", schedule, SCHEDULES)
     if schedule == "GPipe":
         return [f"F{i}" for i in range(micro_batches)] + [f"B{i}" for i in range(micro_batches)]
-    warmup = min(stages - stage, micro_batches)
+    warmup = min(stages - stage, micro_batches)  # forwards before the first backward
     order = [f"F{i}" for i in range(warmup)]
-    f, b = warmup, 0
-    while b < micro_batches:
-        order.append(f"B{b}")
-        b += 1
-        if f < micro_batches:
-            order.append(f"F{f}")
-            f += 1
+    for b in range(micro_batches):
+        order += [f"B{b}"] + ([f"F{warmup + b}"] if warmup + b < micro_batches else [])
     return order
 
 
-def _simulate(orders: dict[int, list[tuple[str, int, float]]], stages: int) -> dict[int, list]:
+def _stage_of(label: str, rank: int) -> int:
+    """Return the stage an action label names ("F3/s2": stage 2), or the rank's own stage."""
+    return int(label.split("/s")[1]) if "/s" in label else rank
+
+
+def _simulate(orders: dict[int, list[tuple[str, int, float]]]) -> dict[int, list]:
     """Run each rank's (label, stage, seconds) actions once its rank is free and its input ready; return the times."""
+    stages = 1 + max((s for acts in orders.values() for _, s, _ in acts), default=-1)
     done: dict[tuple[int, str], float] = {}
     out: dict[int, list] = {r: [] for r in orders}
     free = dict.fromkeys(orders, 0.0)
@@ -166,7 +167,7 @@ def ideal_schedule(schedule: str, stages: int, micro_batches: int, t_f=1.0,
         raise ValueError(f"t_f and t_b need one time per stage ({stages}), got {len(t_f)} and {len(t_b)}")
     orders = {s: [(label, s, t_f[s] if label[0] == "F" else t_b[s])
                   for label in stage_order(schedule, s, stages, micro_batches)] for s in range(stages)}
-    return _simulate(orders, stages)
+    return _simulate(orders)
 
 
 def simulate_order(orders: dict[int, list[str]], t_f=1.0, t_b=2.0) -> dict[int, list[tuple[str, float, float]]]:
@@ -174,10 +175,9 @@ def simulate_order(orders: dict[int, list[str]], t_f=1.0, t_b=2.0) -> dict[int, 
 
     Raises ValueError for an order that breaks the pipeline's dependencies.
     """
-    stages = 1 + max(int(label.split("/s")[1]) if "/s" in label else r for r, labels in orders.items() for label in labels)
-    rows = {r: [(label, int(label.split("/s")[1]) if "/s" in label else r, t_f if label[0] == "F" else t_b)
-                for label in labels] for r, labels in orders.items()}
-    return _simulate(rows, stages)
+    rows = {r: [(label, _stage_of(label, r), t_f if label[0] == "F" else t_b) for label in labels]
+            for r, labels in orders.items()}
+    return _simulate(rows)
 
 
 def torch_schedule_order(schedule: str, ranks: int, micro_batches: int,
@@ -189,31 +189,17 @@ def torch_schedule_order(schedule: str, ranks: int, micro_batches: int,
     check_int("micro_batches", micro_batches, 1)
     ops = get_schedule_ops(schedule, ranks, micro_batches, num_stages_per_rank=stages_per_rank)
     kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
-    out = {}
-    for r, actions in enumerate(ops):
-        labels = []
-        for a in actions:
-            kind = kinds.get(a.computation_type.name) if a is not None else None
-            if kind is None:  # an idle slot, or bookkeeping (REDUCE_GRAD, ...)
-                continue
-            suffix = f"/s{a.stage_index}" if stages_per_rank > 1 else ""
-            labels.append(f"{kind}{a.microbatch_index}{suffix}")
-        out[r] = labels
-    return out
+    named = stages_per_rank > 1  # labels name the stage when a rank holds several
+    return {r: [f"{kinds[a.computation_type.name]}{a.microbatch_index}" + (f"/s{a.stage_index}" if named else "")
+                for a in actions if a is not None and a.computation_type.name in kinds]  # no idle slot, no REDUCE_GRAD
+            for r, actions in enumerate(ops)}
 
 
 def replay(actions_by_rank: dict[int, list]) -> dict[int, list[tuple[str, float, float]]]:
     """Replay measured actions with free communication (same order and durations, no waiting); return the timeline."""
-    stages = 0
-    orders: dict[int, list] = {}
-    for r, acts in actions_by_rank.items():
-        rows = []
-        for label, a, b in sorted(acts, key=lambda act: act[1]):
-            s = int(label.split("/s")[1]) if "/s" in label else r
-            stages = max(stages, s + 1)
-            rows.append((label, s, float(b) - float(a)))
-        orders[r] = rows
-    return _simulate(orders, stages)
+    by_start = {r: sorted(acts, key=lambda act: act[1]) for r, acts in actions_by_rank.items()}
+    return _simulate({r: [(label, _stage_of(label, r), float(b) - float(a)) for label, a, b in acts]
+                      for r, acts in by_start.items()})
 
 
 def time_actions(stage, name_stage: bool = False, schedule=None) -> None:
