@@ -9,7 +9,7 @@ from labkit.models import GPT, MLP, GPTConfig, MLPConfig, build_model, count_par
 from labkit.progress import progress
 from labkit.results import record, recorded
 from labkit.throughput import Throughput, measure_throughput, measure_throughputs
-from labkit.train import make_optimizer, measure_step, train_step
+from labkit.train import make_optimizer, measure_step, seeded_model, train_step
 from labkit.validate import ParameterError
 
 __all__ = [
@@ -17,6 +17,6 @@ __all__ = [
     "MemoryMeter", "OutOfMemory", "PHASES", "ParameterError", "RunningExample", "Throughput", "build_model",
     "count_params", "estimate_training_memory", "example_batch", "format_bytes", "hardware_report",
     "in_kernel", "is_batch", "make_optimizer", "measure_step", "measure_throughput", "measure_throughputs",
-    "progress", "record", "recorded", "resolve_device", "running_example", "synchronize", "train_step",
+    "progress", "record", "recorded", "resolve_device", "running_example", "seeded_model", "synchronize", "train_step",
     "try_fit",
 ]

@@ -15,11 +15,7 @@ def _generator(seed: int) -> torch.Generator:
 
 
 class MarkovTokens:
-    """A random first-order Markov chain over `vocab_size` tokens: a language a GPT can learn.
-
-    Each token has `branching` possible successors with random probabilities, so the best
-    achievable loss is the chain's entropy rate (`entropy_nats`), well below log(vocab_size).
-    """
+    """A random first-order Markov chain over `vocab_size` tokens, each with `branching` random successors."""
 
     def __init__(self, vocab_size: int = 256, branching: int = 4, seed: int = 0):
         check_int("vocab_size", vocab_size, 2)

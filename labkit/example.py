@@ -7,9 +7,7 @@ from dataclasses import dataclass, replace
 from labkit.estimate import estimate_training_memory
 from labkit.models import GPTConfig
 
-BUDGET_FRACTION = 0.75
-"""The budget is this share of the plain fp32 Adam step's peak, rounded down to a whole MiB
-(to a whole KiB for tiny models, whose budget would otherwise round to nothing)."""
+BUDGET_FRACTION = 0.75  # the budget's share of the plain fp32 Adam step's peak, rounded down to a MiB (tiny: a KiB)
 
 
 @dataclass(frozen=True)

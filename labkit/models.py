@@ -199,7 +199,13 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def embed(self, idx):  # (B, T) int64 -> (B, T, C)
-        return _embed(self, idx, self.cfg.block_size)
+        T = idx.size(1)
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
+        x = self.tok_emb(idx)  # (B, T, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(T, device=idx.device))
+        return self.drop(x)
 
     def logits(self, x):  # (B, T, C) -> (B, T, V)
         return self.head(self.norm(x))
@@ -210,22 +216,9 @@ class GPT(nn.Module):
         return logits, None if targets is None else token_loss(logits, targets)
 
 
-def _embed(m, idx, block_size: int):  # m: a GPT or its EmbedStage; idx (B, T) int64 -> (B, T, C)
-    T = idx.size(1)
-    if T > block_size:
-        raise ValueError(f"sequence length {T} exceeds block_size {block_size}")
-    x = m.tok_emb(idx)  # (B, T, C)
-    if m.pos_emb is not None:
-        x = x + m.pos_emb(torch.arange(T, device=idx.device))
-    return m.drop(x)
-
-
-BLOCK_STACKS = ("blocks", "layers")  # where a model keeps its repeated blocks: GPT's `blocks`, MLP's `layers`
-
-
 def blocks_name(model: nn.Module) -> str:
     """Return the name of the model's nn.Sequential of repeated blocks (`blocks` for a GPT, `layers` for an MLP)."""
-    for name in BLOCK_STACKS:
+    for name in ("blocks", "layers"):
         if isinstance(getattr(model, name, None), nn.Sequential):
             return name
     raise TypeError(f"{type(model).__name__} has no nn.Sequential `blocks` (GPT) or `layers` (MLP)")
@@ -297,8 +290,7 @@ class MLP(nn.Module):
     def forward(self, x, targets=None):  # x: (B, in_features), targets: (B,)
         """Return (logits, loss); loss is the mean cross-entropy, or None without targets."""
         logits = self.head(self.layers(x))  # (B, classes)
-        loss = None if targets is None else F.cross_entropy(logits, targets)
-        return logits, loss
+        return logits, None if targets is None else F.cross_entropy(logits, targets)
 
 
 def build_model(cfg: GPTConfig | MLPConfig) -> nn.Module:
@@ -313,90 +305,3 @@ def build_model(cfg: GPTConfig | MLPConfig) -> nn.Module:
 def count_params(model: nn.Module) -> int:
     """Return the number of unique parameter elements (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())
-
-
-# -- stages: a model cut into the pieces that L2L (one at a time) and pipelines (one group per rank) run --
-class EmbedStage(nn.Module):
-    """Token (and position) embedding of a GPT: (B, T) int64 -> (B, T, C). Shares the GPT's parameters."""
-
-    def __init__(self, gpt: GPT):
-        super().__init__()
-        self.tok_emb, self.pos_emb, self.drop = gpt.tok_emb, gpt.pos_emb, gpt.drop
-        self.block_size = gpt.cfg.block_size
-
-    def forward(self, idx):  # (B, T)
-        return _embed(self, idx, self.block_size)
-
-
-class GPTHeadStage(nn.Module):
-    """Final norm, output head (tied to the token embedding when the GPT ties them), and the loss given targets."""
-
-    def __init__(self, gpt: GPT):
-        super().__init__()
-        self.norm, self.head = gpt.norm, gpt.head
-
-    def forward(self, x, targets=None):  # x: (B, T, C), targets: (B, T)
-        logits = self.head(self.norm(x))  # (B, T, V)
-        return logits if targets is None else token_loss(logits, targets)  # () with targets
-
-
-class MLPHeadStage(nn.Module):
-    """Classifier head of an MLP and its loss."""
-
-    def __init__(self, mlp: MLP):
-        super().__init__()
-        self.head = mlp.head
-
-    def forward(self, x, targets):  # x: (B, hidden), targets: (B,)
-        return F.cross_entropy(self.head(x), targets)
-
-
-def split_stages(model: nn.Module) -> list[nn.Module]:
-    """Return the model's stages in order; the last one takes (x, targets) and returns the loss.
-
-    GPT: embedding, each block, head; MLP: each hidden layer, head. The stages share the model's
-    parameter objects, so a tied weight appears in two stages.
-    """
-    if isinstance(model, GPT):
-        return [EmbedStage(model), *model.blocks, GPTHeadStage(model)]
-    if isinstance(model, MLP):
-        return [*model.layers, MLPHeadStage(model)]
-    raise TypeError(f"split_stages supports labkit GPT and MLP models, got {type(model).__name__}")
-
-
-def partition(model: nn.Module, parts: int) -> list[nn.Sequential]:
-    """Group the model's stages into `parts` contiguous pieces, one per pipeline rank: blocks shared out evenly.
-
-    A GPT's first piece starts with the embedding (token ids in), its last ends with the head
-    (logits out, no loss: the pipeline schedule applies the loss); an MLP's last piece ends with
-    its classifier head. Pieces share the model's parameter objects.
-    """
-    stages = split_stages(model)
-    body = stages[1:-1] if isinstance(model, GPT) else stages[:-1]
-    from labkit.checkpointing import segment_sizes
-    from labkit.validate import ParameterError
-    check_int("parts", parts, 1)
-    if parts > len(body):
-        unit = "blocks" if isinstance(model, GPT) else "layers"
-        raise ParameterError(f"parts ({parts}) must not exceed the model's {len(body)} {unit}: each piece needs at "
-                             f"least one (more ranks than {unit} would leave a rank with nothing to hold)")
-    sizes = segment_sizes(len(body), parts)
-    pieces, start = [], 0
-    for i, size in enumerate(sizes):
-        piece = list(body[start:start + size])
-        start += size
-        if i == 0 and isinstance(model, GPT):
-            piece.insert(0, stages[0])
-        if i == len(sizes) - 1:
-            piece.append(stages[-1] if isinstance(model, GPT) else stages[-1].head)
-        pieces.append(nn.Sequential(*piece))
-    return pieces
-
-
-def stage_name(i: int, stage: nn.Module) -> str:
-    """Name stage i for reports: "embedding", "block i", "layer i" or "head"."""
-    if isinstance(stage, EmbedStage):
-        return "embedding"
-    if isinstance(stage, (GPTHeadStage, MLPHeadStage)):
-        return "head"
-    return f"block {i}" if isinstance(stage, Block) else f"layer {i}"

@@ -1,37 +1,103 @@
-"""Pipeline schedules as timelines: the ideal one (GPipe's formula) and the measured one, and their bubbles.
+"""Pipeline stages and schedules: a model cut into stages, ideal and measured timelines, and their bubbles.
 
-Reference for notebook 06. K stages, M micro-batches; a stage's forward of one micro-batch takes
-t_f, its backward t_b (about 2·t_f for matmuls).
-
-    ideal_schedule("1F1B", K, M)           # {stage: [(label, start, end), ...]} with every stage alike
-    replay(actions_by_rank)                # measured actions again, communication free and no waiting
-    bubble_theory(K, M)                    # (K - 1) / (M + K - 1), GPipe's bubble fraction
-    time_actions(stage, schedule=sched)    # inside a rank: every forward/backward of a PipelineStage
-                                           # becomes a labkit.dist span "F3", "B3" (or "F3/s2", naming
-                                           # the stage, when a rank holds several); the last stage's
-                                           # loss is added to its forward
-    torch_schedule_order("1F1B", K, M)     # torch's own action order (its schedule IR), to compare
-    simulate_order(orders)                 # the step an order implies with free communication
-    actions_within(spans, "GPipe M=4 #0")  # the actions inside one labelled span (one timed step)
-    measured_bubble(actions_by_rank)       # the same fraction, from measured actions
-
-**Which bubble.** The fraction plotted here is idle rank-time over total rank-time within the
-step: 1 - (busy time summed over ranks) / (K × the step's makespan, first action to last). For
-equal stages this is exactly (K - 1)/(M + K - 1) for GPipe and 1F1B alike (Huang et al. 2019;
-Narayanan et al. 2021). The Ultra-Scale Playbook quotes the bubble as a ratio to the ideal time,
-r = (K - 1)/M; the fraction is r / (1 + r). Interleaving V stages per rank divides the bubble by
-V: (K - 1)/(V·M + K - 1).
+Reference for notebooks 05 (stages run one at a time) and 06. K stages, M micro-batches; the bubble is idle
+rank-time over total rank-time within a step, (K - 1)/(V·M + K - 1) for equal stages and V stages per rank.
 """
 
 from __future__ import annotations
 
 import functools
 
-from labkit.validate import check_choice, check_int
+import torch.nn as nn
+import torch.nn.functional as F
+
+from labkit.models import GPT, MLP, Block, token_loss
+from labkit.validate import ParameterError, check_choice, check_int
 
 SCHEDULES = ("GPipe", "1F1B")
 ACTION_KINDS = ("F", "B", "W")  # forward, backward (input and weights), weight-only backward (zero bubble)
 LOSS_KIND = "L"  # the last stage's loss of one micro-batch: part of that micro-batch's forward
+
+
+class EmbedStage(nn.Module):
+    """Token (and position) embedding of a GPT: (B, T) int64 -> (B, T, C). Shares the GPT's parameters."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        self.tok_emb, self.pos_emb, self.drop, self.cfg = gpt.tok_emb, gpt.pos_emb, gpt.drop, gpt.cfg
+
+    def forward(self, idx):  # (B, T)
+        return GPT.embed(self, idx)  # the GPT's own embedding, on the parameters this stage shares
+
+
+class GPTHeadStage(nn.Module):
+    """Final norm, output head (tied to the token embedding when the GPT ties them), and the loss given targets."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        self.norm, self.head = gpt.norm, gpt.head
+
+    def forward(self, x, targets=None):  # x: (B, T, C), targets: (B, T)
+        logits = self.head(self.norm(x))  # (B, T, V)
+        return logits if targets is None else token_loss(logits, targets)  # () with targets
+
+
+class MLPHeadStage(nn.Module):
+    """Classifier head of an MLP and its loss."""
+
+    def __init__(self, mlp: MLP):
+        super().__init__()
+        self.head = mlp.head
+
+    def forward(self, x, targets):  # x: (B, hidden), targets: (B,)
+        return F.cross_entropy(self.head(x), targets)
+
+
+def split_stages(model: nn.Module) -> list[nn.Module]:
+    """Return the model's stages in order (GPT: embedding, blocks, head; MLP: layers, head), sharing its parameters.
+
+    The last stage takes (x, targets) and returns the loss; a tied weight appears in two stages.
+    """
+    if isinstance(model, GPT):
+        return [EmbedStage(model), *model.blocks, GPTHeadStage(model)]
+    if isinstance(model, MLP):
+        return [*model.layers, MLPHeadStage(model)]
+    raise TypeError(f"split_stages supports labkit GPT and MLP models, got {type(model).__name__}")
+
+
+def stage_name(i: int, stage: nn.Module) -> str:
+    """Name stage i for reports: "embedding", "block i", "layer i" or "head"."""
+    if isinstance(stage, EmbedStage):
+        return "embedding"
+    if isinstance(stage, (GPTHeadStage, MLPHeadStage)):
+        return "head"
+    return f"block {i}" if isinstance(stage, Block) else f"layer {i}"
+
+
+def partition(model: nn.Module, parts: int) -> list[nn.Sequential]:
+    """Return the model's stages in `parts` contiguous pieces, one per rank, blocks shared out evenly (larger first).
+
+    A GPT's first piece starts with the embedding, its last ends with the head (logits, no loss); an MLP's
+    last piece ends with its classifier head. Pieces share the model's parameters.
+    """
+    stages = split_stages(model)
+    body = stages[1:-1] if isinstance(model, GPT) else stages[:-1]
+    check_int("parts", parts, 1)
+    if parts > len(body):
+        unit = "blocks" if isinstance(model, GPT) else "layers"
+        raise ParameterError(f"parts ({parts}) must not exceed the model's {len(body)} {unit}: each piece needs at "
+                             f"least one (more ranks than {unit} would leave a rank with nothing to hold)")
+    q, r = divmod(len(body), parts)
+    pieces, start = [], 0
+    for i, size in enumerate([q + 1] * r + [q] * (parts - r)):
+        piece = list(body[start:start + size])
+        start += size
+        if i == 0 and isinstance(model, GPT):
+            piece.insert(0, stages[0])
+        if i == parts - 1:
+            piece.append(stages[-1] if isinstance(model, GPT) else stages[-1].head)
+        pieces.append(nn.Sequential(*piece))
+    return pieces
 
 
 def bubble_theory(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
@@ -43,33 +109,25 @@ def bubble_theory(stages: int, micro_batches: int, virtual_stages: int = 1) -> f
 
 
 def stage_order(schedule: str, stage: int, stages: int, micro_batches: int) -> list[str]:
-    """Return the actions one stage runs, in order: "F0", "F1", ..., "B0", ... (GPipe) or interleaved (1F1B).
-
-    1F1B (PipeDream-Flush): stage s first runs K - s forwards (fewer if M is smaller), then
-    alternates one backward and one forward, then runs the remaining backwards. It holds at most
-    K - s micro-batches of activations instead of GPipe's M.
-    """
+    """Return the actions one stage runs in order: all forwards, then all backwards (GPipe), or 1F1B's interleaving."""
     check_choice("schedule", schedule, SCHEDULES)
     if schedule == "GPipe":
         return [f"F{i}" for i in range(micro_batches)] + [f"B{i}" for i in range(micro_batches)]
-    warmup = min(stages - stage, micro_batches)
+    warmup = min(stages - stage, micro_batches)  # forwards before the first backward
     order = [f"F{i}" for i in range(warmup)]
-    f, b = warmup, 0
-    while b < micro_batches:
-        order.append(f"B{b}")
-        b += 1
-        if f < micro_batches:
-            order.append(f"F{f}")
-            f += 1
+    for b in range(micro_batches):
+        order += [f"B{b}"] + ([f"F{warmup + b}"] if warmup + b < micro_batches else [])
     return order
 
 
-def _simulate(orders: dict[int, list[tuple[str, int, float]]], stages: int) -> dict[int, list]:
-    """Run each rank's (label, stage, seconds) actions in order, each as soon as its rank is free and its input ready.
+def _stage_of(label: str, rank: int) -> int:
+    """Return the stage an action label names ("F3/s2": stage 2), or the rank's own stage."""
+    return int(label.split("/s")[1]) if "/s" in label else rank
 
-    F(s, i) needs F(s-1, i); B(s, i) needs B(s+1, i), or F(K-1, i) on the last stage. Communication
-    is free. Returns {rank: [(label, start, end), ...]}.
-    """
+
+def _simulate(orders: dict[int, list[tuple[str, int, float]]]) -> dict[int, list]:
+    """Run each rank's (label, stage, seconds) actions once its rank is free and its input ready; return the times."""
+    stages = 1 + max((s for acts in orders.values() for _, s, _ in acts), default=-1)
     done: dict[tuple[int, str], float] = {}
     out: dict[int, list] = {r: [] for r in orders}
     free = dict.fromkeys(orders, 0.0)
@@ -99,10 +157,7 @@ def ideal_schedule(schedule: str, stages: int, micro_batches: int, t_f=1.0,
                    t_b=2.0) -> dict[int, list[tuple[str, float, float]]]:
     """Simulate a pipeline with free communication; return each stage's (label, start, end) actions.
 
-    t_f, t_b: a forward's and a backward's time, the same on every stage (a number) or one per
-    stage (a sequence: measured stage times, imbalance included). An action starts when its stage
-    is free and its input is ready: F(s, i) after F(s-1, i); B(s, i) after B(s+1, i), or after
-    F(K-1, i) on the last stage.
+    t_f, t_b: a forward's and a backward's seconds, one number for every stage or one per stage.
     """
     check_int("stages", stages, 1)
     check_int("micro_batches", micro_batches, 1)
@@ -112,77 +167,45 @@ def ideal_schedule(schedule: str, stages: int, micro_batches: int, t_f=1.0,
         raise ValueError(f"t_f and t_b need one time per stage ({stages}), got {len(t_f)} and {len(t_b)}")
     orders = {s: [(label, s, t_f[s] if label[0] == "F" else t_b[s])
                   for label in stage_order(schedule, s, stages, micro_batches)] for s in range(stages)}
-    return _simulate(orders, stages)
+    return _simulate(orders)
 
 
 def simulate_order(orders: dict[int, list[str]], t_f=1.0, t_b=2.0) -> dict[int, list[tuple[str, float, float]]]:
-    """Simulate given per-rank action orders ("F0", "B3", or "F0/s2" naming the stage) with free communication.
+    """Simulate per-rank action orders ("F0", "B3", or "F0/s2" naming the stage) with free communication.
 
-    t_f, t_b: a forward's and a backward's time on every stage. Each action starts when its rank is
-    free and its input is ready (see ideal_schedule); an order that breaks the dependencies raises.
+    Raises ValueError for an order that breaks the pipeline's dependencies.
     """
-    stages = 1 + max(int(label.split("/s")[1]) if "/s" in label else r for r, labels in orders.items() for label in labels)
-    rows = {r: [(label, int(label.split("/s")[1]) if "/s" in label else r, t_f if label[0] == "F" else t_b)
-                for label in labels] for r, labels in orders.items()}
-    return _simulate(rows, stages)
+    rows = {r: [(label, _stage_of(label, r), t_f if label[0] == "F" else t_b) for label in labels]
+            for r, labels in orders.items()}
+    return _simulate(rows)
 
 
 def torch_schedule_order(schedule: str, ranks: int, micro_batches: int,
                          stages_per_rank: int = 1) -> dict[int, list[str]]:
-    """Return torch.distributed.pipelining's own action order for a schedule, per rank, as labkit labels.
-
-    From `torch.distributed.pipelining._schedule_visualizer.get_schedule_ops` (private; its use
-    here is pinned by tests/test_pipeline.py): the schedule's IR (`pipeline_order`), idle slots and
-    the gradient reduction left out. Labels name the stage ("F0/s2") when a rank holds several.
-    """
+    """Return torch.distributed.pipelining's own action order for a schedule, per rank, as labkit labels."""
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     check_int("ranks", ranks, 1)
     check_int("micro_batches", micro_batches, 1)
     ops = get_schedule_ops(schedule, ranks, micro_batches, num_stages_per_rank=stages_per_rank)
     kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
-    out = {}
-    for r, actions in enumerate(ops):
-        labels = []
-        for a in actions:
-            kind = kinds.get(a.computation_type.name) if a is not None else None
-            if kind is None:  # an idle slot, or bookkeeping (REDUCE_GRAD, ...)
-                continue
-            suffix = f"/s{a.stage_index}" if stages_per_rank > 1 else ""
-            labels.append(f"{kind}{a.microbatch_index}{suffix}")
-        out[r] = labels
-    return out
+    named = stages_per_rank > 1  # labels name the stage when a rank holds several
+    return {r: [f"{kinds[a.computation_type.name]}{a.microbatch_index}" + (f"/s{a.stage_index}" if named else "")
+                for a in actions if a is not None and a.computation_type.name in kinds]  # no idle slot, no REDUCE_GRAD
+            for r, actions in enumerate(ops)}
 
 
 def replay(actions_by_rank: dict[int, list]) -> dict[int, list[tuple[str, float, float]]]:
-    """Replay measured actions with free communication: same order on each rank, same durations, no waiting.
-
-    Each action starts as soon as its rank is free and its input is ready (see ideal_schedule);
-    what is left is the step the measured compute alone allows. A rank holding one stage is that
-    stage; labels "F3/s2" name the stage when a rank holds several. Waiting can only add to a step:
-    the measured makespan is at least the replay's (up to the ranks' clock offsets).
-    """
-    stages = 0
-    orders: dict[int, list] = {}
-    for r, acts in actions_by_rank.items():
-        rows = []
-        for label, a, b in sorted(acts, key=lambda act: act[1]):
-            s = int(label.split("/s")[1]) if "/s" in label else r
-            stages = max(stages, s + 1)
-            rows.append((label, s, float(b) - float(a)))
-        orders[r] = rows
-    return _simulate(orders, stages)
+    """Replay measured actions with free communication (same order and durations, no waiting); return the timeline."""
+    by_start = {r: sorted(acts, key=lambda act: act[1]) for r, acts in actions_by_rank.items()}
+    return _simulate({r: [(label, _stage_of(label, r), float(b) - float(a)) for label, a, b in acts]
+                      for r, acts in by_start.items()})
 
 
 def time_actions(stage, name_stage: bool = False, schedule=None) -> None:
-    """Make every forward and backward of a torch.distributed.pipelining stage a labkit.dist span.
+    """Make every forward and backward of a torch.distributed.pipelining stage a labkit.dist span ("F3", "B3").
 
-    The schedules call `stage.forward_one_chunk(...)` and `stage.backward_one_chunk(...)` on the
-    stage object, so wrapping those two methods (and the zero-bubble schedules' weight-only
-    backward) times compute alone: waiting for a neighbour's send is left out. Given the
-    `schedule`, the last stage's loss of each micro-batch (the schedule's `_maybe_compute_loss`,
-    called right after that micro-batch's forward) is timed too, as a span "L3" that
-    `actions_within` adds to the forward "F3": compute, not bubble.
+    Given the `schedule`, the last stage's loss of each micro-batch is timed too, as a span "L3".
     """
     from labkit.dist import span
 
@@ -216,8 +239,7 @@ def time_actions(stage, name_stage: bool = False, schedule=None) -> None:
 def actions_within(spans: list, window: str, core_waits: list | None = None) -> list[tuple[str, float, float]]:
     """Return the pipeline actions ("F…", "B…", "W…") of a rank's spans inside the span labelled `window`.
 
-    core_waits: the rank's RankResult.core_waits (one per span). Given, each action ends earlier by
-    the time its rank waited for a CPU core inside it: the action's own work, as on an idle machine.
+    core_waits: the rank's RankResult.core_waits; given, each action is shortened by its rank's waits for a core.
     """
     if core_waits is not None and len(core_waits) != len(spans):
         raise ValueError(f"core_waits needs one entry per span ({len(spans)}), got {len(core_waits)}")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from labkit.meter import MemoryMeter
+from labkit.models import GPTConfig, MLPConfig, build_model
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 
@@ -20,6 +21,12 @@ def make_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimizer
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, foreach=False)
     raise ValueError(f"optimizer name must be one of {OPTIMIZERS}, got {name!r}")
+
+
+def seeded_model(config: GPTConfig | MLPConfig, seed: int, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """Return the model `config` describes, built right after torch.manual_seed(seed), on `device`."""
+    torch.manual_seed(seed)
+    return build_model(config).to(device)
 
 
 def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

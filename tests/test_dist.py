@@ -251,7 +251,7 @@ def test_writefiles_writes_the_rank_scripts_of_a_notebook_as_running_it_would(tm
     nb = nbformat.read(src, as_version=4)
     files = dict(written_files(nb))
     assert {"06_model_parallel_ranks.py", "06_tensor_parallel_ranks.py", "06_pipeline_ranks.py"} <= set(files)
-    assert all("ld.run(main)" in text for text in files.values())
+    assert all("labkit.dist.run(main)" in text for text in files.values())
     copy = tmp_path / src.name
     shutil.copy(src, copy)
     paths = write(copy)

@@ -516,6 +516,22 @@ def test_create_optimizer_state_makes_adams_state_and_leaves_no_gradient():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # a zero gradient moves no weight
 
 
+def test_seeded_model_builds_the_same_weights_as_seeding_by_hand():
+    from labkit.models import GPTConfig, MLPConfig
+    from labkit.train import seeded_model
+
+    for config in (GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=8, vocab_size=32), MLPConfig(depth=2)):
+        torch.manual_seed(3)
+        by_hand = labkit.build_model(config)
+        after_hand = torch.rand(1)
+        model = seeded_model(config, 3)
+        assert torch.equal(torch.rand(1), after_hand)  # the global generator left where building by hand leaves it
+        assert type(model) is type(by_hand) and next(model.parameters()).device.type == "cpu"
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), by_hand.state_dict().values()))
+        other = seeded_model(config, 4)
+        assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+
+
 def test_fastest_s_warms_up_once_then_keeps_the_fastest_of_its_repeats():
     from labkit.throughput import fastest_s, timed_call
 

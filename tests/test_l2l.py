@@ -398,7 +398,7 @@ def test_micro_batched_dropout_masks_are_replayed_per_micro_batch(tiny_batch, gp
     torch.manual_seed(20)
     _, grads = _l2l_grads(trainer, b, k)
     ref = copy.deepcopy(model)
-    stages = labkit.models.split_stages(ref)
+    stages = labkit.pipeline.split_stages(ref)
     h = list(x.tensor_split(k))
     torch.manual_seed(20)
     for i, stage in enumerate(stages[:-1]):

@@ -246,7 +246,7 @@ def test_plot_gantt_colours_waiting_and_communication_apart_and_labels_only_what
 
 def test_partition_shares_out_the_blocks_and_refuses_more_pieces_than_blocks(tiny_gpt):
     import labkit
-    from labkit.models import partition
+    from labkit.pipeline import partition
 
     model = tiny_gpt()  # 2 blocks
     pieces = partition(model, 2)
