@@ -60,6 +60,7 @@ BAD = [  # (chapter, parameters, words the error must contain)
     ("07_sharded_data_parallel", dict(N_HEAD=3), ["N_HEAD", "divisible"]),
     ("07_sharded_data_parallel", dict(DEVICE="tpu"), ["DEVICE", "'auto', 'cpu', 'cuda'"]),
     ("08_memory_aware_search", dict(N_TRIALS=3), ["N_TRIALS", "[6, 1000]"]),
+    ("08_memory_aware_search", dict(FULL_STUDY="yes"), ["FULL_STUDY", "(True, False)"]),
     ("08_memory_aware_search", dict(N_WORKERS=1), ["KILL_WORKER", "N_WORKERS >= 2"]),
     ("08_memory_aware_search", dict(PRUNER="patient"), ["PRUNER", "'median'"]),
     ("08_memory_aware_search", dict(SPEEDUP_TRIALS=3), ["SPEEDUP_TRIALS", "divisible"]),

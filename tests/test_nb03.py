@@ -1,0 +1,32 @@
+"""Notebook 03 under papermill with other parameters: the recorded invariants hold."""
+
+import labkit
+
+STEM = "03_mixed_precision"
+
+
+def test_notebook_invariants_hold_for_other_parameters(execute_notebook):
+    entry = execute_notebook(STEM, SEED=3, N_LAYER=2, N_EMBD=64, N_HEAD=2, BATCH=6, SEQ_LEN=32,
+                             N_EMBD_SWEEP=[16, 32], SWEEP_BATCH=2, CURVE_STEPS=10, CURVE_N_EMBD=32, CURVE_BATCH=4,
+                             GRAD_STEPS=2, ACCUM_STEPS=4, LOSS_SCALE=1024.0)
+    assert entry["status"] == "ok", entry.get("error")
+    m = entry["measurements"]
+    ex = labkit.running_example(n_layer=2, n_embd=64, n_head=2, batch_size=6, seq_len=32)
+    assert m["budget_bytes"] == ex.budget_bytes and m["peak_bytes_fp32"] == ex.baseline_peak_bytes
+    assert 0.5 < m["activation_bytes_ratio_half"] < 1.0
+    assert m["peak_bytes_half"] < m["peak_bytes_fp32"]
+    assert 0 < m["weight_copy_bytes_per_param"] < 2  # 2 bytes per matmul weight; embeddings and norms have none
+    assert 0 <= m["bf16_lost_update_fraction"] <= 1
+    # a 2^10 loss scale lifts gradients out of fp16's subnormal range and out of underflow
+    assert m["fp16_subnormal_fraction_scaled"] < m["fp16_subnormal_fraction_unscaled"]
+    assert m["fp16_underflow_fraction_scaled"] < m["fp16_underflow_fraction_unscaled"]
+    assert m["fits_in_budget"] == (m["peak_bytes_half"] <= m["budget_bytes"])
+    assert m["throughput_ratio_half"] > 0
+    assert m["final_loss_rel_diff_half"] < 0.05
+    assert 0 <= m["fp16_underflow_fraction_scaled"] <= m["fp16_underflow_fraction_unscaled"] < 1
+    for which in ("unscaled", "scaled"):  # only values below 2^-24 can become 0
+        assert m[f"fp16_flushed_to_zero_fraction_{which}"] <= m[f"fp16_underflow_fraction_{which}"]
+    assert 0.5 < m["saved_activation_ratio_half"] < 1.0
+    assert [r["width"] for r in m["sweep_half"]] == [16, 32]
+    assert m["half_precision"] == "bf16"  # a CPU trains in bf16: every *_half figure above is bf16's
+    assert isinstance(m["throughput_ratio_half_reliable"], bool)

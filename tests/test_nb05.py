@@ -1,0 +1,27 @@
+"""Notebook 05 under papermill with another seed and depths: the recorded invariants hold."""
+
+import pytest
+
+STEM = "05_layer_to_layer"
+
+
+def test_notebook_runs_with_other_seed_and_depths(execute_notebook):
+    entry = execute_notebook(STEM, SEED=3, N_LAYER=3, BATCH=6, EQUAL_STEPS=2, N_LAYER_SWEEP=[1, 3, 6],
+                             SWEEP_N_EMBD=32, SWEEP_SEQ_LEN=16, SWEEP_BATCH=3, TIMED_STEPS=1, MICRO_BATCH=2,
+                             ACCUM_STEPS_SWEEP=[1, 3])
+    assert entry["status"] == "ok", entry.get("error")
+    m = entry["measurements"]
+    l2l, plain = m["device_peak_bytes_by_layers_l2l"], m["device_peak_bytes_by_layers_baseline"]
+    assert list(l2l) == ["1", "3", "6"] and list(plain) == ["1", "3", "6"]
+    assert m["l2l_depth_ratio"] <= 1.1
+    assert m["l2l_depth_ratio"] == pytest.approx(l2l["6"] / l2l["1"])
+    assert plain["1"] < plain["3"] < plain["6"]
+    assert m["max_param_diff_after_steps"] <= 1e-5
+    assert m["fits_in_budget"] is True
+    assert m["step_time_ratio_l2l"] > 0
+    assert 1.0 < m["flop_ratio_l2l"] <= 4 / 3 + 1e-9
+    weights = m["l2l_weight_bytes_moved_per_sample_by_micro_batches"]
+    assert list(m["l2l_bytes_moved_per_sample_by_micro_batches"]) == ["1", "3"]
+    assert weights["1"] == pytest.approx(3 * weights["3"])  # once per visit: 1/k per sample
+    assert m["l2l_micro_batched_max_rel_grad_diff"] <= 1e-5
+    assert m["l2l_one_micro_batch_peak_bytes_by_micro_batches"]["3"] > m["l2l_device_peak_bytes_by_micro_batches"]["3"]
