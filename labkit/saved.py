@@ -1,14 +1,6 @@
 """A census of what autograd saves for backward: every saved tensor, its bytes, its storage and its kind.
 
-    census = saved_tensor_census(model, lambda: model(*batch))   # one forward, hooks counting
-    census.where(kind="activation").nbytes          # bytes of the saved activations, tensor by tensor
-    census.where(kind="activation").storage_nbytes  # the same, each storage once (views share one)
-    census.by_dtype_kind()                          # {"fp32 activations": ..., "bf16 weight copies": ...}
-
-Kinds: "parameter" (a parameter or a view of one: resident anyway), "weight copy" (a cast of a
-parameter, such as autocast's 16-bit weight, that backward needs) and "activation" (everything
-the forward computed). Notebooks 02 (what a block saves), 03 (what 16 bits save) and 04 (what
-offload moves) count with it.
+Kinds: "parameter" (a parameter or a view of one), "weight copy" (a cast of one, e.g. autocast's) and "activation".
 """
 
 from __future__ import annotations
