@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from labkit.device import synchronize
+from labkit.validate import check_choice
 
 BACKENDS = ("inductor", "aot_eager_decomp_partition")
 """Backends this module knows: inductor (generated kernels), aot_eager_decomp_partition (inductor's
@@ -20,8 +21,7 @@ decompositions and partitioner, eager kernels: no C++ or Triton compiler needed)
 
 def compile_unavailable_reason(device: torch.device | str, backend: str = "inductor") -> str | None:
     """Return why torch.compile with `backend` cannot run on `device` here, or None when it can."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_choice("backend", backend, BACKENDS)
     device = torch.device(device)
     try:
         torch._dynamo.eval_frame.check_if_dynamo_supported()

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from labkit.device import as_device
 from labkit.hosttier import HostPool, to_device, to_host
-from labkit.validate import check_int
+from labkit.validate import check_choice, check_int
 
 PREFETCH_CHOICES = ("auto", True, False)
 
@@ -44,8 +44,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self.device = as_device("cpu" if device is None else device)  # "cuda" -> "cuda:0": compared with t.device
         self.pool = pool if pool is not None else HostPool(self.device)
         check_int("min_bytes", min_bytes, 0)
-        if prefetch not in PREFETCH_CHOICES:
-            raise ValueError(f"prefetch must be one of {PREFETCH_CHOICES}, got {prefetch!r}")
+        check_choice("prefetch", prefetch, PREFETCH_CHOICES)
         self.model = model
         self.min_bytes = min_bytes
         self.cuda = self.device.type == "cuda"

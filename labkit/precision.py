@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from labkit.compare import flat
 from labkit.meter import MemoryMeter
 from labkit.models import blocks_of, token_weights
-from labkit.validate import ParameterError, check_choice
+from labkit.validate import ParameterError, check_choice, check_float
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -148,8 +148,7 @@ class Fp16CastStats:
 
 def fp16_cast_stats(values: torch.Tensor, scale: float = 1.0) -> Fp16CastStats:
     """Cast scale·values to fp16 and count the nonzero fp32 values flushed to 0, made subnormal, or overflowed."""
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    check_float("scale", scale, 0.0, math.inf, lo_open=True)
     v = values.detach().flatten().float()
     v = v[v != 0] * scale  # (N,) fp32; a power-of-two scale is exact
     n = v.numel()

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit.validate import check_choice
+
 KINDS = ("parameter", "weight copy", "activation")
 _PLURAL = {"parameter": "parameters", "weight copy": "weight copies", "activation": "activations"}
 SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
@@ -38,8 +40,8 @@ class Census(tuple):
 
     def where(self, kind: str | None = None, min_bytes: int = 0, max_bytes: int | None = None) -> "Census":
         """Return the saved tensors of one kind (any kind: None) with min_bytes <= nbytes <= max_bytes."""
-        if kind is not None and kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if kind is not None:
+            check_choice("kind", kind, KINDS)
         return Census(s for s in self if (kind is None or s.kind == kind) and s.nbytes >= min_bytes
                       and (max_bytes is None or s.nbytes <= max_bytes))
 

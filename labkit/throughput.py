@@ -12,7 +12,7 @@ import torch
 
 from labkit.device import as_device, synchronize
 from labkit.meter import active_meter
-from labkit.validate import check_int
+from labkit.validate import check_float, check_int
 
 
 def timed_call(fn: Callable[[], object], *devices) -> float:
@@ -128,8 +128,7 @@ def copy_bandwidth(dst: torch.Tensor, src: torch.Tensor, repeats: int = 3) -> fl
 def overlap_fraction(a_s: float, b_s: float, together_s: float) -> float:
     """Return the share of the shorter of two tasks hidden when they ran together (0: serial, 1: hidden), clipped."""
     for name, v in (("a_s", a_s), ("b_s", b_s), ("together_s", together_s)):
-        if not v > 0:
-            raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        check_float(name, v, 0.0, math.inf, lo_open=True)
     return min(1.0, max(0.0, (a_s + b_s - together_s) / min(a_s, b_s)))
 
 
