@@ -1,6 +1,7 @@
 """Measure compiled code where the meter cannot look: the allocator's peak and the profiler's matmul FLOPs.
 
-A dispatch mode (the meter, `labkit.flops.count_flops`) makes Dynamo run the eager frame instead of compiled code.
+A dispatch mode (the meter, `labkit.flops.count_flops`) makes Dynamo run the eager frame instead of compiled code,
+and a first call under one keeps the function from compiling until `torch._dynamo.reset()`.
 """
 
 from __future__ import annotations
