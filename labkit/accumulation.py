@@ -1,24 +1,7 @@
-"""Gradient accumulation: k micro-batches, one optimizer step, the full batch's gradient.
+"""Gradient accumulation: k micro-batches, one optimizer step, the full batch's gradient (notebook 01's reference).
 
-The reference implementation that notebook 01 checks its visible loop against; notebooks 03 and 05
-and chapter 08's search reuse its micro-batch split:
-
-    step = make_accumulation_step(micro_batch_size=4, normalise="tokens")
-    step(model, optimizer, (x, y))          # same signature as labkit.train_step
-    accumulate_gradients(model, (x, y), 4)  # gradients only, into .grad
-
-The loss of each micro-batch is normalised so that the summed gradients are the gradient of the
-loss of the whole batch (`normalise=`, the same words as notebook 01):
-
-- "mean": the model's own mean loss times (micro-batch rows / batch rows). Exact for losses that
-  average over samples, and over tokens when every row holds the same number of real tokens,
-  also when the last micro-batch is short (ragged).
-- "tokens": the summed cross-entropy of the real tokens (targets != ignore_index) divided by
-  the real tokens of the *whole* batch. Exact for token-level losses with padding.
-- "naive": each micro-batch's mean loss divided by the number of micro-batches. This is the
-  accumulation bug of transformers/trl before October 2024 (transformers #24725, trl #2175; fixed
-  in transformers PRs #34191/#34198): wrong whenever micro-batches hold different numbers of
-  real tokens or rows. Kept here so that its error can be measured.
+`normalise`: "mean" weighs each mean loss by its rows, "tokens" divides summed losses by the batch's real
+tokens, "naive" divides each mean loss by k (the transformers #24725 bug, kept to measure its error).
 """
 
 from __future__ import annotations
@@ -35,6 +18,7 @@ NORMALISATIONS = ("mean", "tokens", "naive")
 
 
 def _batch_rows(batch: Sequence[torch.Tensor]) -> int:
+    """Return the rows the batch's tensors share; raise ValueError when they differ or there are none."""
     if not isinstance(batch, (tuple, list)) or not batch:
         raise ValueError("batch must be a non-empty tuple of tensors (inputs, targets)")
     rows = {t.shape[0] for t in batch if isinstance(t, torch.Tensor)}
@@ -63,17 +47,14 @@ def split_batch(batch: Sequence[torch.Tensor], micro_batch_size: int) -> list[tu
     return [tuple(t if p is None else p[i] for t, p in zip(batch, parts)) for i in range(n)]
 
 
-def _logits(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
 def micro_batch_loss(model: torch.nn.Module, micro_batch: Sequence[torch.Tensor], *, normalise: str, batch_rows: int,
                      n_micro: int, batch_tokens: int | None = None,
                      ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Return one micro-batch's loss, normalised so that summing over micro-batches gives the batch's loss."""
     if normalise == "tokens":
         *inputs, targets = micro_batch
-        logits = _logits(model(*inputs))  # (..., V)
+        out = model(*inputs)
+        logits = out[0] if isinstance(out, (tuple, list)) else out  # (..., V)
         summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                                  ignore_index=ignore_index, reduction="sum")
         return summed / batch_tokens
@@ -87,11 +68,7 @@ def micro_batch_loss(model: torch.nn.Module, micro_batch: Sequence[torch.Tensor]
 
 def accumulate_gradients(model: torch.nn.Module, batch: Sequence[torch.Tensor], micro_batch_size: int,
                          normalise: str = "mean", ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Add the batch's gradient to .grad, one micro-batch at a time; return the detached batch loss.
-
-    `batch` is (inputs..., targets); the model returns (logits, mean_loss) or logits. Zero the
-    gradients first for a fresh gradient. See the module docstring for `normalise`.
-    """
+    """Add the gradient of batch (inputs..., targets) to .grad, one micro-batch at a time; return the batch loss."""
     check_choice("normalise", normalise, NORMALISATIONS)
     rows = _batch_rows(batch)
     micro_batches = split_batch(batch, micro_batch_size)
@@ -139,8 +116,3 @@ def make_accumulation_step(micro_batch_size: int, normalise: str = "mean") -> Ca
 def accumulation_steps(batch_size: int, micro_batch_size: int) -> int:
     """Return how many micro-batches (backward passes) one optimizer step takes: ceil(batch / micro)."""
     return len(split_sizes(batch_size, micro_batch_size))
-
-
-__all__ = ["IGNORE_INDEX", "NORMALISATIONS", "accumulate_gradients", "accumulation_step", "accumulation_steps",
-           "count_tokens", "make_accumulation_step", "micro_batch_loss", "split_batch", "split_sizes"]
-

@@ -1,20 +1,7 @@
-"""Activation checkpointing: the tested reference that notebooks 02 onwards reuse.
+"""Activation checkpointing (Chen et al. 2016): keep each segment's input, recompute its inside in backward.
 
-Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"): keep only the inputs of
-`s` segments of a deep stack during the forward pass and recompute each segment's inner
-activations in the backward pass. Memory falls from n layers' activations to about
-s boundaries + n/s layers; the price, for this single-level scheme, is at most one extra forward
-pass per step (4/3 of a step whose backward costs two forwards).
-
-    from labkit.checkpointing import checkpoint_blocks
-    checkpoint_blocks(model, segments=4)          # GPT: model.blocks, MLP: model.layers, in place
-    checkpoint_blocks(model, segments=None)       # undo: plain nn.Sequential again
-
-`CheckpointedSequential` keeps the same child modules (state_dict keys unchanged). Like
-`torch.utils.checkpoint.checkpoint_sequential`, it runs the last segment without a checkpoint
-(its activations are needed first in the backward pass, so recomputing them saves nothing);
-unlike it, segment sizes differ by at most one with the larger segments first
-(`checkpoint_sequential` puts the whole remainder into the last, unchecked segment).
+Segment sizes differ by at most one, larger first; the last segment runs unchecked unless asked (its
+activations are needed first in backward). `checkpoint_blocks(model, None)` undoes it.
 """
 
 from __future__ import annotations
@@ -86,7 +73,8 @@ class CheckpointedSequential(nn.Sequential):
         """Return the number of segments."""
         return len(self.sizes)
 
-    def _run(self, start: int, stop: int, x):  # x: (B, T, C) or (B, F)
+    def _run(self, start: int, stop: int, x):
+        """Run blocks start .. stop-1 on x, (B, T, C) or (B, F)."""
         for i in range(start, stop):
             x = self[i](x)
         return x
@@ -115,10 +103,7 @@ class CheckpointedSequential(nn.Sequential):
 def checkpoint_blocks(model: nn.Module, segments: int | None, *, checkpoint_last: bool = False,
                       selective: bool = False, save_ops=MATMUL_OPS, use_reentrant: bool = False,
                       preserve_rng_state: bool = True) -> nn.Module:
-    """Checkpoint a GPT's `blocks` (or an MLP's `layers`) in `segments` runs, in place; None undoes it.
-
-    segments=1 is the plain model; segments=n with checkpoint_last=True checkpoints every block.
-    """
+    """Checkpoint a GPT's `blocks` (an MLP's `layers`) in `segments` runs, in place, and return it; None undoes it."""
     name = blocks_name(model)
     blocks = list(getattr(model, name))
     if segments is None:
@@ -132,11 +117,7 @@ def checkpoint_blocks(model: nn.Module, segments: int | None, *, checkpoint_last
 
 def predicted_activation_bytes(n_blocks: int, segments: int, block_bytes: float, boundary_bytes: float,
                                rest_bytes: float = 0.0, sizes: list[int] | None = None) -> float:
-    """Estimate peak activation bytes (Chen's model): stored boundaries + the largest live segment + the rest.
-
-    Walks the backward pass: when segment j is (re)built, the inputs of segments 0..j-1 are still
-    stored; segment j holds size_j * block_bytes. `rest_bytes` covers everything outside the stack.
-    """
+    """Return Chen's peak activation bytes: the worst (boundaries stored before segment j + segment j) + the rest."""
     sizes = segment_sizes(n_blocks, segments) if sizes is None else list(sizes)
     if sum(sizes) != n_blocks:
         raise ValueError(f"sizes {sizes} do not add up to n_blocks={n_blocks}")

@@ -1,27 +1,7 @@
-"""Measure compiled code: the bytes an allocator hands out, where labkit's meter cannot look.
+"""Measure compiled code where the meter cannot look: the allocator's peak and the profiler's matmul FLOPs.
 
-`labkit.meter.MemoryMeter` is a `TorchDispatchMode`, and torch.compile does not run compiled code
-under one: while any dispatch mode is on the stack, Dynamo runs the eager frame, even when a
-compiled graph exists (torch 2.13, `torch/_dynamo/convert_frame.py`, "skip due to torch dispatch
-mode"). A meter around a compiled call therefore measures the eager code, and a first call under a
-meter marks the function as not to compile until `torch._dynamo.reset()`. Inductor's CPU kernels
-also get their buffers straight from the allocator (`empty_strided_cpu`), below the dispatcher.
-What does see compiled code:
-
-- the allocator: on CUDA `torch.cuda.max_memory_allocated`; on CPU the profiler's allocation
-  events (`torch.profiler.profile(profile_memory=True)`), summed in time order
-  (`allocation_peak`);
-- the saved-tensor hooks: a compiled autograd function saves its tensors with
-  `ctx.save_for_backward`, so `labkit.saved.saved_tensor_census` lists them.
-
-    peak = allocation_peak(lambda: model(x).sum().backward(), device)
-    peak.peak_bytes           # most bytes allocated at once above the start, kernel scratch included
-    peak.tensor_peak_bytes    # the same without scratch an operator frees before it returns (CPU):
-                              # what the meter counts, so the two can be checked against each other
-    matmul_flops(lambda: model(x).sum().backward())   # FLOPs of the matmuls that ran, recomputed ones too
-
-`labkit.flops.count_flops` is a dispatch mode too; `matmul_flops` reads the profiler's FLOP
-estimates instead, so it counts what compiled code runs.
+A dispatch mode (the meter, `labkit.flops.count_flops`) makes Dynamo run the eager frame instead of compiled code,
+and a first call under one keeps the function from compiling until `torch._dynamo.reset()`.
 """
 
 from __future__ import annotations
@@ -33,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from labkit.device import synchronize
+from labkit.validate import check_choice
 
 BACKENDS = ("inductor", "aot_eager_decomp_partition")
 """Backends this module knows: inductor (generated kernels), aot_eager_decomp_partition (inductor's
@@ -41,8 +22,7 @@ decompositions and partitioner, eager kernels: no C++ or Triton compiler needed)
 
 def compile_unavailable_reason(device: torch.device | str, backend: str = "inductor") -> str | None:
     """Return why torch.compile with `backend` cannot run on `device` here, or None when it can."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_choice("backend", backend, BACKENDS)
     device = torch.device(device)
     try:
         torch._dynamo.eval_frame.check_if_dynamo_supported()
@@ -106,12 +86,7 @@ def matmul_flops(fn: Callable[[], object]) -> int:
 
 
 def _cpu_profiler(**kwargs):
-    """Return a torch.profiler.profile over CPU activity; Kineto's start/stop log lines are silenced.
-
-    Kineto prints two "USDT" lines per profile to stderr, which would clutter every notebook cell
-    that measures. Its level is read once per process, when the first profile starts, so unless
-    KINETO_LOG_LEVEL is already set, it is set here to 6 (nothing) for the rest of the process.
-    """
+    """Return a torch.profiler.profile over CPU activity; sets KINETO_LOG_LEVEL=6 (silent) unless it is set."""
     from torch.profiler import ProfilerActivity, profile
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     return profile(activities=[ProfilerActivity.CPU], **kwargs)
@@ -128,11 +103,7 @@ def _top_op(event):
 
 
 def _allocation_events(prof) -> list[tuple[int, int, int, int | None]]:
-    """Return (time ns, signed bytes, address, id of the outermost operator) per CPU allocation/free, in time order.
-
-    Reads the profiler's event tree (`experimental_event_tree`, what torch.profiler's own memory
-    timeline is built from); tests/test_compiled.py checks the result against the meter.
-    """
+    """Return (time ns, signed bytes, address, id of the outermost operator) per CPU allocation/free, in time order."""
     from torch._C._profiler import _EventType
 
     out = []

@@ -7,11 +7,7 @@ from torch.utils.flop_counter import flop_registry
 
 
 class _FlopCounter(TorchDispatchMode):
-    """Add up the FLOPs of the operators torch's flop counter knows (matmuls, attention, convolutions).
-
-    Unlike `torch.utils.flop_counter.FlopCounterMode` it installs no module hooks, so it also
-    works around `torch.autograd.grad` on leaves (layer-to-layer backward) and recomputation.
-    """
+    """Add up the FLOPs of the operators torch's flop counter knows; no module hooks (so L2L and recomputation work)."""
 
     def __init__(self):
         super().__init__()

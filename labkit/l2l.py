@@ -1,57 +1,13 @@
-"""Layer-to-layer (L2L) training: the model and its optimizer live on the host; one layer at a time visits the device.
+"""Layer-to-layer (L2L) training: the model and its Adam state live on the host; one stage at a time visits the device.
 
-Pudipeddi et al. 2020 (arXiv 2002.05645). The master parameters, their gradients and the Adam
-state stay in host memory (the "eager parameter server"; ZeRO-Offload, Ren et al. 2021, also steps
-the optimizer on the host). One step:
-
-1. forward: for each stage (embedding, each block; not the head) copy its weights to the device, run it
-   without an autograd graph, free the weights, and keep only the stage's output, the boundary
-   activation, in host memory;
-2. the last stage (final norm, head, loss) runs forward and backward at once on the device;
-3. backward, last block to embedding: copy the stage's weights and its input boundary activation back
-   to the device, recompute its forward with a graph, compute the gradients of its weights and of its
-   input, send the weight gradients to the host (adding them up for a weight used twice, like a
-   tied embedding and head), and pass the input gradient to the stage before;
-4. the optimizer steps on the host master parameters (plain `torch.optim.Adam`: same math as plain
-   training).
-
-The device holds one stage's weights, its gradients and one stage's activations at a time, so its
-peak does not grow with depth. On CUDA the host tensors are pinned and the next stage's weights are
-copied on a side stream while the current stage computes (`prefetch`). The weights are allocated on
-the compute stream, so on every way out of a step (an exception, closing the visit generator) the
-compute stream first waits for every copy still queued: otherwise the caching allocator could hand
-their memory to new compute-stream work while a copy still writes into it.
-
-Many micro-batches per visit (`step(batch, micro_batches=k)`, the paper's schedule): the batch is
-split into k micro-batches and each visit runs all of them, so a stage's weights cross to the device
-once per visit, whatever k. Each recomputed stage's input waits on the host per micro-batch, and in
-backward each input gradient does too; the last micro-batch of a visit stays on the device, and the
-next visit walks the micro-batches the other way round, starting with it (for k = 1 nothing else
-moves). The weight gradients add up on the device over the k micro-batches and go to the host once;
-each micro-batch's loss weighs by its share of the batch's real targets (targets != IGNORE_INDEX), so the
-gradients are the whole batch's. The device then holds one micro-batch's activations, one stage's
-weights and its summed gradients: its peak does not grow with k either. Bytes moved per step, with
-stage weight bytes S_0 .. S_{n-1}, n stages and a batch boundary activation of b bytes (r = b (k-1)/k):
-
-    host_to_device = 2 (S_0 + .. + S_{n-2}) + S_{n-1} + (n-2) b + (2n-2) r
-    device_to_host =    S_0 + .. + S_{n-1}            + (n-2) b +     n  r
-
-CPU-only machines: the "device" and the "host" are the same RAM. The host tier is then an
-*accounted pool* (`labkit.hosttier`): tensors allocated inside `host_tier()` (or passed to
-`MemoryMeter.mark_host`) are counted as host bytes by the active `MemoryMeter`, exempt from its
-budget; device working copies are real, separate allocations (`hosttier.to_device`), never the host
-tensor itself, so the meter's device count is exactly what a GPU would hold. The code is the same on both.
-
-    trainer = L2LTrainer(model, device)            # model: the host master copy (stays on CPU)
-    loss = trainer.step((idx, targets))            # batch on the device
-    loss = trainer.step((idx, targets), micro_batches=4)  # each visit runs 4 micro-batches
-    with MemoryMeter(device, budget_bytes=...) as m:
-        trainer.attach(m); trainer.step(batch)     # m.peak_bytes: device; m.host_peak_bytes: host
+Pudipeddi et al. 2020 (arXiv 2002.05645), as notebook 05 writes it out; on a CPU-only machine the host is an
+accounted pool (`labkit.hosttier`), so the meter's device count is what a GPU would hold.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import namedtuple
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -77,17 +33,11 @@ def _label(t: torch.Tensor, category: str) -> torch.Tensor:
 
 
 def _has_dropout(module: nn.Module) -> bool:
+    """Tell whether a module holds a dropout layer with p > 0 (its masks must repeat in the recomputation)."""
     return any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
 
 
-# -- the trainer -----------------------------------------------------------------------------------
-class _Fetch:
-    """One stage's weights on their way to the device, and the event that marks their arrival (CUDA)."""
-
-    __slots__ = ("weights", "ready")
-
-    def __init__(self, weights: dict, ready):
-        self.weights, self.ready = weights, ready
+_Fetch = namedtuple("_Fetch", "weights ready")  # one stage's weights on their way, the event of their arrival (CUDA)
 
 
 class L2LTrainer:
@@ -119,12 +69,10 @@ class L2LTrainer:
         self.stage_names = [stage_name(i, s) for i, s in enumerate(self.stages)]
         self.peak_stage: tuple[str, str] | None = None  # (phase, stage) whose visit set the meter's peak
 
-    # -- host tensors --------------------------------------------------------------------------------
     def attach(self, meter: MemoryMeter) -> MemoryMeter:
         """Count the host master copy and optimizer state as host bytes in `meter`."""
         return mark_host_state(meter, self.model, self.optimizer)
 
-    # -- moving tensors ------------------------------------------------------------------------------
     def _fetch(self, i: int) -> _Fetch:
         """Start copying stage i's weights to the device (on the side stream when prefetching)."""
         named = dict(self.stages[i].named_parameters())
@@ -178,8 +126,8 @@ class L2LTrainer:
         self.moved_bytes["device_to_host"] += t.nbytes
         return to_host(t)
 
-    # -- RNG (dropout masks must repeat in the recomputation) -----------------------------------------
     def _rng_state(self):
+        """Return the CPU and (CUDA) device RNG states, kept on the host tier."""
         with host_tier():
             cpu = torch.get_rng_state()
             cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
@@ -187,6 +135,7 @@ class L2LTrainer:
 
     @contextlib.contextmanager
     def _replay_rng(self, state):
+        """Run the block with the RNG states of `state` (None: as it is), restoring the current ones after."""
         if state is None:
             yield
             return
@@ -198,13 +147,8 @@ class L2LTrainer:
                 torch.cuda.set_rng_state(cuda, self.device)
             yield
 
-    # -- one step --------------------------------------------------------------------------------------
     def step(self, batch, micro_batches: int = 1) -> torch.Tensor:
-        """Run one L2L training step on `batch` = (inputs, targets) on the device; return the detached loss.
-
-        `micro_batches` = k splits the batch along dim 0 into k micro-batches that every visit runs:
-        a stage's weights are copied to the device once per visit, whatever k.
-        """
+        """Run one L2L step on (inputs, targets), each visit over `micro_batches` micro-batches; return the loss."""
         inputs, targets = batch
         k = check_int("micro_batches", micro_batches, 1, inputs.shape[0])
         n = len(self.stages)
@@ -362,7 +306,7 @@ class L2LTrainer:
             if g is not None:  # an unused weight gets no gradient, as in plain autograd
                 host_grads.append((p, self._to_host(g)))
 
-# -- measurements ------------------------------------------------------------------------------------
+
 def measure_l2l_step(trainer: L2LTrainer, batch, budget_bytes: int | None = None,
                      timeline: bool = True, micro_batches: int = 1) -> MemoryMeter:
     """Run one L2L step under a MemoryMeter (budget on device bytes) and return the meter."""

@@ -1,26 +1,7 @@
-"""Activation offload: saved-tensor hooks that move what autograd saves to the host tier and back.
+"""Activation offload: saved-tensor hooks that move what autograd saves to a `labkit.hosttier.HostPool` and back.
 
-Notebook 04 writes the hooks out; this module is the tested reference that later notebooks
-(05 layer-to-layer, the HPO study) reuse. The host buffers come from `labkit.hosttier.HostPool`
-(pinned memory on CUDA, accounted RAM or a disk memmap on CPU); the copies are
-`hosttier.to_host` / `hosttier.to_device`.
-
-`OffloadHooks(model, pool=None, min_bytes=65536, prefetch="auto", time_copies=False)` is a
-`torch.autograd.graph.saved_tensors_hooks` context: tensors that autograd saves for backward
-inside it are copied to the host tier during forward (the device copy is released) and copied
-back when backward needs them. Parameters (and views of them) and tensors smaller than
-`min_bytes` stay where they are. On CUDA the copies run on a side stream (non-blocking, pinned
-buffers) and, with prefetch, backward of layer i starts the copy-back of layer i-1. Call
-`hooks.track_layers(model.blocks)` to label saved tensors by layer for prefetch.
-
-    hooks = OffloadHooks(model).track_layers(model.blocks)
-    with hooks:
-        _, loss = model(x, y)
-    loss.backward()
-    hooks.stats()   # bytes_to_host, bytes_to_device, offloaded, kept_params, kept_small, ...
-
-On CUDA the hooks were written against the documented stream/event API but are exercised by the
-test suite only on CPU (where the copies are synchronous and prefetch only moves copies earlier).
+Parameters and tensors under `min_bytes` stay; on CUDA the copies run on a side stream and, with prefetch and
+`track_layers`, backward of layer i starts the copy back of layer i-1.
 """
 
 from __future__ import annotations
@@ -33,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from labkit.device import as_device
 from labkit.hosttier import HostPool, to_device, to_host
-from labkit.validate import check_int
+from labkit.validate import check_choice, check_int
 
 PREFETCH_CHOICES = ("auto", True, False)
 
@@ -63,8 +44,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self.device = as_device("cpu" if device is None else device)  # "cuda" -> "cuda:0": compared with t.device
         self.pool = pool if pool is not None else HostPool(self.device)
         check_int("min_bytes", min_bytes, 0)
-        if prefetch not in PREFETCH_CHOICES:
-            raise ValueError(f"prefetch must be one of {PREFETCH_CHOICES}, got {prefetch!r}")
+        check_choice("prefetch", prefetch, PREFETCH_CHOICES)
         self.model = model
         self.min_bytes = min_bytes
         self.cuda = self.device.type == "cuda"
@@ -82,7 +62,6 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self.reset_stats()
         super().__init__(self.pack, self.unpack)
 
-    # -- bookkeeping -------------------------------------------------------------------------
     def reset_stats(self) -> None:
         """Zero the counters (done on every `with hooks:` entry)."""
         self._stats = dict(bytes_to_host=0, bytes_to_device=0, offloaded=0, kept_params=0, kept_small=0,
@@ -103,11 +82,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         return out
 
     def track_layers(self, layers) -> "OffloadHooks":
-        """Label saved tensors by layer (a forward pre-hook on each module) so backward can prefetch.
-
-        Tensors saved before the first layer are layer 0, inside layer i (and after it, until the
-        next layer starts) layer i + 1. Recomputation in backward (checkpointing) does not count.
-        """
+        """Label saved tensors by layer (0 before the first, i + 1 from layer i on) for prefetch; return self."""
         for i, layer in enumerate(layers):
             self._handles.append(layer.register_forward_pre_hook(self._layer_setter(i + 1)))
         return self
@@ -119,6 +94,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self._handles.clear()
 
     def _layer_setter(self, layer: int):
+        """Return a forward pre-hook that marks `layer` as running (in the forward inside `with hooks:` only)."""
         def set_layer(module, args):
             if self._active:  # only in the forward pass inside `with hooks:`
                 self._layer = layer
@@ -139,7 +115,6 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self._active = False
         return super().__exit__(*exc)
 
-    # -- the hooks ---------------------------------------------------------------------------
     def keep(self, t: torch.Tensor) -> str | None:
         """Return why `t` stays on the device ("params", "small", "other"), or None to offload it."""
         if t.layout != torch.strided or type(t) not in (torch.Tensor, FakeTensor) and not isinstance(t, torch.nn.Parameter):
@@ -196,7 +171,6 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             torch.cuda.current_stream(self.device).wait_event(saved.loaded)
         return x
 
-    # -- copies back -------------------------------------------------------------------------
     def _load(self, saved: Saved, prefetch: bool) -> torch.Tensor:
         """Copy a saved tensor back into a new device tensor (on the side stream when prefetching)."""
         self._stats["bytes_to_device"] += saved.host.numel() * saved.host.element_size()
@@ -210,6 +184,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         return x
 
     def _load_layer(self, layer: int) -> None:
+        """Start copying back every saved tensor of `layer` still on the host (prefetch)."""
         for ref in self._layers.get(layer, []):
             saved = ref()
             if saved is not None and saved.on_device is None:
@@ -217,6 +192,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
                 self._stats["prefetched"] += 1
 
     def _event(self):
+        """Return a timing event recorded on the side stream (CUDA with time_copies), else None."""
         if not (self.cuda and self.time_copies):
             return None
         ev = torch.cuda.Event(enable_timing=True)
@@ -224,6 +200,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         return ev
 
     def _stop(self, start) -> None:
+        """Record the end of a timed copy that started at event `start`."""
         if start is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record(self.side_stream)

@@ -1,17 +1,4 @@
-"""Mixed precision: an autocast training step (GradScaler, accumulation, clipping) and fp16 range statistics.
-
-The tested reference implementations of notebook 03, reused by chapter 08's search:
-
-    step = amp_train_step(model, opt, [batch], precision="bf16")               # autocast bf16
-    step = amp_train_step(model, opt, batches, precision="fp16",               # fp16 + loss scaling,
-                          scaler=torch.amp.GradScaler("cuda"), clip_norm=1.0)  # accumulation, clipping
-    step.loss, step.stepped, step.scale
-
-`fp16_cast_stats` tells what a cast to fp16 does to fp32 values (flushed to zero, subnormal,
-overflowed), with or without a loss scale; `collect_gradients` returns real gradients of a
-model's weights and of its block outputs. What autograd saves, by dtype and kind (activations,
-16-bit weight copies, resident parameters), is `labkit.saved.saved_tensor_census(...).by_dtype_kind()`.
-"""
+"""Mixed precision: an autocast training step (GradScaler, accumulation, clipping) and fp16 range statistics."""
 
 from __future__ import annotations
 
@@ -24,8 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from labkit.compare import flat
 from labkit.meter import MemoryMeter
-from labkit.validate import ParameterError, check_choice
 from labkit.models import blocks_of, token_weights
+from labkit.validate import ParameterError, check_choice, check_float
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -45,8 +32,7 @@ def check_precision(precision: str, device: torch.device | str) -> None:
 
 def autocast(precision: str, device: torch.device | str):
     """Return the autocast context for "fp32" (autocast off), "bf16" or "fp16" on the device's type."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    check_choice("precision", precision, PRECISIONS)
     device_type = torch.device(device).type
     if precision == "fp32":
         return torch.autocast(device_type, enabled=False)
@@ -66,12 +52,9 @@ class AmpStep:
 def amp_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, *,
                    precision: str = "bf16", scaler: torch.amp.GradScaler | None = None,
                    clip_norm: float | None = None) -> AmpStep:
-    """Run one optimizer step over `batches` (its micro-batches) under autocast, with an optional GradScaler and clipping.
+    """Run one optimizer step over the micro-batches `batches` under autocast, token-weighted; return an AmpStep.
 
-    Each micro-batch's mean loss is weighted by its share of the step's targets (targets != -100),
-    so the accumulated gradient equals the full batch's token-mean gradient. With a scaler, the
-    scaled loss is backpropagated, the gradients are unscaled *before* clipping, and
-    `scaler.step`/`scaler.update` run once per optimizer step (never per micro-batch).
+    With a scaler the gradients are unscaled before clipping, and the scaler steps once per optimizer step.
     """
     if isinstance(batches, tuple) and batches and isinstance(batches[0], torch.Tensor):
         batches = [batches]  # one (inputs, targets) batch given directly
@@ -165,8 +148,7 @@ class Fp16CastStats:
 
 def fp16_cast_stats(values: torch.Tensor, scale: float = 1.0) -> Fp16CastStats:
     """Cast scale·values to fp16 and count the nonzero fp32 values flushed to 0, made subnormal, or overflowed."""
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    check_float("scale", scale, 0.0, math.inf, lo_open=True)
     v = values.detach().flatten().float()
     v = v[v != 0] * scale  # (N,) fp32; a power-of-two scale is exact
     n = v.numel()
@@ -191,10 +173,9 @@ class GradientSample:
 
 def collect_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, batches,
                       loss_scale: float = 1.0) -> GradientSample:
-    """Train one fp32 step per batch and return all weight gradients and block-output gradients seen.
+    """Train one fp32 step per batch (none without an optimizer) and return the weight and block-output gradients.
 
-    `loss_scale` multiplies the loss before backward (the returned gradients carry the factor).
-    With `optimizer=None` the weights stay put (gradients only).
+    `loss_scale` multiplies the loss before backward: the returned gradients carry the factor.
     """
     weights, acts, losses = [], [], []
     hooks = []

@@ -1,14 +1,6 @@
 """A census of what autograd saves for backward: every saved tensor, its bytes, its storage and its kind.
 
-    census = saved_tensor_census(model, lambda: model(*batch))   # one forward, hooks counting
-    census.where(kind="activation").nbytes          # bytes of the saved activations, tensor by tensor
-    census.where(kind="activation").storage_nbytes  # the same, each storage once (views share one)
-    census.by_dtype_kind()                          # {"fp32 activations": ..., "bf16 weight copies": ...}
-
-Kinds: "parameter" (a parameter or a view of one: resident anyway), "weight copy" (a cast of a
-parameter, such as autocast's 16-bit weight, that backward needs) and "activation" (everything
-the forward computed). Notebooks 02 (what a block saves), 03 (what 16 bits save) and 04 (what
-offload moves) count with it.
+Kinds: "parameter" (a parameter or a view of one), "weight copy" (a cast of one, e.g. autocast's) and "activation".
 """
 
 from __future__ import annotations
@@ -17,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from labkit.validate import check_choice
 
 KINDS = ("parameter", "weight copy", "activation")
 _PLURAL = {"parameter": "parameters", "weight copy": "weight copies", "activation": "activations"}
@@ -46,8 +40,8 @@ class Census(tuple):
 
     def where(self, kind: str | None = None, min_bytes: int = 0, max_bytes: int | None = None) -> "Census":
         """Return the saved tensors of one kind (any kind: None) with min_bytes <= nbytes <= max_bytes."""
-        if kind is not None and kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if kind is not None:
+            check_choice("kind", kind, KINDS)
         return Census(s for s in self if (kind is None or s.kind == kind) and s.nbytes >= min_bytes
                       and (max_bytes is None or s.nbytes <= max_bytes))
 

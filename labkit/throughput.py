@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -9,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from labkit.device import synchronize
+from labkit.device import as_device, synchronize
 from labkit.meter import active_meter
-from labkit.validate import check_int
+from labkit.validate import check_float, check_int
 
 
 def timed_call(fn: Callable[[], object], *devices) -> float:
@@ -54,12 +55,7 @@ def measure_throughput(step_fn, *, samples_per_step: int, tokens_per_step: int |
 def measure_throughputs(step_fns: Mapping[str, Callable[[], object]], *, samples_per_step: int,
                         tokens_per_step: int | None = None, device: torch.device | str = "cpu",
                         warmup_steps: int = 1, steps: int = 3) -> dict[str, Throughput]:
-    """Time several step functions in interleaved rounds (one step of each per round); return each one's Throughput.
-
-    Interleaving makes a load that drifts during the measurement slow every function alike, so
-    the ratios of the medians stay meaningful on a shared machine; each round starts one function
-    later than the last, so that no function always runs first (or right after another).
-    """
+    """Time several step functions in interleaved rounds, each starting one later; return each one's Throughput."""
     if active_meter() is not None:
         raise RuntimeError("measure_throughput must run outside a MemoryMeter (the meter slows every op)")
     check_int("steps", steps, 1)
@@ -100,11 +96,7 @@ class PairedRatio:
         return len(self.round_ratios)
 
     def agrees(self, factor: float) -> bool:
-        """Return whether the rounds lie within `factor` of each other (at least three; from five, less the extremes).
-
-        From five rounds on, the highest and the lowest round are left out: one disturbed round, either way,
-        cannot decide. Fewer than three rounds cannot show that they agree.
-        """
+        """Return whether at least three rounds lie within `factor` of each other (from five on, less the extremes)."""
         if self.rounds < 3:
             return False
         middle = sorted(self.round_ratios)[1:-1] if self.rounds >= 5 else sorted(self.round_ratios)
@@ -118,3 +110,117 @@ def paired_ratio(timed: Mapping[str, Throughput], num: str, den: str) -> PairedR
             raise KeyError(f"{name!r} was not timed: the timed step functions are {sorted(timed)}")
     ratios = tuple(a / b for a, b in zip(timed[num].step_times_s, timed[den].step_times_s))
     return PairedRatio(statistics.median(ratios), min(ratios), max(ratios), ratios)
+
+
+def copy_bandwidth(dst: torch.Tensor, src: torch.Tensor, repeats: int = 3) -> float:
+    """Return the best bytes/s of `dst.copy_(src, non_blocking=True)` after a warm-up, both devices synchronised."""
+    check_int("repeats", repeats, 1, 1000)
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(f"dst and src must have the same shape and dtype, got {tuple(dst.shape)} {dst.dtype} "
+                         f"and {tuple(src.shape)} {src.dtype}")
+    nbytes = src.numel() * src.element_size()
+    if nbytes == 0:
+        raise ValueError("src is empty: there is no copy to time")
+    devices = {as_device(dst.device), as_device(src.device)}
+    return nbytes / fastest_s(lambda: dst.copy_(src, non_blocking=True), repeats, *devices)
+
+
+def overlap_fraction(a_s: float, b_s: float, together_s: float) -> float:
+    """Return the share of the shorter of two tasks hidden when they ran together (0: serial, 1: hidden), clipped."""
+    for name, v in (("a_s", a_s), ("b_s", b_s), ("together_s", together_s)):
+        check_float(name, v, 0.0, math.inf, lo_open=True)
+    return min(1.0, max(0.0, (a_s + b_s - together_s) / min(a_s, b_s)))
+
+
+@dataclass(frozen=True)
+class CopyOverlap:
+    """Seconds of one host -> device copy from pinned memory and of a compute, alone and together (CUDA)."""
+
+    nbytes: int  # bytes of the copy
+    matmuls: int  # square matmuls in the compute (chosen so that it takes about as long as the copy)
+    copy_s: float  # the copy alone
+    compute_s: float  # the compute alone
+    serial_s: float  # copy, then compute, on the current stream (stream order: the compute waits for the copy)
+    overlapped_s: float  # copy on a side stream while the compute runs on the current stream
+    issue_s: float  # host seconds until `copy_(pinned, non_blocking=True)` returned (the copy goes on)
+    pageable_issue_s: float  # the same call from pageable memory: it returns once the driver has staged it all
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Return the share of the shorter of copy and compute that the side stream hid."""
+        return overlap_fraction(self.copy_s, self.compute_s, self.overlapped_s)
+
+
+def _cuda_device(device, caller: str) -> torch.device:
+    """Return `device` as an indexed CUDA device; raise ValueError naming `caller` if it is not one."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        seen = "" if torch.cuda.is_available() else "; torch sees no CUDA device here"
+        raise ValueError(f"{caller} needs a CUDA device (got {str(device)!r}{seen}): on a CPU-only machine there "
+                         "is no host-to-device copy to overlap, and no pinned memory")
+    return as_device(device)
+
+
+def host_to_device_bandwidth(device, nbytes: int = 64 * 2**20, pinned: bool = True, repeats: int = 3) -> float:
+    """Return the best bytes/s of one host -> device copy of `nbytes` from pinned or pageable memory (CUDA only)."""
+    check_int("nbytes", nbytes, 4, 2**40)
+    check_int("repeats", repeats, 1, 1000)
+    if not isinstance(pinned, bool):
+        raise ValueError(f"pinned must be True or False, got {pinned!r}")
+    dev = _cuda_device(device, "host_to_device_bandwidth")
+    src = torch.empty(nbytes // 4, pin_memory=pinned).fill_(1.0)
+    dst = torch.empty(src.shape, device=dev)
+    return copy_bandwidth(dst, src, repeats)
+
+
+def copy_compute_overlap(device, nbytes: int = 64 * 2**20, repeats: int = 3, matmul_n: int = 2048) -> CopyOverlap:
+    """Time a pinned host -> device copy and a matmul compute as long: alone, serial and overlapped (CUDA only)."""
+    check_int("nbytes", nbytes, 4, 2**40)
+    check_int("repeats", repeats, 1, 1000)
+    check_int("matmul_n", matmul_n, 1, 2**15)
+    dev = _cuda_device(device, "copy_compute_overlap")
+    current = torch.cuda.current_stream(dev)
+    side = torch.cuda.Stream(dev)
+    src = torch.empty(nbytes // 4, pin_memory=True).fill_(1.0)  # page-locked: the copy engine reads it directly
+    pageable = torch.ones(nbytes // 4)
+    dst = torch.empty(src.shape, device=dev)
+    a = torch.randn(matmul_n, matmul_n, device=dev)
+    c = torch.empty_like(a)
+
+    def issue_s(host) -> float:
+        """Return the fastest host time for `dst.copy_(host, non_blocking=True)` to return (not to finish)."""
+        out = math.inf
+        for _ in range(repeats):
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            dst.copy_(host, non_blocking=True)
+            out = min(out, time.perf_counter() - t0)
+            torch.cuda.synchronize(dev)
+        return out
+
+    def copy():
+        dst.copy_(src, non_blocking=True)  # on the current stream
+
+    one_matmul_s = fastest_s(lambda: torch.mm(a, a, out=c), repeats, dev)
+    copy_s = fastest_s(copy, repeats, dev)
+    matmuls = max(1, round(copy_s / one_matmul_s))
+
+    def compute():
+        for _ in range(matmuls):
+            torch.mm(a, a, out=c)  # on the current stream
+
+    def serial():
+        copy()
+        compute()  # same stream: runs after the copy, though it does not read dst
+
+    def overlapped():
+        side.wait_stream(current)  # dst is free: earlier work on the current stream is done with it
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)  # on the side stream: the copy engine runs it
+        compute()  # on the current stream, meanwhile
+        current.wait_stream(side)  # later work on the current stream sees the copied dst
+
+    compute_s, serial_s, overlapped_s = (fastest_s(fn, repeats, dev) for fn in (compute, serial, overlapped))
+    out = CopyOverlap(nbytes=src.numel() * 4, matmuls=matmuls, copy_s=copy_s, compute_s=compute_s, serial_s=serial_s,
+                      overlapped_s=overlapped_s, issue_s=issue_s(src), pageable_issue_s=issue_s(pageable))
+    torch.cuda.synchronize(dev)  # nothing queued still reads src or writes dst when they are freed
+    return out

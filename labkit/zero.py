@@ -1,18 +1,7 @@
-"""ZeRO on paper: model-state bytes per parameter per rank, communication per step, and DeepSpeed configs.
+"""ZeRO on paper (Rajbhandari et al., SC'20): model-state bytes per parameter and rank, traffic, DeepSpeed configs.
 
-Reference for notebook 07 (Rajbhandari et al., SC'20). Ψ parameters, N data-parallel ranks.
-
-    model_state_bytes_per_param(stage, N)                 # fp32 Adam: {"parameters": 4, "gradients": 4/N, ...}
-    model_state_bytes_per_param(stage, N, **MIXED_ADAM)   # the paper's mixed-precision Adam: 2 + 2 + 12
-    comm_elements_per_param(stage)                        # 2 (stages 0-2) or 3 (stage 3), times Ψ per step
-    deepspeed_config(stage=3, micro_batch=8, ...)         # the same setting as a DeepSpeed JSON config
-    describe_fit(peak_bytes, sent_bytes, budget_bytes)    # which measured points fit a budget, which sends least
-
-The paper's stages: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters; a
-stage keeps everything it does not shard on every rank. Its volumes are per rank and step, in
-elements, for large N: an all-reduce moves 2Ψ (a reduce-scatter and an all-gather of Ψ each),
-stage 3 one more all-gather of Ψ (parameters again for the backward). On N ranks a ring moves
-(N-1)/N of those (`ring_factor`).
+Stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters; volumes are per rank and step
+in units of Ψ parameters, for large N (a ring of N ranks sends (N-1)/N of them: `ring_factor`).
 """
 
 from __future__ import annotations
@@ -48,11 +37,9 @@ def ring_factor(world_size: int) -> float:
 
 def cheapest_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float], budget_bytes: float,
                  costs: dict[str, str] | None = None) -> tuple[list[str], str | None]:
-    """Return the points whose peak fits the budget (in the given order) and the one to use among them.
+    """Return the points that fit the budget, and the first fitting one that sends least (None when none fits).
 
-    The one to use pays nothing besides bytes (no point in `costs`, which maps a point to what else it
-    pays: "precision", "recomputation"), unless every fitting point does; then it sends the fewest bytes,
-    and of equal senders it comes first in `peak_bytes` (list points from the simplest). None when none fits.
+    A point in `costs` (point -> what else it pays, e.g. "precision") is chosen only when every fitting point pays.
     """
     if check_budget("budget_bytes", budget_bytes) is None:
         raise ValueError("budget_bytes must be a positive number of bytes, got None")
@@ -94,12 +81,7 @@ def describe_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float], bud
 def deepspeed_config(stage: int, micro_batch: int, world_size: int = 1, accumulation_steps: int = 1,
                      precision: str = "fp32", offload_optimizer: bool = False, offload_params: bool = False,
                      activation_checkpointing: bool = False, lr: float = 1e-3) -> dict:
-    """Return the DeepSpeed config (a dict to dump as JSON) for one of notebook 07's settings.
-
-    Checkpointing: DeepSpeed's `activation_checkpointing` section configures
-    `deepspeed.checkpointing.checkpoint`, which the model code must still call; there is no
-    `"gradient_checkpointing": true` key (Hugging Face models have `gradient_checkpointing_enable()`).
-    """
+    """Return the DeepSpeed config (a dict to dump as JSON) for one of notebook 07's settings."""
     check_choice("stage", stage, STAGES)
     check_int("micro_batch", micro_batch, 1)
     check_int("world_size", world_size, 1)

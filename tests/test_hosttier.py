@@ -8,9 +8,7 @@ import pytest
 import torch
 
 import labkit
-from labkit.hosttier import (CopyOverlap, HostPool, copy_bandwidth, copy_compute_overlap, dense_stride,
-                             host_tier, host_to_device_bandwidth, mark_host_state, overlap_fraction, pin,
-                             to_device, to_host)
+from labkit.hosttier import HostPool, dense_stride, host_tier, mark_host_state, pin, to_device, to_host
 
 CPU = torch.device("cpu")
 
@@ -127,60 +125,3 @@ def test_mark_host_state_moves_model_and_state_to_the_host_count(tiny_gpt, tiny_
         # weights + Adam's two moments + its 4-byte step counter per parameter tensor (grads were set to None)
         n_tensors = len(list(model.parameters()))
         assert meter.host_current_bytes == 12 * n_params + 4 * n_tensors
-
-
-
-# -- pinned memory and non_blocking ---------------------------------------------------------------
-def test_copy_bandwidth_copies_and_returns_bytes_per_second():
-    src = torch.arange(2**16, dtype=torch.float32)
-    dst = torch.zeros_like(src)
-    bw = copy_bandwidth(dst, src, repeats=2)
-    assert torch.equal(dst, src)  # the timed call really copied
-    assert 0 < bw < float("inf")
-    with pytest.raises(ValueError, match="same shape"):
-        copy_bandwidth(torch.empty(3), torch.empty(4))
-    with pytest.raises(ValueError, match="empty"):
-        copy_bandwidth(torch.empty(0), torch.empty(0))
-    with pytest.raises(labkit.ParameterError, match="repeats"):
-        copy_bandwidth(dst, src, repeats=0)
-
-
-def test_overlap_fraction_is_the_hidden_share_of_the_shorter_task():
-    assert overlap_fraction(2.0, 3.0, 5.0) == 0.0  # one after the other
-    assert overlap_fraction(2.0, 3.0, 3.0) == 1.0  # the shorter fully hidden
-    assert overlap_fraction(2.0, 3.0, 4.0) == pytest.approx(0.5)
-    assert overlap_fraction(2.0, 3.0, 5.5) == 0.0 and overlap_fraction(2.0, 3.0, 2.5) == 1.0  # noise: clipped
-    with pytest.raises(ValueError, match="together_s"):
-        overlap_fraction(1.0, 1.0, 0.0)
-    o = CopyOverlap(nbytes=8, matmuls=1, copy_s=2.0, compute_s=3.0, serial_s=5.0, overlapped_s=4.0, issue_s=1e-5,
-                    pageable_issue_s=2.0)
-    assert o.hidden_fraction == pytest.approx(0.5)
-
-
-def test_cuda_copy_measurements_check_arguments_first_and_refuse_a_cpu_device():
-    with pytest.raises(labkit.ParameterError, match="nbytes"):
-        copy_compute_overlap("cpu", nbytes=0)
-    with pytest.raises(labkit.ParameterError, match="repeats"):
-        host_to_device_bandwidth("cpu", repeats=0)
-    for fn in (copy_compute_overlap, host_to_device_bandwidth):
-        with pytest.raises(ValueError, match="needs a CUDA device"):
-            fn("cpu", nbytes=4096)
-        if not torch.cuda.is_available():
-            with pytest.raises(ValueError, match="torch sees no CUDA device"):
-                fn("cuda", nbytes=4096)
-
-
-@pytest.mark.cuda
-def test_pinned_and_pageable_host_to_device_copies_are_measured():
-    for pinned in (True, False):
-        assert 0 < host_to_device_bandwidth("cuda", nbytes=16 * 2**20, pinned=pinned) < float("inf")
-
-
-@pytest.mark.cuda
-def test_a_pinned_non_blocking_copy_returns_at_once_and_overlaps_compute_on_a_side_stream():
-    o = copy_compute_overlap("cuda", nbytes=64 * 2**20)
-    assert o.matmuls >= 1 and o.nbytes == 64 * 2**20
-    assert o.issue_s < o.copy_s / 2, o  # the call only enqueued the copy
-    assert o.pageable_issue_s > o.issue_s, o  # from pageable memory the call waits for the staging copy
-    assert o.overlapped_s < o.serial_s, o  # the side stream overlaps what one stream runs in order
-    assert o.hidden_fraction > 0, o

@@ -26,14 +26,13 @@ import torch
 from labkit.checkpointing import checkpoint_blocks
 from labkit.data import MarkovTokens
 from labkit.device import as_device, half_precision, hardware_report, synchronize
-from labkit.hosttier import copy_bandwidth
 from labkit.l2l import L2LTrainer, measure_l2l_step
 from labkit.meter import MemoryMeter, OutOfMemory, format_bytes, try_fit
 from labkit.models import GPT, GPTConfig, count_params
 from labkit.offload import OffloadHooks
 from labkit.precision import amp_train_step, forward_activation_bytes
 from labkit.results import build_dir, checkout_root
-from labkit.throughput import measure_throughputs
+from labkit.throughput import copy_bandwidth, measure_throughputs
 from labkit.train import make_optimizer, measure_step, train_step
 
 CHECKS = ("meter", "budget", "offload", "l2l", "precision", "checkpoint", "tests", "notebooks")
