@@ -64,8 +64,9 @@ def fake_step(key, build) -> tuple[int, dict, dict, int]:
         model, attach, run = build()
         with MemoryMeter("cpu", timeline=False) as meter:
             attach(meter)
-            run()
+            kept = run()  # what the step returns (the last logits and loss) is held when its bytes are counted
             states = meter.current_split()
+            del kept
         n = sum(p.numel() for p in model.parameters())  # DTensor.numel(): the global count
     out = (meter.peak_bytes, meter.peak_split(), states, n)
     if key is not None:
@@ -114,9 +115,10 @@ def _plain_step(model, optimizer: str, cfg, batch_size: int, seq_len: int | None
         create_optimizer_state(opt)
 
     def run():
-        _, loss = model(*batch)
+        logits, loss = model(*batch)
         loss.backward()
         opt.step()
+        return logits, loss
     return model, lambda meter: meter.track(model, opt, *batch), run
 
 
