@@ -1,18 +1,5 @@
-"""One search-space definition, written for four engines: Optuna, Hyperopt, Ray Tune and Kubeflow Katib.
-
-Reference for notebook 08. A space is a list of `Param`s in the order they are drawn; a parameter
-with `when=(parent, values)` exists only when the parent's value is one of `values` (checkpoint
-segments only when the technique is checkpointing):
-
-    space = workbook_space(n_layer=4, batch=16)
-    params = suggest(trial, space)          # Optuna, define-by-run: inactive parameters are never drawn
-    hp_space = to_hyperopt(space)           # nested hp.choice branches, one per parent value
-    katib_parameters(space)                 # Katib's `parameters` list (flat, strings, as Katib wants)
-
-Engines without conditional spaces (Katib) draw every parameter;
-`active(params, space)` keeps the ones that exist for the drawn parents, so a trial sees the same
-dict whichever engine drew it.
-"""
+"""One search space over the chapters' knobs (notebook 08), with conditional parameters, for Optuna, Hyperopt, Ray
+Tune and Kubeflow Katib."""
 
 from __future__ import annotations
 
@@ -20,7 +7,7 @@ from dataclasses import dataclass
 
 from labkit.validate import ParameterError, check_int
 
-KINDS = ("float", "int", "categorical")
+PARAM_KINDS = ("float", "int", "categorical")
 
 
 @dataclass(frozen=True)
@@ -37,8 +24,8 @@ class Param:
     doc: str = ""  # what it is, for tables and Katib descriptions
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind not in PARAM_KINDS:
+            raise ValueError(f"kind must be one of {PARAM_KINDS}, got {self.kind!r}")
         if self.kind == "categorical":
             if not self.choices:
                 raise ValueError(f"categorical parameter {self.name!r} needs choices")
@@ -101,9 +88,8 @@ def enumerate_settings(space: list[Param]) -> list[dict]:
     return settings
 
 
-# -- the workbook's space ---------------------------------------------------------------------------
-TECHNIQUES = ("none", "checkpoint", "offload", "l2l")
-"""How a step's activations fit: kept (none), recomputed (02), moved to the host (04), one layer at a time (05)."""
+TECHNIQUES = ("none", "checkpoint", "offload", "l2l")  # activations kept, recomputed (02), on the host (04), L2L (05)
+MEMORY_KNOBS = ("technique", "segments", "precision", "micro_batch")  # what changes a step's bytes and speed
 
 
 def divisors(n: int) -> tuple[int, ...]:
@@ -130,7 +116,6 @@ def workbook_space(n_layer: int, batch: int, precisions: tuple = ("fp32", "bf16"
     ]
 
 
-# -- engines ----------------------------------------------------------------------------------------
 def suggest(trial, space: list[Param]) -> dict:
     """Draw the active parameters of `space` from an Optuna trial, parents first."""
     params: dict = {}
