@@ -179,10 +179,10 @@ def test_optimize_waits_for_a_silent_trial_and_runs_its_retry(config, storage):
 
 def _dead_worker_trials(url: str, name: str, n: int = 1) -> list[int]:
     """Have a worker process start `n` trials (marked, never a heartbeat) and exit; return their numbers."""
-    code = ("import sys; from labkit.search import study as s\n"
+    code = ("import sys; from labkit.search import study as s, workers as w\n"
             "st = s.load_study(sys.argv[2], s.make_storage(sys.argv[1]))\n"
             "for _ in range(int(sys.argv[3])):\n"
-            "    t = st.ask(); s.mark_worker(t); print(t.number)")
+            "    t = st.ask(); w.mark_worker(t); print(t.number)")
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code, url, name, str(n)], check=True,
                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     return [int(x) for x in out.stdout.split()]  # run() reaped it: its pid names no process now
