@@ -53,7 +53,7 @@ _FAKE_STEPS: dict = {}  # key -> (peak, split, states, n): a sweep or a study as
 
 
 def fake_step(key, build) -> tuple[int, dict, dict, int]:
-    """Meter one step of `build()` on fake tensors; return its peak bytes, split at the peak, bytes by category after it, n.
+    """Meter one step of `build()` on fake tensors; return its peak bytes, split at the peak, split after it, n.
 
     `build()` runs in fake mode and returns (model, attach, run): `attach(meter)` tracks the step's tensors,
     `run()` runs one step whose optimizer state exists already. Cached by `key` (None: not cached).

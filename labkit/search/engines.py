@@ -28,19 +28,10 @@ class EngineRun:
     wall_s: float  # the whole search, engine start-up included
     steps_run: list | None = None  # optimizer steps each trial trained (Ray's ASHA stops some early)
 
-    def best_so_far(self) -> list[float]:
-        """Return the best feasible value after each trial (nan until one fits)."""
-        out, best = [], math.inf
-        for v, ok in zip(self.values, self.fits):
-            if ok:
-                best = min(best, v)
-            out.append(best if best < math.inf else math.nan)
-        return out
-
     @property
     def best_value(self) -> float:
-        """Return the best feasible value (nan if nothing fit)."""
-        return self.best_so_far()[-1] if self.values else math.nan
+        """Return the best value of a trial that fit (nan if none did)."""
+        return min((v for v, ok in zip(self.values, self.fits) if ok), default=math.nan)
 
 
 def _searched(config: StudyConfig, fixed: dict | None):

@@ -3,6 +3,7 @@ Tune and Kubeflow Katib."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from labkit.validate import ParameterError, check_int
@@ -92,17 +93,12 @@ TECHNIQUES = ("none", "checkpoint", "offload", "l2l")  # activations kept, recom
 MEMORY_KNOBS = ("technique", "segments", "precision", "micro_batch")  # what changes a step's bytes and speed
 
 
-def divisors(n: int) -> tuple[int, ...]:
-    """Return the divisors of n, largest first (the micro-batch sizes that split a batch evenly)."""
-    return tuple(d for d in range(n, 0, -1) if n % d == 0)
-
-
 def workbook_space(n_layer: int, batch: int, precisions: tuple = ("fp32", "bf16"),
                    lr_range: tuple = (1e-4, 3e-2), min_micro_batch: int = 2) -> list[Param]:
     """Return the search space over the chapters' knobs for a model of `n_layer` blocks and `batch` samples a step."""
     check_int("n_layer", n_layer, 1)
     check_int("batch", batch, 1)
-    micro = tuple(d for d in divisors(batch) if d >= min(min_micro_batch, batch))
+    micro = tuple(d for d in range(batch, 0, -1) if batch % d == 0 and d >= min(min_micro_batch, batch))
     return [
         Param("technique", "categorical", choices=TECHNIQUES,
               doc="activations: kept, checkpointed (02), offloaded to the host (04), or layer to layer (05)"),
@@ -139,7 +135,6 @@ def _hp(p: Param, label: str):
     if p.kind == "int":
         return hp.uniformint(label, int(p.low), int(p.high))  # (no log-scaled ints in this space)
     if p.log:
-        import math
         return hp.loguniform(label, math.log(p.low), math.log(p.high))
     return hp.uniform(label, p.low, p.high)
 

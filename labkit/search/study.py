@@ -27,7 +27,6 @@ from labkit.validate import ParameterError, check_int
 OBJECTIVES = ("speed", "loss")
 SAMPLERS = ("tpe", "random", "bruteforce", "replay")
 PRUNERS = ("median", "hyperband", "none")
-DIRECTIONS = {"speed": "maximize", "loss": "minimize"}
 
 
 @dataclass(frozen=True)
@@ -163,7 +162,11 @@ def check_storage_url(name: str, url, timeout_s: float = 10) -> str:
     parsed = _storage_url(name, url)
     if parsed.get_backend_name() == "sqlite":
         return url
-    engine = _engine(name, parsed, timeout_s)
+    try:
+        engine = sqlalchemy.create_engine(parsed, **_engine_kwargs(parsed, timeout_s))
+    except ImportError as e:
+        raise ParameterError(f"{name}: the driver of {parsed.drivername!r} is not installed ({e}); install it, or "
+                             "name one that is (PostgreSQL: postgresql+psycopg://, pip install 'psycopg[binary]')") from None
     try:
         with engine.connect():
             pass
@@ -202,15 +205,6 @@ def _engine_kwargs(parsed: sqlalchemy.engine.URL, connect_timeout_s: float) -> d
     if backend in ("postgresql", "mysql", "mariadb"):
         return {"connect_args": {"connect_timeout": max(1, math.ceil(connect_timeout_s))}}  # libpq, MySQL drivers
     return {}
-
-
-def _engine(name: str, parsed: sqlalchemy.engine.URL, timeout_s: float) -> sqlalchemy.engine.Engine:
-    """Return an engine for the URL, or raise ParameterError naming the missing driver."""
-    try:
-        return sqlalchemy.create_engine(parsed, **_engine_kwargs(parsed, timeout_s))
-    except ImportError as e:
-        raise ParameterError(f"{name}: the driver of {parsed.drivername!r} is not installed ({e}); install it, or "
-                             "name one that is (PostgreSQL: postgresql+psycopg://, pip install 'psycopg[binary]')") from None
 
 
 def _unreachable(name: str, parsed: sqlalchemy.engine.URL, timeout_s: float, error: Exception) -> str:
@@ -331,7 +325,8 @@ def create_study(name: str, storage, config: StudyConfig, objective: str = "spee
     if objective == "speed" and pruner != "none":
         raise ValueError("the speed objective reports no intermediate values: use pruner 'none'")
     chosen = make_sampler(sampler, seed, startup_trials, settings=replay)  # refuses unknown names first
-    study = optuna.create_study(study_name=name, storage=storage, direction=DIRECTIONS[objective], sampler=chosen,
+    direction = "maximize" if objective == "speed" else "minimize"
+    study = optuna.create_study(study_name=name, storage=storage, direction=direction, sampler=chosen,
                                 pruner=_pruner_of(pruner, config, startup_trials), load_if_exists=load_if_exists)
     settings = {"config": config.to_dict(), "objective": objective, "sampler": sampler, "pruner": pruner, "seed": seed,
                 "replay": replay, "startup_trials": startup_trials, "fixed": fixed}

@@ -301,7 +301,7 @@ def _timed_step(step: SettingStep, batch, device) -> float:
 
 
 def time_settings(settings: dict[str, dict], config: StudyConfig, rounds: int) -> dict[str, Throughput]:
-    """Return each setting's Throughput over `rounds` interleaved rounds after a warm-up (no budget: check fits first)."""
+    """Return each setting's Throughput over `rounds` interleaved rounds after a warm-up (no budget)."""
     check_int("rounds", rounds, 1)
     if not settings:
         raise ValueError("time_settings needs at least one setting")

@@ -50,7 +50,7 @@ def search_span_s(study: optuna.Study) -> float:
 
 def run_trials(study: optuna.Study, objective, n_trials: int, total_trials: int | None = None, poll_s: float = 0.5,
                max_wait_s: float = 60.0) -> int:
-    """Run up to `n_trials` trials of `objective` here, until the study holds `total_trials` finished ones; return how many.
+    """Run up to `n_trials` trials of `objective` here, until the study holds `total_trials` finished; return how many.
 
     Each trial records its worker first (`mark_worker`). With `total_trials` the worker stays while a trial runs
     elsewhere, failing and retrying it once its worker is found dead, and leaves after `max_wait_s` with nothing to run.
