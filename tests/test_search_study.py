@@ -301,6 +301,19 @@ def test_a_brute_force_speed_study_tries_every_setting_once(config, storage):
     assert len(tried) == len(everything) and all(s in tried for s in everything)
 
 
+def test_brute_force_passes_over_a_trial_killed_during_its_draw(config, storage):
+    """A worker killed after drawing the technique, before the rest, leaves a FAIL trial with part of a setting."""
+    space = config.space(only=search.MEMORY_KNOBS)
+    dists = {p.name: optuna.distributions.CategoricalDistribution(list(p.choices)) for p in space if p.choices}
+    study = studies.create_study("half", storage, config, "speed", sampler="bruteforce", seed=3)
+    whole = {"technique": "none", "precision": "fp32", "micro_batch": config.batch}
+    study.add_trial(optuna.trial.create_trial(params=whole, distributions={k: dists[k] for k in whole}, value=1.0))
+    study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL, params={"technique": "none"},
+                                              distributions={"technique": dists["technique"]}))
+    drawn = search.suggest(study.ask(), space)  # optuna's own sampler: "param_name mismatch"
+    search.check_params(drawn, space)
+
+
 def test_brute_force_passes_over_a_trial_killed_before_its_draw(config, storage):
     """A worker killed between starting a trial and drawing its setting leaves a FAIL trial without params."""
     from labkit.search.space import enumerate_settings

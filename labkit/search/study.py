@@ -280,14 +280,15 @@ def make_sampler(name: str, seed: int | None, n_startup_trials: int = 5, setting
 
 
 class _BruteForce(optuna.samplers.BruteForceSampler):
-    """Optuna's BruteForceSampler, passing over trials that drew no parameter (a worker killed before its draw).
+    """Optuna's BruteForceSampler, passing over failed trials (a worker killed during its draw left part of a setting).
 
-    Overrides the private `_populate_tree` (optuna 5.0; tests/test_search_study.py pins it).
+    Overrides the private `_populate_tree` (optuna 5.0; tests/test_search_study.py pins it); a retry carries the setting.
     """
 
     @staticmethod
     def _populate_tree(tree, trials, params):
-        optuna.samplers.BruteForceSampler._populate_tree(tree, [t for t in trials if t.params], params)
+        kept = [t for t in trials if t.params and t.state != TrialState.FAIL]
+        optuna.samplers.BruteForceSampler._populate_tree(tree, kept, params)
 
 
 def make_pruner(name: str, warmup_steps: int, n_startup_trials: int = 3, max_steps: int | None = None):
