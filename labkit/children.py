@@ -132,3 +132,17 @@ def process_alive(pid: int, start: int | None = None) -> bool:
         return True  # no /proc: trust kill(pid, 0)
     now = process_start(pid)
     return start is None or now is None or now == start
+
+
+def this_process() -> dict:
+    """Return this process's record for `process_gone`: host, pid, machine (`machine_id`) and start (`process_start`)."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "machine": machine_id(), "start": process_start(pid)}
+
+
+def process_gone(record: dict) -> bool:
+    """Return whether a `this_process` record names a process of this machine that no longer runs (another's: False)."""
+    here = machine_id()
+    if here is None or record.get("machine") != here:
+        return False  # its pid means nothing here
+    return not process_alive(record["pid"], record.get("start"))

@@ -1,20 +1,11 @@
-"""Estimate a training step's memory without allocating it: the same step on fake tensors.
+"""Estimate a training step's memory without allocating it: the same step on fake tensors (notebooks 00, 07, 08).
 
-One process, or one rank of data parallelism over `world_size` ranks (each with `batch_size`
-samples) with a ZeRO stage (notebook 07):
-
-    stage None/0   DDP: a full replica, plus DDP's gradient buckets (as many bytes as the gradients)
-    stage 1        optimizer state sharded (torch's ZeroRedundancyOptimizer beside DDP)
-    stage 2, 3     FSDP2's fully_shard with reshard_after_forward False (parameters stay gathered from
-                   forward to backward) or True, run for real on fake tensors with a fake process group
-                   of `world_size` ranks: rank 0's view, nothing allocated, nothing sent
-
-Stages 0 and 1 are the one-process step with those two corrections (DDP cannot run on fake
-tensors); notebook 07 checks every stage against ranks measured by the meter.
+One process, or one rank of DDP, ZeRO-1 (corrections of the one-process step) or FSDP2 (ZeRO-2/3, run on a fake group).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +49,31 @@ def example_batch(cfg: GPTConfig | MLPConfig, batch_size: int, seq_len: int | No
             torch.randint(cfg.classes, (batch_size,), device=device))
 
 
+_FAKE_STEPS: dict = {}  # key -> (peak, split, states, n): a sweep or a study asks for the same step again and again
+
+
+def fake_step(key, build) -> tuple[int, dict, dict, int]:
+    """Meter one step of `build()` on fake tensors; return its peak bytes, split at the peak, split after it, n.
+
+    `build()` runs in fake mode and returns (model, attach, run): `attach(meter)` tracks the step's tensors,
+    `run()` runs one step whose optimizer state exists already. Cached by `key` (None: not cached).
+    """
+    if key is not None and key in _FAKE_STEPS:
+        return copy.deepcopy(_FAKE_STEPS[key])
+    with FakeTensorMode(allow_non_fake_inputs=True):  # (FSDP2's meta-built shards enter as non-fake inputs)
+        model, attach, run = build()
+        with MemoryMeter("cpu", timeline=False) as meter:
+            attach(meter)
+            kept = run()  # what the step returns (the last logits and loss) is held when its bytes are counted
+            states = meter.current_split()
+            del kept
+        n = sum(p.numel() for p in model.parameters())  # DTensor.numel(): the global count
+    out = (meter.peak_bytes, meter.peak_split(), states, n)
+    if key is not None:
+        _FAKE_STEPS[key] = copy.deepcopy(out)
+    return out
+
+
 def estimate_training_memory(cfg: GPTConfig | MLPConfig, batch_size: int, seq_len: int | None = None,
                              optimizer: str = "adam", world_size: int = 1,
                              zero_stage: int | None = None) -> MemoryEstimate:
@@ -73,9 +89,11 @@ def estimate_training_memory(cfg: GPTConfig | MLPConfig, batch_size: int, seq_le
     T = (cfg.block_size if seq_len is None else seq_len) if isinstance(cfg, GPTConfig) else None
     if zero_stage in (2, 3):
         peak, split, states, n = _fsdp_step(cfg, batch_size, seq_len, optimizer, world_size, zero_stage == 3)
-        return MemoryEstimate(peak, split, n, batch_size, T, world_size, zero_stage, states)
-    peak, split, states, n = _one_process_step(cfg, batch_size, seq_len, optimizer)
-    if world_size > 1:  # DDP keeps its gradient buckets: as many bytes as the gradients, the whole step
+    else:
+        peak, split, states, n = fake_step(("model", repr(cfg), batch_size, seq_len, optimizer),
+                                           lambda: _plain_step(build_model(cfg), optimizer, cfg, batch_size, seq_len))
+    states["other"] = states.pop("activations")  # at rest: no activations, the batch and the last logits
+    if world_size > 1 and zero_stage not in (2, 3):  # DDP keeps its gradient buckets: as many bytes as the gradients
         buckets = states["gradients"]
         peak, split["activations"], states["other"] = (peak + buckets, split["activations"] + buckets,
                                                        states["other"] + buckets)
@@ -87,29 +105,25 @@ def estimate_training_memory(cfg: GPTConfig | MLPConfig, batch_size: int, seq_le
     return MemoryEstimate(peak, split, n, batch_size, T, world_size, zero_stage if world_size > 1 else None, states)
 
 
-_ONE_PROCESS: dict = {}  # (config, batch, seq_len, optimizer) -> the last one-process estimate, reused
-
-
-def _one_process_step(cfg, batch_size: int, seq_len: int | None, optimizer: str):
-    """Run one steady-state step on fake tensors; return peak, split at the peak, states at rest, n (cached)."""
-    key = (repr(cfg), batch_size, seq_len, optimizer)
-    if key in _ONE_PROCESS:
-        peak, split, states, n = _ONE_PROCESS[key]
-        return peak, dict(split), dict(states), n
-    with FakeTensorMode():
-        model = build_model(cfg)
-        opt = make_optimizer(optimizer, model.parameters())
-        batch = example_batch(cfg, batch_size, seq_len)
+def _plain_step(model, optimizer: str, cfg, batch_size: int, seq_len: int | None, warm_up: bool = False):
+    """Return fake_step's (model, attach, run) of the plain step; its optimizer state from a step when `warm_up`."""
+    opt = make_optimizer(optimizer, model.parameters())
+    batch = example_batch(cfg, batch_size, seq_len)
+    if warm_up:  # the FSDP2 path: a whole first step
+        train_step(model, opt, batch)
+    else:
         create_optimizer_state(opt)
-        peak, split, states = _metered_step(model, opt, batch)
-        n = sum(p.numel() for p in model.parameters())
-    _ONE_PROCESS.clear()  # keep one: a sweep over ranks and stages asks for the same step again and again
-    _ONE_PROCESS[key] = (peak, dict(split), dict(states), n)
-    return peak, split, states, n
+
+    def run():
+        logits, loss = model(*batch)
+        loss.backward()
+        opt.step()
+        return logits, loss
+    return model, lambda meter: meter.track(model, opt, *batch), run
 
 
 def _fsdp_step(cfg, batch_size: int, seq_len: int | None, optimizer: str, world_size: int, reshard: bool):
-    """Run rank 0 of an FSDP2 step on fake tensors with a fake process group; return peak, split, states, n."""
+    """Run rank 0 of an FSDP2 step on fake tensors with a fake process group; return fake_step's tuple."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -125,26 +139,10 @@ def _fsdp_step(cfg, batch_size: int, seq_len: int | None, optimizer: str, world_
         for block in blocks_of(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-        with FakeTensorMode(allow_non_fake_inputs=True):  # the meta shards become fake cpu ones: FSDP2's meta init
-            model.to_empty(device="cpu")
-            opt = make_optimizer(optimizer, model.parameters())
-            batch = example_batch(cfg, batch_size, seq_len)
-            train_step(model, opt, batch)  # warm-up: the optimizer state exists from here on
-            peak, split, states = _metered_step(model, opt, batch)
-            n = sum(p.numel() for p in model.parameters())  # DTensor.numel(): the global count
-        return peak, split, states, n
+
+        def build():
+            model.to_empty(device="cpu")  # the meta shards become fake cpu ones: FSDP2's meta init
+            return _plain_step(model, optimizer, cfg, batch_size, seq_len, warm_up=True)
+        return fake_step(None, build)
     finally:
         dist.destroy_process_group()
-
-
-def _metered_step(model, opt, batch):
-    """Run one metered step (as train_step); return its peak, the split at the peak and the bytes right after the update."""
-    with MemoryMeter("cpu", timeline=False) as meter:
-        meter.track(model, opt, *batch)
-        _, loss = model(*batch)
-        loss.backward()
-        opt.step()
-        states = meter.current_split()  # parameters, gradients, optimizer state and what the step still holds
-        states["other"] = states.pop("activations")  # at rest: no activations, the batch and the last logits
-        opt.zero_grad(set_to_none=True)
-    return meter.peak_bytes, meter.peak_split(), states

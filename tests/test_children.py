@@ -58,3 +58,13 @@ def test_a_reused_pid_is_told_apart_by_its_start():
     assert isinstance(start, int) and start > 0
     assert children.process_alive(os.getpid(), start)
     assert not children.process_alive(os.getpid(), start - 1)  # another process that had this pid before
+
+
+def test_a_process_record_is_gone_only_here_and_only_when_its_process_ended():
+    here = children.this_process()
+    assert here["pid"] == os.getpid() and here["machine"] == children.machine_id()
+    assert not children.process_gone(here)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert children.process_gone(dict(here, pid=gone.pid, start=None))
+    assert not children.process_gone(dict(here, pid=gone.pid, machine="linux:another-boot:pid:[1]"))  # not ours to say

@@ -7,7 +7,7 @@ import math
 import optuna
 import pytest
 
-from labkit.search.space import (TECHNIQUES, Param, active, check_params, divisors, from_hyperopt, katib_parameters,
+from labkit.search.space import (TECHNIQUES, Param, active, check_params, from_hyperopt, katib_parameters,
                                  suggest, to_hyperopt, workbook_space)
 
 SPACE = workbook_space(n_layer=4, batch=16)
@@ -20,7 +20,8 @@ def test_workbook_space_names_the_chapters_knobs():
     assert (by_name["segments"].low, by_name["segments"].high) == (1, 4)
     assert by_name["micro_batch"].choices == (16, 8, 4, 2)  # divisors of the batch, down to 2
     assert by_name["lr"].log and by_name["lr"].low < 1e-3 < by_name["lr"].high
-    assert divisors(12) == (12, 6, 4, 3, 2, 1)
+    twelve = next(p for p in workbook_space(n_layer=1, batch=12, min_micro_batch=1) if p.name == "micro_batch")
+    assert twelve.choices == (12, 6, 4, 3, 2, 1)
 
 
 @pytest.mark.parametrize("kwargs, words", [

@@ -163,10 +163,11 @@ def test_racing_workers_queue_one_retry_per_dead_trial(tmp_path):
     dead = textwrap.dedent("""
         import sys
         from labkit.search import study as s
+        from labkit.search import workers
         st = s.load_study("race", s.make_storage(sys.argv[1], heartbeat_s=1, grace_s=1))
         for i in range(16):
             t = st.ask()
-            s.mark_worker(t)
+            workers.mark_worker(t)
             if i % 2:
                 st._storage.record_heartbeat(t._trial_id)  # one beat, then silence: stale by the race
         # then exits: sixteen trials of a dead worker
@@ -175,12 +176,13 @@ def test_racing_workers_queue_one_retry_per_dead_trial(tmp_path):
     racer = textwrap.dedent("""
         import os, sys, time
         from labkit.search import study as s
+        from labkit.search import workers
         url, me, n, folder = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
         st = s.load_study("race", s.make_storage(url, heartbeat_s=1, grace_s=1))
         open(os.path.join(folder, "ready-" + me), "w").close()
         while sum(os.path.exists(os.path.join(folder, f"ready-{i}")) for i in range(n)) < n:
             time.sleep(0.001)  # all three start together
-        print(s.fail_dead_trials(st))
+        print(workers.fail_dead_trials(st))
     """)
     procs = [subprocess.Popen([sys.executable, "-W", "ignore", "-c", racer, url, str(i), "3", str(tmp_path)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]

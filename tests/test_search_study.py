@@ -15,6 +15,7 @@ from optuna.trial import TrialState
 from labkit import search
 from labkit.children import machine_id
 from labkit.search import study as studies
+from labkit.search import workers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -178,10 +179,10 @@ def test_optimize_waits_for_a_silent_trial_and_runs_its_retry(config, storage):
 
 def _dead_worker_trials(url: str, name: str, n: int = 1) -> list[int]:
     """Have a worker process start `n` trials (marked, never a heartbeat) and exit; return their numbers."""
-    code = ("import sys; from labkit.search import study as s\n"
+    code = ("import sys; from labkit.search import study as s, workers as w\n"
             "st = s.load_study(sys.argv[2], s.make_storage(sys.argv[1]))\n"
             "for _ in range(int(sys.argv[3])):\n"
-            "    t = st.ask(); s.mark_worker(t); print(t.number)")
+            "    t = st.ask(); w.mark_worker(t); print(t.number)")
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code, url, name, str(n)], check=True,
                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     return [int(x) for x in out.stdout.split()]  # run() reaped it: its pid names no process now
@@ -200,7 +201,7 @@ def test_a_local_workers_death_is_seen_without_a_heartbeat(config, tmp_path):
     assert time.monotonic() - start < 10  # the trial's own run (2.5 s seen on a loaded machine), far from max_wait_s=60
     assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
     assert study.trials[2].system_attrs["failed_trial"] == silent
-    assert studies.worker_of(study.trials[2])["pid"] == os.getpid()  # the retry's own worker, recorded first
+    assert workers.worker_of(study.trials[2])["pid"] == os.getpid()  # the retry's own worker, recorded first
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
@@ -210,12 +211,12 @@ def test_a_retry_is_not_failed_for_the_dead_worker_it_copied(config, tmp_path):
     storage = studies.make_storage(url, heartbeat_s=1, grace_s=2)
     study = studies.create_study("r", storage, config, "loss", sampler="replay", pruner="none", replay=[FITS])
     [dead] = _dead_worker_trials(url, "r")
-    assert studies.fail_dead_trials(study) == [dead]
+    assert workers.fail_dead_trials(study) == [dead]
     retry = study.ask()  # a live worker pops the retry; its objective has not recorded it yet
     frozen = study.trials[retry.number]
     assert frozen.system_attrs["failed_trial"] == dead and frozen.user_attrs["worker"]["pid"]  # the copy
-    assert studies.worker_of(frozen) is None  # written for another trial
-    assert studies.fail_dead_trials(study) == []  # the third worker leaves it alone
+    assert workers.worker_of(frozen) is None  # written for another trial
+    assert workers.fail_dead_trials(study) == []  # the third worker leaves it alone
     assert study.trials[retry.number].state == TrialState.RUNNING
 
 
@@ -231,7 +232,7 @@ def test_another_machines_trial_is_not_failed_here(config, storage):
         t = study.ask()
         t.set_user_attr("worker", {"trial": t.number, "host": socket.gethostname(), "pid": gone.pid,
                                    "machine": machine, "start": None})
-    assert studies.fail_dead_trials(study) == [1]  # this machine's dead worker only
+    assert workers.fail_dead_trials(study) == [1]  # this machine's dead worker only
     assert [t.state for t in study.trials] == [TrialState.RUNNING, TrialState.FAIL, TrialState.WAITING]
 
 
@@ -239,7 +240,7 @@ def test_another_machines_trial_is_not_failed_here(config, storage):
 def test_a_worker_waits_for_a_live_trial_at_most_max_wait_s(config, storage):
     study = studies.create_study("m", storage, config, "loss", sampler="replay", pruner="none", replay=[FITS])
     busy = study.ask()  # this very process runs it: it is alive (and without a heartbeat, never stale)
-    studies.mark_worker(busy)
+    workers.mark_worker(busy)
     start = time.monotonic()
     assert studies.optimize(study, 5, total_trials=0, max_wait_s=1.5) == 0
     assert 1.5 <= time.monotonic() - start < 5
@@ -298,6 +299,19 @@ def test_a_brute_force_speed_study_tries_every_setting_once(config, storage):
     studies.optimize(study, len(everything) + 5, total_trials=len(everything))
     tried = [dict(t.params) for t in study.trials]
     assert len(tried) == len(everything) and all(s in tried for s in everything)
+
+
+def test_brute_force_passes_over_a_trial_killed_during_its_draw(config, storage):
+    """A worker killed after drawing the technique, before the rest, leaves a FAIL trial with part of a setting."""
+    space = config.space(only=search.MEMORY_KNOBS)
+    dists = {p.name: optuna.distributions.CategoricalDistribution(list(p.choices)) for p in space if p.choices}
+    study = studies.create_study("half", storage, config, "speed", sampler="bruteforce", seed=3)
+    whole = {"technique": "none", "precision": "fp32", "micro_batch": config.batch}
+    study.add_trial(optuna.trial.create_trial(params=whole, distributions={k: dists[k] for k in whole}, value=1.0))
+    study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL, params={"technique": "none"},
+                                              distributions={"technique": dists["technique"]}))
+    drawn = search.suggest(study.ask(), space)  # optuna's own sampler: "param_name mismatch"
+    search.check_params(drawn, space)
 
 
 def test_brute_force_passes_over_a_trial_killed_before_its_draw(config, storage):

@@ -44,7 +44,7 @@ def running_trial(study: optuna.Study, timeout_s: float = 60.0, min_running_s: f
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            worker = studies.worker_of(t)  # recorded first thing in the trial, by this trial's own worker
+            worker = workers.worker_of(t)  # recorded first thing in the trial, by this trial's own worker
             started = t.datetime_start
             if worker is not None and started is not None and _complete(t.params, space):
                 age = (time.time() - started.timestamp())
@@ -211,5 +211,5 @@ def test_two_workers_on_a_postgresql_server(postgres_url):
     trials = study.get_trials(deepcopy=False)
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 6
     assert [t.params for t in trials] == settings
-    assert len({studies.worker_of(t)["pid"] for t in trials}) == 2  # both workers ran trials, and recorded it
+    assert len({workers.worker_of(t)["pid"] for t in trials}) == 2  # both workers ran trials, and recorded it
     assert optuna.load_study(study_name="pg", storage=postgres_url).best_trial.value == study.best_trial.value

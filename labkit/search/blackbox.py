@@ -1,12 +1,5 @@
-"""A black-box objective: each trial executes a chapter notebook with papermill and reads back what it recorded.
-
-Reference for notebook 08. The notebook's code is not changed or imported: its `parameters` cell
-takes the trial's values, and the trial's value is one of its `labkit.record` measurements.
-
-    fn = notebook_objective("04_activation_offload.ipynb", space, value="bytes_offloaded_per_step",
-                            feasible="fits_in_budget", fixed={"TIMED_STEPS": 1}, out_dir="build/blackbox")
-    study.optimize(fn, n_trials=3)
-"""
+"""A black-box objective (notebook 08): each trial runs a chapter notebook with papermill and returns one of its
+records."""
 
 from __future__ import annotations
 
@@ -19,10 +12,7 @@ def notebook_objective(notebook: str | Path, space: list[Param], value: str, out
                        feasible: str | None = None, fixed: dict | None = None, timeout_s: float = 300):
     """Return an Optuna objective that runs `notebook` with the trial's parameters and returns its record `value`.
 
-    A relative name is a chapter of the workbook's notebooks/ folder where there is one (a student
-    copy elsewhere has its exercises unsolved), else a path from the working directory.
-    `feasible` names a boolean record: False sets the trial's constraint to 1 (infeasible).
-    A notebook that fails fails the trial, with the notebook's own error.
+    A relative name is a workbook chapter where one exists; `feasible` names a boolean record (False: infeasible).
     """
     from labkit.execute import run_notebook  # the same papermill run as `make run`'s
 

@@ -1,16 +1,5 @@
-"""The same search space and trial on other engines: Hyperopt and Ray Tune run it; Katib gets an Experiment.
-
-Reference for notebook 08. Each engine draws from `labkit.search.space` and trains with
-`labkit.search.trial.train`, so the values are comparable with Optuna's at equal trial counts;
-`fixed` holds a setting's memory knobs, to tune its learning rate alone:
-
-    run_hyperopt(config, n_trials=8, seed=0)      # Hyperopt's TPE after 3 random start-up draws
-    run_ray(config, n_trials=8, seed=0)           # Ray Tune: Optuna's TPE as searcher, ASHA stopping laggards
-    katib_experiment(config, image=...)           # Kubeflow Katib's Experiment (a dict; to_yaml for kubectl)
-
-Hyperopt and Ray are optional (`pip install -e '.[engines]'`); Katib needs a Kubernetes cluster,
-so the Experiment is generated and checked against Katib's own API models, not submitted.
-"""
+"""The search on other engines (notebook 08): Hyperopt and Ray Tune run the same space and trials; Katib gets an
+Experiment (Hyperopt and Ray: `pip install -e '.[engines]'`)."""
 
 from __future__ import annotations
 
@@ -23,7 +12,8 @@ import time
 from dataclasses import dataclass
 
 from labkit.search.space import active, from_hyperopt, katib_parameters, suggest, to_hyperopt
-from labkit.search.trial import StudyConfig, train
+from labkit.search.study import StudyConfig
+from labkit.search.trial import train
 from labkit.validate import check_int
 
 
@@ -38,19 +28,10 @@ class EngineRun:
     wall_s: float  # the whole search, engine start-up included
     steps_run: list | None = None  # optimizer steps each trial trained (Ray's ASHA stops some early)
 
-    def best_so_far(self) -> list[float]:
-        """Return the best feasible value after each trial (nan until one fits)."""
-        out, best = [], math.inf
-        for v, ok in zip(self.values, self.fits):
-            if ok:
-                best = min(best, v)
-            out.append(best if best < math.inf else math.nan)
-        return out
-
     @property
     def best_value(self) -> float:
-        """Return the best feasible value (nan if nothing fit)."""
-        return self.best_so_far()[-1] if self.values else math.nan
+        """Return the best value of a trial that fit (nan if none did)."""
+        return min((v for v, ok in zip(self.values, self.fits) if ok), default=math.nan)
 
 
 def _searched(config: StudyConfig, fixed: dict | None):
@@ -166,7 +147,6 @@ def run_ray(config: StudyConfig, n_trials: int, seed: int = 0, num_cpus: int = 2
     return run
 
 
-# -- Kubeflow Katib ----------------------------------------------------------------------------------
 KATIB_ALGORITHMS = ("random", "tpe", "grid", "hyperband", "bayesianoptimization", "cmaes", "sobol", "multivariate-tpe")
 
 

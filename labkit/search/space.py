@@ -1,26 +1,14 @@
-"""One search-space definition, written for four engines: Optuna, Hyperopt, Ray Tune and Kubeflow Katib.
-
-Reference for notebook 08. A space is a list of `Param`s in the order they are drawn; a parameter
-with `when=(parent, values)` exists only when the parent's value is one of `values` (checkpoint
-segments only when the technique is checkpointing):
-
-    space = workbook_space(n_layer=4, batch=16)
-    params = suggest(trial, space)          # Optuna, define-by-run: inactive parameters are never drawn
-    hp_space = to_hyperopt(space)           # nested hp.choice branches, one per parent value
-    katib_parameters(space)                 # Katib's `parameters` list (flat, strings, as Katib wants)
-
-Engines without conditional spaces (Katib) draw every parameter;
-`active(params, space)` keeps the ones that exist for the drawn parents, so a trial sees the same
-dict whichever engine drew it.
-"""
+"""One search space over the chapters' knobs (notebook 08), with conditional parameters, for Optuna, Hyperopt, Ray
+Tune and Kubeflow Katib."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from labkit.validate import ParameterError, check_int
 
-KINDS = ("float", "int", "categorical")
+PARAM_KINDS = ("float", "int", "categorical")
 
 
 @dataclass(frozen=True)
@@ -37,8 +25,8 @@ class Param:
     doc: str = ""  # what it is, for tables and Katib descriptions
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind not in PARAM_KINDS:
+            raise ValueError(f"kind must be one of {PARAM_KINDS}, got {self.kind!r}")
         if self.kind == "categorical":
             if not self.choices:
                 raise ValueError(f"categorical parameter {self.name!r} needs choices")
@@ -101,14 +89,8 @@ def enumerate_settings(space: list[Param]) -> list[dict]:
     return settings
 
 
-# -- the workbook's space ---------------------------------------------------------------------------
-TECHNIQUES = ("none", "checkpoint", "offload", "l2l")
-"""How a step's activations fit: kept (none), recomputed (02), moved to the host (04), one layer at a time (05)."""
-
-
-def divisors(n: int) -> tuple[int, ...]:
-    """Return the divisors of n, largest first (the micro-batch sizes that split a batch evenly)."""
-    return tuple(d for d in range(n, 0, -1) if n % d == 0)
+TECHNIQUES = ("none", "checkpoint", "offload", "l2l")  # activations kept, recomputed (02), on the host (04), L2L (05)
+MEMORY_KNOBS = ("technique", "segments", "precision", "micro_batch")  # what changes a step's bytes and speed
 
 
 def workbook_space(n_layer: int, batch: int, precisions: tuple = ("fp32", "bf16"),
@@ -116,7 +98,7 @@ def workbook_space(n_layer: int, batch: int, precisions: tuple = ("fp32", "bf16"
     """Return the search space over the chapters' knobs for a model of `n_layer` blocks and `batch` samples a step."""
     check_int("n_layer", n_layer, 1)
     check_int("batch", batch, 1)
-    micro = tuple(d for d in divisors(batch) if d >= min(min_micro_batch, batch))
+    micro = tuple(d for d in range(batch, 0, -1) if batch % d == 0 and d >= min(min_micro_batch, batch))
     return [
         Param("technique", "categorical", choices=TECHNIQUES,
               doc="activations: kept, checkpointed (02), offloaded to the host (04), or layer to layer (05)"),
@@ -130,7 +112,6 @@ def workbook_space(n_layer: int, batch: int, precisions: tuple = ("fp32", "bf16"
     ]
 
 
-# -- engines ----------------------------------------------------------------------------------------
 def suggest(trial, space: list[Param]) -> dict:
     """Draw the active parameters of `space` from an Optuna trial, parents first."""
     params: dict = {}
@@ -154,7 +135,6 @@ def _hp(p: Param, label: str):
     if p.kind == "int":
         return hp.uniformint(label, int(p.low), int(p.high))  # (no log-scaled ints in this space)
     if p.log:
-        import math
         return hp.loguniform(label, math.log(p.low), math.log(p.high))
     return hp.uniform(label, p.low, p.high)
 

@@ -1,49 +1,124 @@
-"""Optuna studies over the workbook's trials: storage, samplers and pruners by name, the objectives, and accounting.
-
-Reference for notebook 08. A study stores what its trials need (the StudyConfig, the objective,
-the sampler and pruner names) as user attributes, so any process that can reach the storage can
-work on it, the notebook's kernel or `python -m labkit.tools.search worker`:
-
-    storage = make_storage("sqlite:///build/search.db")        # RDBStorage with heartbeats: a killed
-    study = create_study("fit", storage, config, "speed")      # worker's trial is failed, then retried
-    study.optimize(objective(study), n_trials=20)              # or: workers on many processes/machines
-    lost_trials(study)                                         # trials whose work never completed: []
-
-Objectives: "speed" maximises the speed over the memory knobs (technique, segments, precision,
-micro-batch), in units of the plain step's speed (each trial times its step alternating with the
-plain step's, and takes the median of the paired ratios), with the budget as an Optuna constraint
-(`trial.set_constraint`: peak - budget <= 0 is feasible, and `study.best_trial` is the fastest
-feasible one; a setting predicted not to fit is not run and scores 0). "loss" minimises the validation loss after `train_steps` steps,
-reported every `eval_every` steps before the last for the pruner, with the same constraint; with
-`fixed` (a setting's memory knobs) it tunes that setting's learning rate alone.
-"""
+"""Optuna studies of the search (notebook 08): the study's settings and presets, storage, samplers, pruners, the
+"speed" and "loss" objectives, and accounting."""
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import math
 import os
-import socket
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
 import sqlalchemy
-from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
-from labkit.children import machine_id, process_alive, process_start
 from labkit.meter import live_tensor_bytes
+from labkit.models import GPTConfig
 from labkit.results import build_dir
-from labkit.search.space import suggest
-from labkit.search.trial import MEMORY_KNOBS, StudyConfig, check_setting, measure_setting, plain_setting, train
-from labkit.validate import ParameterError
+from labkit.search.space import MEMORY_KNOBS, suggest, workbook_space
+from labkit.search.trial import check_setting, measure_setting, predict_peak_bytes, train
+from labkit.search.workers import run_trials, worker_of  # noqa: F401  (worker_of: notebook 08 reads it here)
+from labkit.validate import ParameterError, check_int
 
 OBJECTIVES = ("speed", "loss")
 SAMPLERS = ("tpe", "random", "bruteforce", "replay")
 PRUNERS = ("median", "hyperband", "none")
-DIRECTIONS = {"speed": "maximize", "loss": "minimize"}
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """What every trial of a study shares: the model, the data, the budget and how long each trial trains."""
+
+    budget_bytes: int  # the simulated device's memory: a setting whose step needs more does not fit
+    n_layer: int = 4  # transformer blocks (the running example's shape by default)
+    n_embd: int = 128  # model width
+    n_head: int = 4  # attention heads
+    vocab_size: int = 256  # tokens of the synthetic language
+    batch: int = 16  # samples per optimizer step, however it is split into micro-batches
+    seq_len: int = 64  # tokens per sample
+    train_steps: int = 8  # optimizer steps per trial: every trial trains on the same batch * seq_len * train_steps tokens
+    eval_every: int = 2  # validation loss every this many steps (what a pruner sees)
+    eval_batch: int = 32  # held-out samples of the validation loss (the same for every trial)
+    metered_steps: int = 2  # steps run under the meter and the budget (a steady step is the second); the rest are timed
+    timed_steps: int = 3  # steps timed for the speed objective (after one warm-up step)
+    seed: int = 0  # weights and data: every trial starts from the same model and sees the same batches
+    device: str = "cpu"  # "cpu" or "cuda" (never "auto": a stored study must mean the same thing on every worker)
+    precisions: tuple = ("fp32", "bf16")  # the precisions searched (fp16 only on CUDA; bf16 where the CPU is fast at it)
+
+    def __post_init__(self):
+        check_int("budget_bytes", self.budget_bytes, 1)
+        for name in ("n_layer", "n_embd", "n_head", "vocab_size", "batch", "seq_len", "train_steps", "eval_every",
+                     "eval_batch", "metered_steps", "timed_steps"):
+            check_int(name, getattr(self, name), 1)
+        check_int("seed", self.seed, 0)
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.metered_steps > self.train_steps:
+            raise ValueError(f"metered_steps ({self.metered_steps}) must be <= train_steps ({self.train_steps})")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        object.__setattr__(self, "precisions", tuple(self.precisions))  # (a stored study gives a list)
+        if not self.precisions or any(p not in ("fp32", "bf16", "fp16") for p in self.precisions):
+            raise ValueError(f"precisions must be a non-empty subset of ('fp32', 'bf16', 'fp16'), got {self.precisions}")
+        if "fp16" in self.precisions and self.device != "cuda":
+            raise ValueError("fp16 is searched only on CUDA: fp16 compute on a CPU runs on slow generic kernels")
+
+    @property
+    def gpt(self) -> GPTConfig:
+        """Return the model's config."""
+        return dataclasses.replace(GPTConfig(), n_layer=self.n_layer, n_embd=self.n_embd, n_head=self.n_head,
+                                   vocab_size=self.vocab_size, block_size=self.seq_len)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Return the tokens of one optimizer step."""
+        return self.batch * self.seq_len
+
+    def space(self, precisions: tuple | None = None, only: tuple | None = None):
+        """Return the workbook's search space for this model and batch (`only`: just these parameters)."""
+        full = workbook_space(self.n_layer, self.batch, precisions=precisions or self.precisions)
+        return full if only is None else [p for p in full if p.name in only]
+
+    def to_dict(self) -> dict:
+        """Return the config as plain data (what a study stores for its workers)."""
+        d = dataclasses.asdict(self)
+        d["precisions"] = list(self.precisions)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StudyConfig":
+        """Rebuild a config from `to_dict`'s output."""
+        return cls(**d)
+
+
+def plain_setting(config: StudyConfig, lr: float = 1e-3) -> dict:
+    """Return the plain step's setting (fp32, the whole batch at once): chapter 00's step, the unit of speed."""
+    return {"technique": "none", "precision": "fp32", "micro_batch": config.batch, "lr": lr}
+
+
+def chapter_settings(config: StudyConfig, lr: float = 1e-3) -> dict[str, dict]:
+    """Return each single-device chapter's fitting setting (01–05), as that chapter trains it (Adam, lr 1e-3).
+
+    01: the fewest accumulation steps predicted to fit; 03: bf16, else fp16 where searched, else left out.
+    """
+    choices = next(p.choices for p in config.space() if p.name == "micro_batch")  # largest first
+    micro = [m for m in choices
+             if predict_peak_bytes(dict(plain_setting(config, lr), micro_batch=m), config) <= config.budget_bytes]
+    out = {}
+    if micro:
+        out["01 gradient accumulation"] = dict(plain_setting(config, lr), micro_batch=micro[0])
+    out["02 activation checkpointing"] = {"technique": "checkpoint", "segments": config.n_layer, "precision": "fp32",
+                                          "micro_batch": config.batch, "lr": lr}
+    half = next((p for p in ("bf16", "fp16") if p in config.precisions), None)
+    if half is not None:
+        out[f"03 mixed precision ({half})"] = dict(plain_setting(config, lr), precision=half)
+    out["04 activation offload"] = dict(plain_setting(config, lr), technique="offload")
+    out["05 layer to layer"] = {"technique": "l2l", "lr": lr}
+    return out
 
 
 def storage_url(path: str | Path) -> str:
@@ -62,10 +137,7 @@ def make_storage(url: str, heartbeat_s: int = 2, grace_s: int = 6, max_retry: in
                  name: str = "url") -> RDBStorage:
     """Return an RDBStorage with heartbeats: a trial silent for `grace_s` is failed and retried (up to max_retry).
 
-    A URL no worker could share (in-memory SQLite, malformed) or a database that does not answer
-    within `connect_timeout_s` raises ParameterError naming `name`. On SQLite, a transaction locks the
-    file from its first read, so one process at a time reads and changes a trial's state (two workers
-    cannot both fail one trial and queue two retries, nor both pop one queued trial).
+    Raises ParameterError naming `name` for a URL no worker could share or a database silent for `connect_timeout_s`.
     """
     parsed = _storage_url(name, url)
     kwargs = {"engine_kwargs": _engine_kwargs(parsed, connect_timeout_s)}
@@ -79,342 +151,22 @@ def make_storage(url: str, heartbeat_s: int = 2, grace_s: int = 6, max_retry: in
             raise ParameterError(_unreachable(name, parsed, connect_timeout_s, e)) from None
 
 
-class ReplaySampler(optuna.samplers.BaseSampler):
-    """Give trial number i the settings[i % len(settings)]: the same work for any number of workers (to time them).
-
-    Trial numbers are handed out by the storage, one per trial, so this is race-free where a queue
-    of enqueued trials is not (two SQLite workers can pop the same one: optuna #4621).
-    """
-
-    def __init__(self, settings: list[dict]):
-        if not settings:
-            raise ValueError("ReplaySampler needs at least one setting")
-        self.settings = [dict(s) for s in settings]
-
-    def infer_relative_search_space(self, study, trial):
-        return {}
-
-    def sample_relative(self, study, trial, search_space):
-        return {}
-
-    def sample_independent(self, study, trial, param_name, param_distribution):
-        return self.settings[trial.number % len(self.settings)][param_name]
-
-
-def make_sampler(name: str, seed: int | None, n_startup_trials: int = 5, settings: list | None = None):
-    """Return a sampler by name; TPE reads the constraints each trial sets (an infeasible trial ranks last).
-
-    TPE draws its first `n_startup_trials` settings at random (queued trials count among them:
-    queue none before a TPE study whose start-up should stay random), then models the good and the
-    bad settings seen so far. `constant_liar`: workers running at once do not draw the same setting.
-    """
-    if name == "replay":
-        return ReplaySampler(settings or [])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # multivariate, group, constant_liar
-        if name == "tpe":  # multivariate + group: the conditional space (segments only with checkpointing)
-            return optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials, multivariate=True,
-                                              group=True, constant_liar=True)
-        if name == "random":
-            return optuna.samplers.RandomSampler(seed=seed)
-        if name == "bruteforce":  # every setting of a discrete space once, in an order shuffled by the seed
-            return _BruteForce(seed=seed)
-    raise ValueError(f"sampler must be one of {SAMPLERS}, got {name!r}")
-
-
-class _BruteForce(optuna.samplers.BruteForceSampler):
-    """Optuna's BruteForceSampler, passing over trials that drew no parameter (a worker killed before its draw).
-
-    Optuna's own sampler fails every later draw of the study on such a trial ("param_name mismatch"):
-    its tree takes an empty path for a finished setting. Overrides the private `_populate_tree`,
-    the one place that reads the trials (optuna 5.0; tests/test_search_study.py pins it).
-    """
-
-    @staticmethod
-    def _populate_tree(tree, trials, params):
-        optuna.samplers.BruteForceSampler._populate_tree(tree, [t for t in trials if t.params], params)
-
-
-def make_pruner(name: str, warmup_steps: int, n_startup_trials: int = 3, max_steps: int | None = None):
-    """Return a pruner by name: "median" (MedianPruner), "hyperband" (HyperbandPruner) or "none".
-
-    Neither prunes before `warmup_steps` optimizer steps (early losses rank learning rates badly):
-    MedianPruner first compares at step `warmup_steps`, after `n_startup_trials` trials finished;
-    Hyperband's smallest budget is `warmup_steps`, its largest `max_steps`.
-    """
-    if name == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=n_startup_trials, n_warmup_steps=warmup_steps)
-    if name == "hyperband":
-        return optuna.pruners.HyperbandPruner(min_resource=warmup_steps, max_resource=max_steps or "auto",
-                                              reduction_factor=2)
-    if name == "none":
-        return optuna.pruners.NopPruner()
-    raise ValueError(f"pruner must be one of {PRUNERS}, got {name!r}")
-
-
-def warmup_steps(config: StudyConfig) -> int:
-    """Return the steps a trial trains before a pruner may stop it: half of them, at a validation."""
-    half = max(config.eval_every, config.train_steps // 2)
-    return half - half % config.eval_every
-
-
-def create_study(name: str, storage, config: StudyConfig, objective: str = "speed", sampler: str = "tpe",
-                 pruner: str = "none", seed: int = 0, load_if_exists: bool = True, replay: list | None = None,
-                 startup_trials: int = 5, fixed: dict | None = None) -> optuna.Study:
-    """Create (or load, resuming it) a study whose user attributes say everything a worker needs.
-
-    objective "loss" with `fixed` (a setting's memory knobs) tunes that setting's learning rate; sampler
-    "replay" gives trial i the setting replay[i % len(replay)] (the same work for 1 or N workers).
-    """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if fixed is not None:
-        if objective != "loss":
-            raise ValueError("`fixed` is for objective 'loss' only (the speed study searches every memory knob)")
-        fixed = {k: v for k, v in fixed.items() if k != "lr"}
-        check_setting({**fixed, "lr": 1e-3}, config)
-    if objective == "speed" and pruner != "none":
-        raise ValueError("the speed objective reports no intermediate values: use pruner 'none'")
-    chosen = make_sampler(sampler, seed, startup_trials, settings=replay)  # refuses unknown names first
-    study = optuna.create_study(study_name=name, storage=storage, direction=DIRECTIONS[objective], sampler=chosen,
-                                pruner=_pruner_of(pruner, config, startup_trials), load_if_exists=load_if_exists)
-    settings = {"config": config.to_dict(), "objective": objective, "sampler": sampler, "pruner": pruner, "seed": seed,
-                "replay": replay, "startup_trials": startup_trials, "fixed": fixed}
-    stored = study.user_attrs.get("settings")
-    if stored is None:
-        study.set_user_attr("settings", settings)
-    elif stored != settings:
-        raise ValueError(f"study {name!r} exists with other settings: {stored} (asked: {settings}); "
-                         "use another name or delete it")
-    return study
-
-
-def _pruner_of(name: str, config: StudyConfig, startup_trials: int):
-    return make_pruner(name, warmup_steps(config), n_startup_trials=min(3, startup_trials), max_steps=config.train_steps)
-
-
-def load_study(name: str, storage, worker: int = 0) -> optuna.Study:
-    """Load a study created by `create_study`, with its sampler (seeded per worker) and pruner."""
-    summary = optuna.load_study(study_name=name, storage=storage)
-    s = summary.user_attrs["settings"]
-    config = StudyConfig.from_dict(s["config"])
-    return optuna.load_study(study_name=name, storage=storage,
-                             sampler=make_sampler(s["sampler"], s["seed"] + 1000 * worker, s["startup_trials"],
-                                                  settings=s["replay"]),
-                             pruner=_pruner_of(s["pruner"], config, s["startup_trials"]))
-
-
-def settings_of(study: optuna.Study) -> tuple[StudyConfig, str]:
-    """Return the study's StudyConfig and objective name."""
-    s = study.user_attrs["settings"]
-    return StudyConfig.from_dict(s["config"]), s["objective"]
-
-
-# -- objectives ---------------------------------------------------------------------------------------
-def objective(study: optuna.Study, on_result=None):
-    """Return the objective function of the study's stored objective (the worker's and the notebook's)."""
-    config, name = settings_of(study)
-    fixed = study.user_attrs["settings"].get("fixed")
-
-    def speed(trial):
-        trial.set_user_attr("live_tensor_bytes_at_start", live_tensor_bytes(collect=False))  # a leak would grow
-        params = suggest(trial, config.space(only=MEMORY_KNOBS))
-        # timed against the plain step, alternating: the value is its speed in units of the plain step's
-        result = measure_setting({**params, "lr": 1e-3}, config, reference=plain_setting(config))
-        _record(trial, result, config, on_result)
-        return result.relative_speed or 0.0  # a setting that did not fit ran no timed step: speed 0
-
-    def loss(trial):
-        trial.set_user_attr("live_tensor_bytes_at_start", live_tensor_bytes(collect=False))
-        searched = [p for p in config.space() if p.name not in (fixed or {})]
-        params = {**(fixed or {}), **suggest(trial, searched)}
-
-        def report(progress):  # after each validation before the last: the pruner's input
-            if progress.steps_run >= config.train_steps:
-                return  # the trial is finished: its value is its result, not a reason to prune
-            trial.report(progress.val_loss, progress.steps_run)
-            if trial.should_prune():
-                trial.set_user_attr("status", "pruned")
-                trial.set_user_attr("steps_run", progress.steps_run)
-                trial.set_user_attr("peak_bytes", progress.peak_bytes)  # its metered steps ran
-                trial.set_user_attr("predicted_peak_bytes", progress.predicted_peak_bytes)
-                raise optuna.TrialPruned(f"pruned after {progress.steps_run} steps at loss {progress.val_loss:.4f}")
-
-        result = train(params, config, report=report)
-        _record(trial, result, config, on_result)
-        return result.val_loss
-
-    return speed if name == "speed" else loss
-
-
-def _record(trial, result, config: StudyConfig, on_result) -> None:
-    """Store a trial's measurements as user attributes and its budget constraint (peak - budget <= 0: fits)."""
-    peak = result.peak_bytes if result.peak_bytes is not None else result.predicted_peak_bytes
-    trial.set_user_attr("status", result.status)
-    trial.set_user_attr("predicted_peak_bytes", result.predicted_peak_bytes)
-    trial.set_user_attr("peak_bytes", peak)
-    trial.set_user_attr("steps_run", result.steps_run)
-    trial.set_user_attr("tokens_per_s", result.tokens_per_s)
-    trial.set_constraint("peak_over_budget_bytes", float(peak - config.budget_bytes))
-    if on_result is not None:
-        on_result(trial, result)
-
-
-def optimize(study: optuna.Study, n_trials: int, total_trials: int | None = None, on_result=None,
-             poll_s: float = 0.5, max_wait_s: float = 60.0) -> int:
-    """Run up to `n_trials` trials here, stopping once the study holds `total_trials` finished ones; return trials run.
-
-    Each trial records its worker first thing (`mark_worker`). With `total_trials`, a worker does not
-    leave at once while a trial is still running elsewhere: that worker may have died. Its trial is
-    failed and queued again, for a worker still here to run, once its heartbeat is stale, or at once
-    when its worker was a process of this machine that no longer exists (a worker killed before its
-    first heartbeat leaves no heartbeat to go stale). After `max_wait_s` with nothing left to run, the
-    worker leaves. A trial another process finished first (its worker was thought dead and it was
-    retried, or a storage that cannot lock a row let two workers pop it) is skipped, not fatal.
-    """
-    fn = objective(study, on_result)
-    this: dict = {}  # the trial this worker runs now, and what its objective raised
-
-    def run(trial):
-        this.clear()
-        this["number"] = trial.number
-        try:
-            mark_worker(trial)
-            return fn(trial)
-        except BaseException as e:
-            this["raised"] = e
-            raise
-
-    finished = (TrialState.COMPLETE, TrialState.PRUNED)
-    ran, waited_since = 0, None
-    while ran < n_trials:
-        if total_trials is not None:
-            fail_dead_trials(study)  # a dead worker's trial: FAIL, and its retry WAITING
-            states = [t.state for t in study.get_trials(deepcopy=False)]
-            if sum(s in finished for s in states) >= total_trials and TrialState.WAITING not in states:
-                waited_since = waited_since or time.monotonic()
-                if (TrialState.RUNNING not in states or not _has_heartbeat(study)
-                        or time.monotonic() - waited_since > max_wait_s):
-                    break
-                time.sleep(poll_s)  # someone's trial is running: wait for it to finish, or to be found dead
-                continue
-        waited_since = None
-        this.clear()
-        try:
-            study.optimize(run, n_trials=1, gc_after_trial=True)
-        except Exception as e:
-            # Optuna could not record this trial's end (study.tell raises ValueError on a finished
-            # trial): skip it only when the storage says someone else ended it, never the objective's own error
-            if e is this.get("raised") or not _finished_elsewhere(study, this.get("number")):
-                raise
-            continue
-        ran += 1
-    return ran
-
-
-def fail_dead_trials(study: optuna.Study) -> list[int]:
-    """Fail the running trials whose worker is gone, run the storage's retry callback once each; return their numbers.
-
-    Gone: its heartbeat is stale (Optuna's fail_stale_trials), or its worker (`worker_of`) was a
-    process of this machine that no longer exists. A trial is failed by one process only (the
-    storage locks it: PostgreSQL's row lock, SQLite's file lock in `make_storage`), and only that
-    process queues its retry.
-    """
-    before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        fail_stale_trials(study)
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        worker = worker_of(t)
-        if worker is not None and _worker_gone(worker):
-            _fail_and_retry(study, t)
-    return sorted({t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))} - before)
-
-
-def _has_heartbeat(study: optuna.Study) -> bool:
-    """Return whether the study's storage fails trials whose worker stopped beating."""
-    return _heartbeat_interval(study) is not None
-
-
-# -- liveness: which worker runs a trial, and whether it still does ------------------------------------
-WORKER_ATTR = "worker"  # the user attribute `mark_worker` writes
-
-
-def mark_worker(trial) -> None:
-    """Record in `trial` the process that runs it (machine, pid, start, this trial's number): call it first in a trial.
-
-    The record names the trial it was written for: a retry, which copies the failed trial's user
-    attributes, carries its dead worker's record under another number, and `worker_of` ignores it.
-    """
-    pid = os.getpid()
-    trial.set_user_attr(WORKER_ATTR, {"trial": trial.number, "host": socket.gethostname(), "pid": pid,
-                                      "machine": machine_id(), "start": process_start(pid)})
-
-
-def worker_of(trial) -> dict | None:
-    """Return the worker record `mark_worker` wrote for this very trial (keys trial, host, pid, machine, start), else None."""
-    record = trial.user_attrs.get(WORKER_ATTR)
-    return record if isinstance(record, dict) and record.get("trial") == trial.number else None
-
-
-def _worker_gone(worker: dict) -> bool:
-    """Return whether a worker record names a process of this machine that no longer runs (another machine's: False)."""
-    here = machine_id()
-    if here is None or worker.get("machine") != here:
-        return False  # its pid means nothing here: its heartbeat tells
-    return not process_alive(worker["pid"], worker.get("start"))
-
-
-def _fail_and_retry(study: optuna.Study, trial) -> bool:
-    """Fail a running trial and run the retry callback, unless another process failed or finished it first; return whether this one did."""
-    storage = study._storage  # private attribute: Optuna's own fail_stale_trials fails trials through it the same way
-    try:
-        # trial._trial_id: private, the storage's key (Optuna's fail_stale_trials uses the same ids)
-        if not storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
-            return False
-    except optuna.exceptions.UpdateFinishedTrialError:
-        return False  # another process failed (or finished) it first: it queued the retry, if any
-    callback = _stale_callback(study)
-    if callback is not None:
-        callback(study, copy.deepcopy(storage.get_trial(trial._trial_id)))
-    return True
-
-
-def _finished_elsewhere(study: optuna.Study, number: int | None) -> bool:
-    """Return whether trial `number` is finished in the storage (after this worker's tell failed: someone else ended it)."""
-    if number is None:
-        return False
-    return any(t.number == number and t.state.is_finished() for t in study.get_trials(deepcopy=False))
-
-
-def _heartbeat_interval(study: optuna.Study) -> int | None:
-    """Return the heartbeat interval of the study's storage, None without heartbeats (e.g. InMemoryStorage)."""
-    get = getattr(study._storage, "get_heartbeat_interval", None)  # private attribute, as in Optuna's fail_stale_trials
-    return get() if get is not None else None
-
-
-def _stale_callback(study: optuna.Study):
-    """Return the storage's heartbeat-stale trial callback (the retry), None without one."""
-    if _heartbeat_interval(study) is None:
-        return None
-    return study._storage.get_heartbeat_stale_trial_callback()  # private attribute, as in fail_stale_trials
-
-
-# -- storage URLs: refused before any work when no worker could share them -------------------------------
 STORAGE_EXAMPLES = "sqlite:///path/to/file.db, or a database server: postgresql+psycopg://user@host:5432/db"
 
 
 def check_storage_url(name: str, url, timeout_s: float = 10) -> str:
-    """Return `url` if it names a database every worker can share that answers within `timeout_s`; raise ParameterError naming `name` otherwise.
+    """Return `url` if it names a database every worker can share that answers within `timeout_s`.
 
-    Refused: a malformed URL, an in-memory SQLite database (each process would hold its own), a
-    SQLite file whose folder does not exist, a driver that is not installed, a server that does not
-    accept a connection in time. A SQLite file is not created here.
+    Raises ParameterError naming `name` otherwise; a SQLite file is not created here.
     """
     parsed = _storage_url(name, url)
     if parsed.get_backend_name() == "sqlite":
         return url
-    engine = _engine(name, parsed, timeout_s)
+    try:
+        engine = sqlalchemy.create_engine(parsed, **_engine_kwargs(parsed, timeout_s))
+    except ImportError as e:
+        raise ParameterError(f"{name}: the driver of {parsed.drivername!r} is not installed ({e}); install it, or "
+                             "name one that is (PostgreSQL: postgresql+psycopg://, pip install 'psycopg[binary]')") from None
     try:
         with engine.connect():
             pass
@@ -455,15 +207,6 @@ def _engine_kwargs(parsed: sqlalchemy.engine.URL, connect_timeout_s: float) -> d
     return {}
 
 
-def _engine(name: str, parsed: sqlalchemy.engine.URL, timeout_s: float) -> sqlalchemy.engine.Engine:
-    """Return an engine for the URL, or raise ParameterError naming the missing driver."""
-    try:
-        return sqlalchemy.create_engine(parsed, **_engine_kwargs(parsed, timeout_s))
-    except ImportError as e:
-        raise ParameterError(f"{name}: the driver of {parsed.drivername!r} is not installed ({e}); install it, or "
-                             "name one that is (PostgreSQL: postgresql+psycopg://, pip install 'psycopg[binary]')") from None
-
-
 def _unreachable(name: str, parsed: sqlalchemy.engine.URL, timeout_s: float, error: Exception) -> str:
     """Return the message for a database that refused or did not answer."""
     shown = parsed.render_as_string(hide_password=True)
@@ -472,13 +215,7 @@ def _unreachable(name: str, parsed: sqlalchemy.engine.URL, timeout_s: float, err
 
 
 class _LockingRDBStorage(RDBStorage):
-    """RDBStorage whose SQLite transactions lock the file from their first read, as PostgreSQL's SELECT ... FOR UPDATE locks a row.
-
-    Optuna reads a trial's state and then changes it (RUNNING to FAIL, WAITING to RUNNING) in one
-    transaction; SQLite's default transaction locks only at the write, so two processes could both
-    read RUNNING and both fail the trial (two retries), or both pop one queued trial (optuna #4621).
-    BEGIN IMMEDIATE, SQLAlchemy's documented pysqlite recipe, serialises them.
-    """
+    """RDBStorage whose SQLite transactions lock the file from their first read (BEGIN IMMEDIATE; optuna #4621)."""
 
     def __init__(self, url: str, **kwargs):
         super().__init__(url, **kwargs)
@@ -508,7 +245,177 @@ def _begin_immediate(connection) -> None:
     connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
-# -- accounting ---------------------------------------------------------------------------------------
+class ReplaySampler(optuna.samplers.BaseSampler):
+    """Give trial number i the settings[i % len(settings)]: the same work for any number of workers (race-free)."""
+
+    def __init__(self, settings: list[dict]):
+        if not settings:
+            raise ValueError("ReplaySampler needs at least one setting")
+        self.settings = [dict(s) for s in settings]
+
+    def infer_relative_search_space(self, study, trial):
+        return {}
+
+    def sample_relative(self, study, trial, search_space):
+        return {}
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        return self.settings[trial.number % len(self.settings)][param_name]
+
+
+def make_sampler(name: str, seed: int | None, n_startup_trials: int = 5, settings: list | None = None):
+    """Return a sampler by name; TPE (multivariate, grouped, constant liar) reads the trials' constraints."""
+    if name == "replay":
+        return ReplaySampler(settings or [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # multivariate, group, constant_liar
+        if name == "tpe":  # multivariate + group: the conditional space (segments only with checkpointing)
+            return optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials, multivariate=True,
+                                              group=True, constant_liar=True)
+        if name == "random":
+            return optuna.samplers.RandomSampler(seed=seed)
+        if name == "bruteforce":  # every setting of a discrete space once, in an order shuffled by the seed
+            return _BruteForce(seed=seed)
+    raise ValueError(f"sampler must be one of {SAMPLERS}, got {name!r}")
+
+
+class _BruteForce(optuna.samplers.BruteForceSampler):
+    """Optuna's BruteForceSampler, passing over failed trials (a worker killed during its draw left part of a setting).
+
+    Overrides the private `_populate_tree` (optuna 5.0; tests/test_search_study.py pins it); a retry carries the setting.
+    """
+
+    @staticmethod
+    def _populate_tree(tree, trials, params):
+        kept = [t for t in trials if t.params and t.state != TrialState.FAIL]
+        optuna.samplers.BruteForceSampler._populate_tree(tree, kept, params)
+
+
+def make_pruner(name: str, warmup_steps: int, n_startup_trials: int = 3, max_steps: int | None = None):
+    """Return a pruner by name ("median", "hyperband" or "none") that prunes nothing before `warmup_steps` steps."""
+    if name == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=n_startup_trials, n_warmup_steps=warmup_steps)
+    if name == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=warmup_steps, max_resource=max_steps or "auto",
+                                              reduction_factor=2)
+    if name == "none":
+        return optuna.pruners.NopPruner()
+    raise ValueError(f"pruner must be one of {PRUNERS}, got {name!r}")
+
+
+def warmup_steps(config: StudyConfig) -> int:
+    """Return the steps a trial trains before a pruner may stop it: half of them, at a validation."""
+    half = max(config.eval_every, config.train_steps // 2)
+    return half - half % config.eval_every
+
+
+def create_study(name: str, storage, config: StudyConfig, objective: str = "speed", sampler: str = "tpe",
+                 pruner: str = "none", seed: int = 0, load_if_exists: bool = True, replay: list | None = None,
+                 startup_trials: int = 5, fixed: dict | None = None) -> optuna.Study:
+    """Create (or load, resuming it) a study whose user attributes say everything a worker needs.
+
+    `fixed` (objective "loss"): a setting's memory knobs, to tune its learning rate; `replay`: the replay sampler's list.
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if fixed is not None:
+        if objective != "loss":
+            raise ValueError("`fixed` is for objective 'loss' only (the speed study searches every memory knob)")
+        fixed = {k: v for k, v in fixed.items() if k != "lr"}
+        check_setting({**fixed, "lr": 1e-3}, config)
+    if objective == "speed" and pruner != "none":
+        raise ValueError("the speed objective reports no intermediate values: use pruner 'none'")
+    chosen = make_sampler(sampler, seed, startup_trials, settings=replay)  # refuses unknown names first
+    direction = "maximize" if objective == "speed" else "minimize"
+    study = optuna.create_study(study_name=name, storage=storage, direction=direction, sampler=chosen,
+                                pruner=_pruner_of(pruner, config, startup_trials), load_if_exists=load_if_exists)
+    settings = {"config": config.to_dict(), "objective": objective, "sampler": sampler, "pruner": pruner, "seed": seed,
+                "replay": replay, "startup_trials": startup_trials, "fixed": fixed}
+    stored = study.user_attrs.get("settings")
+    if stored is None:
+        study.set_user_attr("settings", settings)
+    elif stored != settings:
+        raise ValueError(f"study {name!r} exists with other settings: {stored} (asked: {settings}); "
+                         "use another name or delete it")
+    return study
+
+
+def _pruner_of(name: str, config: StudyConfig, startup_trials: int):
+    """Return the study's pruner for `config` (warm-up: `warmup_steps`)."""
+    return make_pruner(name, warmup_steps(config), n_startup_trials=min(3, startup_trials), max_steps=config.train_steps)
+
+
+def load_study(name: str, storage, worker: int = 0) -> optuna.Study:
+    """Load a study created by `create_study`, with its sampler (seeded per worker) and pruner."""
+    s = optuna.load_study(study_name=name, storage=storage).user_attrs["settings"]
+    return optuna.load_study(study_name=name, storage=storage,
+                             sampler=make_sampler(s["sampler"], s["seed"] + 1000 * worker, s["startup_trials"],
+                                                  settings=s["replay"]),
+                             pruner=_pruner_of(s["pruner"], StudyConfig.from_dict(s["config"]), s["startup_trials"]))
+
+
+def settings_of(study: optuna.Study) -> tuple[StudyConfig, str]:
+    """Return the study's StudyConfig and objective name."""
+    s = study.user_attrs["settings"]
+    return StudyConfig.from_dict(s["config"]), s["objective"]
+
+
+def objective(study: optuna.Study, on_result=None):
+    """Return the objective function of the study's stored objective (the worker's and the notebook's).
+
+    "speed": speed in units of the plain step's (paired timing), 0 when it does not fit; "loss": the validation loss.
+    """
+    config, name = settings_of(study)
+    fixed = study.user_attrs["settings"].get("fixed") or {}
+
+    def speed(trial):
+        trial.set_user_attr("live_tensor_bytes_at_start", live_tensor_bytes(collect=False))  # a leak would grow
+        params = suggest(trial, config.space(only=MEMORY_KNOBS))
+        result = measure_setting({**params, "lr": 1e-3}, config, reference=plain_setting(config))
+        _record(trial, result, config, on_result)
+        return result.relative_speed or 0.0  # a setting that did not fit ran no timed step: speed 0
+
+    def loss(trial):
+        trial.set_user_attr("live_tensor_bytes_at_start", live_tensor_bytes(collect=False))
+        params = {**fixed, **suggest(trial, [p for p in config.space() if p.name not in fixed])}
+
+        def report(progress):  # after each validation before the last: the pruner's input
+            if progress.steps_run >= config.train_steps:
+                return  # the trial is finished: its value is its result, not a reason to prune
+            trial.report(progress.val_loss, progress.steps_run)
+            if trial.should_prune():
+                trial.set_user_attr("status", "pruned")
+                trial.set_user_attr("steps_run", progress.steps_run)
+                trial.set_user_attr("peak_bytes", progress.peak_bytes)  # its metered steps ran
+                trial.set_user_attr("predicted_peak_bytes", progress.predicted_peak_bytes)
+                raise optuna.TrialPruned(f"pruned after {progress.steps_run} steps at loss {progress.val_loss:.4f}")
+
+        result = train(params, config, report=report)
+        _record(trial, result, config, on_result)
+        return result.val_loss
+
+    return speed if name == "speed" else loss
+
+
+def _record(trial, result, config: StudyConfig, on_result) -> None:
+    """Store a trial's measurements as user attributes and its budget constraint (peak - budget <= 0: fits)."""
+    peak = result.peak_bytes if result.peak_bytes is not None else result.predicted_peak_bytes
+    trial.set_user_attr("status", result.status)
+    trial.set_user_attr("predicted_peak_bytes", result.predicted_peak_bytes)
+    trial.set_user_attr("peak_bytes", peak)
+    trial.set_user_attr("steps_run", result.steps_run)
+    trial.set_user_attr("tokens_per_s", result.tokens_per_s)
+    trial.set_constraint("peak_over_budget_bytes", float(peak - config.budget_bytes))
+    if on_result is not None:
+        on_result(trial, result)
+
+
+def optimize(study: optuna.Study, n_trials: int, total_trials: int | None = None, on_result=None,
+             poll_s: float = 0.5, max_wait_s: float = 60.0) -> int:
+    """Run up to `n_trials` trials of the study's objective here (`workers.run_trials`); return the trials run."""
+    return run_trials(study, objective(study, on_result), n_trials, total_trials, poll_s, max_wait_s)
+
+
 def lost_trials(study: optuna.Study) -> list[int]:
     """Return the numbers of failed trials whose work no retry completed (a trial lost to a dead worker)."""
     trials = study.get_trials(deepcopy=False)
@@ -528,11 +435,7 @@ def feasible(trial) -> bool:
 
 
 def speed_memory_front(trials) -> list:
-    """Return the completed trials no other completed trial beats on both tokens/s (more) and peak bytes (fewer).
-
-    The Pareto front of a speed study: each point on it is the fastest setting for its memory.
-    A trial needs its value (tokens/s) and its user attribute `peak_bytes`.
-    """
+    """Return the completed trials no other beats on both value (more) and user attribute `peak_bytes` (fewer)."""
     done = [t for t in trials if t.state == TrialState.COMPLETE and t.value and "peak_bytes" in t.user_attrs]
 
     def beaten(t):

@@ -42,7 +42,8 @@ def _worker(args) -> int:
 
 def _trial(args) -> int:
     from labkit.search.space import active
-    from labkit.search.trial import StudyConfig, train
+    from labkit.search.study import StudyConfig
+    from labkit.search.trial import train
 
     config = StudyConfig.from_dict(json.loads(args.config))
     raw = {"technique": args.technique, "segments": args.segments, "precision": args.precision,
@@ -59,7 +60,7 @@ def _trial(args) -> int:
 
 def _katib(args) -> int:
     from labkit.search.engines import katib_experiment, to_yaml
-    from labkit.search.trial import StudyConfig
+    from labkit.search.study import StudyConfig
 
     config = StudyConfig(budget_bytes=args.budget_bytes)
     print(to_yaml(katib_experiment(config, image=args.image, max_trials=args.trials, parallel=args.parallel)))
