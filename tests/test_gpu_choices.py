@@ -194,11 +194,12 @@ def test_chapter_03_trains_in_the_format_of_its_device(monkeypatch, capsys):
     """Chapter 03's choice, run on a faked T4: fp16 with a GradScaler, and the cell says why."""
     import labkit
 
-    cell = next(c for c in _chapter_03_code() if "labkit.device.half_precision(device)" in c)
+    cell = next(c for c in _chapter_03_code() if "half_precision(device)" in c)
     lines = cell.splitlines()
     choice = "\n".join(lines[:next(i for i, ln in enumerate(lines) if ln.startswith("AUTOCAST_DTYPE")) + 1])
     fake_gpus(monkeypatch, 1, (7, 5), "Tesla T4")
-    namespace = {"labkit": labkit, "torch": torch, "device": torch.device("cuda", 0)}
+    namespace = {"labkit": labkit, "torch": torch, "half_precision": labkit.device.half_precision,
+                 "device": torch.device("cuda", 0)}
     exec(compile(choice, "<03 cell>", "exec"), namespace)
     assert namespace["AUTOCAST_DTYPE"] == torch.float16 and namespace["half"].needs_scaler
     assert capsys.readouterr().out.startswith("16-bit training on this device: Tesla T4 (compute capability 7.5) has no bf16")
@@ -215,7 +216,7 @@ def test_chapter_03_measures_in_the_chosen_format_only():
     CPU (which always trains in bf16).
     """
     cells = _chapter_03_code()
-    first = next(i for i, c in enumerate(cells) if "labkit.device.half_precision(device)" in c)
+    first = next(i for i, c in enumerate(cells) if "half_precision(device)" in c)
     last = next(i for i, c in enumerate(cells) if "control_panel(" in c)
     subject = ("lost_update_fraction", "cpu_bf16_features", "control_panel(")
     named = []
@@ -300,7 +301,7 @@ def test_chapter_07_ranks_gather_in_the_format_of_their_device(monkeypatch, tmp_
 
     nb = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / "07_sharded_data_parallel.ipynb", as_version=4)
     (name, text), = [f for f in written_files(nb) if f[0].endswith("_ranks.py")]
-    assert "labkit.device.half_precision(device)" in text  # the choice is visible in the notebook's own code
+    assert "half_precision(device)" in text  # the choice is visible in the notebook's own code
     script = tmp_path / name
     script.write_text(text)
     spec = importlib.util.spec_from_file_location("nb07_ranks_formats", script)
