@@ -121,7 +121,7 @@ def test_rank_script_steps_the_16_bit_point_with_a_grad_scaler_where_the_format_
     ranks = rank_script(tmp_path)
     monkeypatch.setenv(DEVICE_ENV, "cpu")
     stand_in = dataclasses.replace(labkit.device.half_precision("cpu"), precision="fp16", needs_scaler=True)
-    monkeypatch.setattr(labkit.device, "half_precision", lambda device: stand_in)
+    monkeypatch.setattr(ranks, "half_precision", lambda device: stand_in)  # the script imports the name
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         results = ranks.main(n_layer=1, n_head=2, batch=2, seq_len=8, points=[], mixed_precision=True)
