@@ -293,7 +293,8 @@ class Lab:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _server(self) -> tuple[str, str]:
+    def address(self) -> tuple[str, str]:
+        """Return the server's (url, token), starting the server first where it is not running."""
         if self.server is not None:
             _, url, token = self.server
             try:
@@ -358,12 +359,13 @@ class Lab:
         return {"set": {k: v for k, v in now.items() if self.env.get(k) != v},
                 "unset": sorted(k for k in self.env if k not in now and k != "LABKIT_BATCH")}
 
-    def run_chapter(self, folder: Path, stem: str, out: Path, timeout_s: float = RUN_ALL_TIMEOUT_S) -> dict:
+    def run_chapter(self, folder: Path, stem: str, out: Path, timeout_s: float = RUN_ALL_TIMEOUT_S,
+                    panel: bool = True) -> dict:
         """Run folder/<stem>.ipynb in JupyterLab as a person would; return a results entry like the runner's.
 
         `folder` lies under the server's root. Run All going on past failed cells tagged `raises-exception` (a
-        student copy's exercise checks), then the widget panel twice; the notebook is saved by JupyterLab and read
-        back: {status, wall_s, measurements, figure_problems, crowded_sections, path}.
+        student copy's exercise checks), then the widget panel twice (with `panel`); the notebook is saved by
+        JupyterLab and read back: {status, wall_s, measurements, figure_problems, crowded_sections, path}.
         """
         import nbformat
 
@@ -375,7 +377,7 @@ class Lab:
         run_dir.mkdir(parents=True, exist_ok=True)
         checks = run_dir / "figures.jsonl"
         start = time.perf_counter()
-        url, token = self._server()
+        url, token = self.address()
         proc, b = self._browser()
         env_file = kernel_env_file(self.base / "kernel-env", folder)
         env_file.write_text(json.dumps(self.kernel_env(checks)))
@@ -387,7 +389,8 @@ class Lab:
             relative = (Path(folder) / f"{stem}.ipynb").resolve().relative_to(Path(self.root).resolve())
             page.goto(f"{url}/lab/tree/{relative.as_posix()}?token={token}&reset")
             run_all(page, stop_on_error=False, timeout_s=timeout_s)  # the saved notebook tells what ran and failed
-            exercise_panel(page, stem)
+            if panel:
+                exercise_panel(page, stem)
             page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
         except Exception as e:
             if expired.is_set():

@@ -10,12 +10,14 @@ browser end with the module, on failure too.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
-import json
+import urllib.request
 from pathlib import Path
 
+import nbformat
 import pytest
 
 import labdriver
@@ -145,3 +147,33 @@ def test_the_student_lab_opens_a_student_copy_without_the_teacher_tools(student_
     finally:
         page.close()
         labdriver.delete_sessions(url, token)
+
+
+def _tiny_notebook(path: Path, *sources: str) -> None:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in sources])
+    nb.metadata.kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+
+
+def test_a_chapter_that_hangs_leaves_the_next_one_a_fresh_kernel_and_its_own_environment(lab_session, tmp_path,
+                                                                                       monkeypatch):
+    """The process's shared server and browser (conftest's `lab_session`): a run that fails does not leak into
+    the next run, which sees its own variables and figure-check file, and no kernel outlives its run."""
+    monkeypatch.setenv("LABKIT_BUILD_DIR", str(tmp_path / "hung-build"))
+    plot = "import matplotlib.pyplot as plt\nplt.plot([0, 1])\nplt.show()"
+    _tiny_notebook(tmp_path / "hung" / "hang.ipynb", plot, "import time\ntime.sleep(600)")
+    with pytest.raises(AssertionError, match="did not finish"):
+        lab_session.run_chapter(tmp_path / "hung", "hang", tmp_path / "out-hung", timeout_s=10, panel=False)
+    monkeypatch.setenv("LABKIT_BUILD_DIR", str(tmp_path / "next-build"))
+    _tiny_notebook(tmp_path / "next" / "next.ipynb", "import os\nprint(os.environ['LABKIT_BUILD_DIR'])", plot)
+    entry = lab_session.run_chapter(tmp_path / "next", "next", tmp_path / "out-next", timeout_s=120, panel=False)
+    nb = nbformat.read(entry["path"], as_version=4)
+    printed = "".join(o.get("text", "") for c in nb.cells for o in c.outputs)
+    assert printed.strip() == str(tmp_path / "next-build"), printed
+    assert [c.execution_count for c in nb.cells] == [1, 2], "the second run's kernel is not a fresh one"
+    assert (tmp_path / "out-next" / "lab-next" / "figures.jsonl").read_text().count("\n") == 1
+    assert (tmp_path / "out-hung" / "lab-hang" / "figures.jsonl").read_text().count("\n") == 1
+    url, token = lab_session.address()
+    with urllib.request.urlopen(f"{url}/api/kernels?token={token}", timeout=30) as r:
+        assert json.load(r) == [], "a run's kernel outlived it"
