@@ -4,8 +4,9 @@ JupyterLab starts on loopback with a token, by the command `make lab` runs (work
 copy of the notebooks; headless Chromium is Debian's (`/usr/bin/chromium`, or $LABKIT_CHROMIUM),
 driven by Playwright, which downloads nothing here (tests/labdriver.py). Every chapter's Run All and
 widget panel run in the browser too, in its whole-chapter test (conftest's `execute_notebook`), so
-that no test here runs a chapter again. Screenshots land in build/browser/. The server and the
-browser end with the module, on failure too.
+that no test here runs a chapter again; the last test checks that a run there which fails leaves the
+next its own kernel and environment. Screenshots land in build/browser/. The servers and browsers
+started here end with their module or test, on failure too.
 """
 
 from __future__ import annotations
