@@ -194,6 +194,16 @@ def chromium(profile: Path, limit_s: float = LIMIT_S):
         kill_group(proc)
 
 
+def start_session(url: str, token: str, path: str) -> None:
+    """Start the kernel of the notebook at `path` (relative to the server's root): JupyterLab opens it attached."""
+    kernel = json.loads(urllib.request.urlopen(f"{url}/api/contents/{path}?token={token}&content=1", timeout=60)
+                        .read())["content"]["metadata"].get("kernelspec", {}).get("name", "python3")
+    body = {"path": path, "name": path.rsplit("/", 1)[-1], "type": "notebook", "kernel": {"name": kernel}}
+    req = urllib.request.Request(f"{url}/api/sessions?token={token}", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=120).close()
+
+
 def delete_sessions(url: str, token: str) -> None:
     """Shut down every kernel the page started (a chapter's kernel must not outlive its test)."""
     with urllib.request.urlopen(f"{url}/api/sessions?token={token}", timeout=30) as r:
@@ -381,13 +391,14 @@ class Lab:
         proc, b = self._browser()
         env_file = kernel_env_file(self.base / "kernel-env", folder)
         env_file.write_text(json.dumps(self.kernel_env(checks)))
+        relative = (Path(folder) / f"{stem}.ipynb").resolve().relative_to(Path(self.root).resolve()).as_posix()
         timer, expired = watchdog(proc, min(LIMIT_S, timeout_s + 240))
         context = None
         try:
+            start_session(url, token, relative)  # the kernel starts while the page loads
             context = b.new_context(viewport={"width": 1400, "height": 1000})
             page = context.new_page()
-            relative = (Path(folder) / f"{stem}.ipynb").resolve().relative_to(Path(self.root).resolve())
-            page.goto(f"{url}/lab/tree/{relative.as_posix()}?token={token}&reset")
+            page.goto(f"{url}/lab/tree/{relative}?token={token}&reset")
             run_all(page, stop_on_error=False, timeout_s=timeout_s)  # the saved notebook tells what ran and failed
             if panel:
                 exercise_panel(page, stem)
