@@ -168,32 +168,6 @@ def watchdog(proc: subprocess.Popen, limit_s: float) -> tuple[threading.Timer, t
     return timer, expired
 
 
-@contextlib.contextmanager
-def chromium(profile: Path, limit_s: float = LIMIT_S):
-    """Start Debian's Chromium (its own process group) and connect Playwright to it; kill it after.
-
-    Yields (browser, expired): a watchdog kills the browser after `limit_s`, which ends any Playwright
-    call still waiting on it; `expired()` then says so.
-    """
-    from playwright.sync_api import sync_playwright
-
-    proc, port = start_chromium(profile)
-    timer, expired = watchdog(proc, limit_s)
-    try:
-        with sync_playwright() as p:
-            b = p.chromium.connect_over_cdp(f"http://127.0.0.1:{port}")
-            try:
-                yield b, expired.is_set
-            finally:
-                try:
-                    b.close()
-                except Exception:
-                    pass  # killed by the watchdog already
-    finally:
-        timer.cancel()
-        kill_group(proc)
-
-
 def start_session(url: str, token: str, path: str) -> None:
     """Start the kernel of the notebook at `path` (relative to the server's root): JupyterLab opens it attached."""
     kernel = json.loads(urllib.request.urlopen(f"{url}/api/contents/{path}?token={token}&content=1", timeout=60)
@@ -333,6 +307,10 @@ class Lab:
             kill_group(proc)
             raise
         return self.browser
+
+    def chromium(self):
+        """Return the Playwright browser, starting Chromium first where it is not running."""
+        return self._browser()[1]
 
     def _stop_browser(self) -> None:
         if self.browser is not None:

@@ -5,8 +5,8 @@ copy of the notebooks; headless Chromium is Debian's (`/usr/bin/chromium`, or $L
 driven by Playwright, which downloads nothing here (tests/labdriver.py). Every chapter's Run All and
 widget panel run in the browser too, in its whole-chapter test (conftest's `execute_notebook`), so
 that no test here runs a chapter again; the last test checks that a run there which fails leaves the
-next its own kernel and environment. Screenshots land in build/browser/. The servers and browsers
-started here end with their module or test, on failure too.
+next its own kernel and environment. Screenshots land in build/browser/. The servers started here end
+with their module, on failure too; the browser is the test process's one (conftest's `lab_session`).
 """
 
 from __future__ import annotations
@@ -58,15 +58,14 @@ def student_server(tmp_path_factory):
 
 
 @pytest.fixture
-def browser(tmp_path):
-    """Debian's Chromium driven by Playwright; yields (browser, expired) (labdriver.chromium)."""
-    with labdriver.chromium(tmp_path / "profile") as b:
-        yield b
+def browser(lab_session):
+    """The test process's Chromium, driven by Playwright (conftest's `lab_session`: one Playwright a process)."""
+    return lab_session.chromium()
 
 
 def test_jupyterlab_opens_on_the_first_chapter_without_a_prompt(server, browser):
     url, token = server
-    page = browser[0].new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
     try:
         page.goto(f"{url}/?token={token}")
         try:
@@ -81,7 +80,7 @@ def test_jupyterlab_opens_on_the_first_chapter_without_a_prompt(server, browser)
         has = page.evaluate(f"() => {json.dumps(TEACHER_COMMANDS)}.filter(c => window.jupyterapp.commands.hasCommand(c))")
         assert has == TEACHER_COMMANDS, f"the teacher's lab lacks nbgrader's tools: only {has}"  # the student lab's differ
     finally:
-        page.close()
+        page.context.close()
         labdriver.delete_sessions(url, token)
 
 
@@ -108,8 +107,7 @@ def test_optuna_dashboard_shows_a_study_of_the_chapters_storage(browser, tmp_pat
     try:
         labdriver.wait_until_answers(f"http://127.0.0.1:{port}/api/studies", proc, tmp_path / "dashboard.log",
                                      "optuna-dashboard", 60)
-        b, _ = browser
-        page = b.contexts[0].new_page() if b.contexts else b.new_page()
+        page = browser.new_context().new_page()
         page.goto(f"http://127.0.0.1:{port}/dashboard", timeout=60_000)
         page.wait_for_selector("text=dashboard-check", timeout=60_000)
         SHOTS.mkdir(parents=True, exist_ok=True)
@@ -118,7 +116,7 @@ def test_optuna_dashboard_shows_a_study_of_the_chapters_storage(browser, tmp_pat
         page.wait_for_url("**/studies/**", timeout=60_000)  # the study's own page
         page.wait_for_load_state("networkidle", timeout=60_000)
         page.screenshot(path=str(SHOTS / "optuna-dashboard-study.png"), full_page=True)
-        page.close()
+        page.context.close()
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=20)
@@ -132,8 +130,7 @@ def test_the_student_lab_opens_a_student_copy_without_the_teacher_tools(student_
     own check (they run the student copies in this browser): this test does not run the chapter again.
     """
     url, token = student_server
-    b, _ = browser
-    page = b.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
     try:
         page.goto(f"{url}/lab/tree/{STUDENT_CHAPTER}?token={token}&reset")
         page.wait_for_function("() => window.jupyterapp?.shell.currentWidget?.sessionContext?.isReady", timeout=120_000)
@@ -146,7 +143,7 @@ def test_the_student_lab_opens_a_student_copy_without_the_teacher_tools(student_
         SHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SHOTS / f"student-{Path(STUDENT_CHAPTER).stem}.png"))
     finally:
-        page.close()
+        page.context.close()
         labdriver.delete_sessions(url, token)
 
 
