@@ -267,8 +267,7 @@ class Lab:
     def __init__(self, base: Path, root: Path):
         self.base, self.root = base, root
         self.server = None  # (ExitStack, url, token)
-        self.browser = None  # (process, Playwright browser)
-        self.playwright = None
+        self.browser = None  # (Chromium's process, its debugging port)
         self.env: dict = {}  # the server's environment: a chapter's kernel gets what differs from it
 
     def __enter__(self) -> "Lab":
@@ -292,34 +291,41 @@ class Lab:
         self.server = (stack, url, token)
         return url, token
 
-    def _browser(self):
-        if self.browser is not None and self.browser[0].poll() is None and self.browser[1].is_connected():
-            return self.browser
-        self._stop_browser()
-        if self.playwright is None:
-            from playwright.sync_api import sync_playwright
-
-            self.playwright = sync_playwright().start()
-        proc, port = start_chromium(self.base / "profile")
-        try:
-            self.browser = (proc, self.playwright.chromium.connect_over_cdp(f"http://127.0.0.1:{port}"))
-        except BaseException:
-            kill_group(proc)
-            raise
+    def _chromium(self) -> tuple[subprocess.Popen, int]:
+        if self.browser is not None:
+            proc, port = self.browser
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/json/version", timeout=10).close()
+                return self.browser
+            except OSError:
+                self._stop_browser()
+        self.browser = start_chromium(self.base / "profile")
         return self.browser
 
+    @contextlib.contextmanager
     def chromium(self):
-        """Return the Playwright browser, starting Chromium first where it is not running."""
-        return self._browser()[1]
+        """Yield the Playwright browser connected to the process's Chromium (started where it is not running).
+
+        Playwright's sync API holds an asyncio loop in this thread while it runs: it stops when the block ends,
+        so that the tests after it may run their own loops (papermill, nbclient).
+        """
+        from playwright.sync_api import sync_playwright
+
+        _, port = self._chromium()
+        with sync_playwright() as p:
+            b = p.chromium.connect_over_cdp(f"http://127.0.0.1:{port}")
+            try:
+                yield b
+            finally:
+                try:
+                    b.close()  # disconnects: Chromium goes on
+                except Exception:
+                    pass  # killed by the watchdog already
 
     def _stop_browser(self) -> None:
         if self.browser is not None:
-            proc, b = self.browser
+            proc = self.browser[0]
             self.browser = None
-            try:
-                b.close()
-            except Exception:
-                pass  # killed by the watchdog already
             kill_group(proc)
 
     def _stop_server(self) -> None:
@@ -329,12 +335,9 @@ class Lab:
             stack.close()
 
     def close(self) -> None:
-        """Stop the browser, Playwright and the server (every kernel it started goes with it)."""
+        """Stop the browser and the server (every kernel it started goes with it)."""
         try:
             self._stop_browser()
-            if self.playwright is not None:
-                self.playwright.stop()
-                self.playwright = None
         finally:
             self._stop_server()
 
@@ -366,32 +369,33 @@ class Lab:
         checks = run_dir / "figures.jsonl"
         start = time.perf_counter()
         url, token = self.address()
-        proc, b = self._browser()
+        proc, _ = self._chromium()
         env_file = kernel_env_file(self.base / "kernel-env", folder)
         env_file.write_text(json.dumps(self.kernel_env(checks)))
         relative = (Path(folder) / f"{stem}.ipynb").resolve().relative_to(Path(self.root).resolve()).as_posix()
         timer, expired = watchdog(proc, min(LIMIT_S, timeout_s + 240))
-        context = None
         try:
             start_session(url, token, relative)  # the kernel starts while the page loads
-            context = b.new_context(viewport={"width": 1400, "height": 1000})
-            page = context.new_page()
-            page.goto(f"{url}/lab/tree/{relative}?token={token}&reset")
-            run_all(page, stop_on_error=False, timeout_s=timeout_s)  # the saved notebook tells what ran and failed
-            if panel:
-                exercise_panel(page, stem)
-            page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+            with self.chromium() as b:
+                context = b.new_context(viewport={"width": 1400, "height": 1000})
+                try:
+                    page = context.new_page()
+                    page.goto(f"{url}/lab/tree/{relative}?token={token}&reset")
+                    run_all(page, stop_on_error=False, timeout_s=timeout_s)  # the saved notebook tells what ran
+                    if panel:
+                        exercise_panel(page, stem)
+                    page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+                finally:
+                    try:
+                        context.close()
+                    except Exception:
+                        pass  # the browser is gone (watchdog)
         except Exception as e:
             if expired.is_set():
                 raise AssertionError(f"{stem} still ran after the watchdog's limit: it killed the browser") from e
             raise
         finally:
             timer.cancel()
-            try:
-                if context is not None:
-                    context.close()
-            except Exception:
-                pass  # the browser is gone (watchdog)
             if expired.is_set():
                 self._stop_browser()
             env_file.unlink(missing_ok=True)

@@ -11,6 +11,7 @@ with their module, on failure too; the browser is the test process's one (confte
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -59,8 +60,9 @@ def student_server(tmp_path_factory):
 
 @pytest.fixture
 def browser(lab_session):
-    """The test process's Chromium, driven by Playwright (conftest's `lab_session`: one Playwright a process)."""
-    return lab_session.chromium()
+    """The test process's Chromium (conftest's `lab_session`), driven by Playwright for this test."""
+    with lab_session.chromium() as b:
+        yield b
 
 
 def test_jupyterlab_opens_on_the_first_chapter_without_a_prompt(server, browser):
@@ -175,3 +177,4 @@ def test_a_chapter_that_hangs_leaves_the_next_one_a_fresh_kernel_and_its_own_env
     url, token = lab_session.address()
     with urllib.request.urlopen(f"{url}/api/kernels?token={token}", timeout=30) as r:
         assert json.load(r) == [], "a run's kernel outlived it"
+    asyncio.run(asyncio.sleep(0))  # Playwright left no event loop running: papermill's runs after it work
