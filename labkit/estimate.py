@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from labkit.meter import MemoryMeter
 from labkit.models import GPTConfig, MLPConfig, blocks_of, build_model
-from labkit.train import create_optimizer_state, make_optimizer, train_step
+from labkit.train import create_optimizer_state, make_optimizer
 from labkit.validate import check_int
 
 
@@ -105,14 +105,11 @@ def estimate_training_memory(cfg: GPTConfig | MLPConfig, batch_size: int, seq_le
     return MemoryEstimate(peak, split, n, batch_size, T, world_size, zero_stage if world_size > 1 else None, states)
 
 
-def _plain_step(model, optimizer: str, cfg, batch_size: int, seq_len: int | None, warm_up: bool = False):
-    """Return fake_step's (model, attach, run) of the plain step; its optimizer state from a step when `warm_up`."""
+def _plain_step(model, optimizer: str, cfg, batch_size: int, seq_len: int | None):
+    """Return fake_step's (model, attach, run) of the plain step, the optimizer state created without a forward."""
     opt = make_optimizer(optimizer, model.parameters())
     batch = example_batch(cfg, batch_size, seq_len)
-    if warm_up:  # the FSDP2 path: a whole first step
-        train_step(model, opt, batch)
-    else:
-        create_optimizer_state(opt)
+    create_optimizer_state(opt)  # (FSDP2 too: its peak is the same byte for byte as after a whole first step)
 
     def run():
         logits, loss = model(*batch)
@@ -142,7 +139,7 @@ def _fsdp_step(cfg, batch_size: int, seq_len: int | None, optimizer: str, world_
 
         def build():
             model.to_empty(device="cpu")  # the meta shards become fake cpu ones: FSDP2's meta init
-            return _plain_step(model, optimizer, cfg, batch_size, seq_len, warm_up=True)
+            return _plain_step(model, optimizer, cfg, batch_size, seq_len)
         return fake_step(None, build)
     finally:
         dist.destroy_process_group()
