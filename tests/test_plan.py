@@ -1,0 +1,152 @@
+"""labkit.plan: fake-tensor peaks against the meter, exact depth extrapolation, bad input, the command."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from labkit import plan as P
+from labkit.checkpointing import checkpoint_blocks
+from labkit.estimate import example_batch
+from labkit.example import running_example
+from labkit.gpus import GPUS, DeviceProfile
+from labkit.models import GPTConfig
+from labkit.train import make_optimizer, measure_step, seeded_model
+from labkit.validate import ParameterError
+
+SMALL = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=32, vocab_size=128)
+
+
+def cpu_profile(memory_bytes: int) -> DeviceProfile:
+    """Return a CPU-like profile with fixed rates (no timing in tests)."""
+    return DeviceProfile("cpu", memory_bytes, {"fp32": 1e11, "bf16": 1e11}, 1e10, 1e10, 1e10)
+
+
+def test_cpu_peaks_match_the_meter_within_one_percent():
+    ex = running_example()
+    cfg = ex.config
+    p = P.plan(cfg, cpu_profile(ex.budget_bytes), 1, ex.seq_len, ex.batch_size, reserve_fraction=0.0)
+    combos = {(r.combination.micro_batch, r.combination.checkpointing, r.combination.precision) for r in p.rows}
+    assert {c for _, c, _ in combos} == set(P.CHECKPOINTING)
+    assert {q for _, _, q in combos} == {"fp32", "bf16"}
+    assert {m for m, _, _ in combos} == {1, 2, 4, 8, 16}
+    errors = []
+    for r in p.rows:
+        c = r.combination
+        model = seeded_model(cfg, 0)
+        seg = P._segments(c.checkpointing, cfg.n_layer)
+        if seg is not None:
+            checkpoint_blocks(model, **seg)
+        opt = make_optimizer("adam", model.parameters())
+        batch = example_batch(cfg, ex.batch_size, ex.seq_len)
+        measured = measure_step(model, opt, batch, lambda m, o, b: P.plan_step(m, o, b, c.micro_batch, c.precision))
+        errors.append((abs(r.peak_bytes - measured.peak_bytes) / measured.peak_bytes, c))
+        assert r.fits == (measured.peak_bytes <= ex.budget_bytes) or abs(measured.peak_bytes - ex.budget_bytes) < 0.01 * ex.budget_bytes
+    worst = max(errors, key=lambda e: e[0])
+    print(f"largest error {worst[0]:.4%} at {worst[1]}")
+    assert worst[0] <= 0.01, f"predicted peak off by {worst[0]:.2%} at {worst[1]}"
+    assert any(r.fits for r in p.rows) and not all(r.fits for r in p.rows)  # the budget decides
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "every", "selective"])
+@pytest.mark.parametrize("n_micro", [1, 2])
+def test_depth_extrapolation_equals_a_full_depth_run(checkpointing, n_micro):
+    spec = P.gpt_spec(SMALL)
+    full = dataclasses.replace(spec, n_layer=None, key=None)  # run at full depth
+    cache = {}
+    peak, split, param_bytes, opt_bytes, n, flops = P._extrapolated(spec, 2, n_micro, 16, checkpointing, "bf16", cache)
+    f_peak, f_split, f_states, f_n, f_flops = P._fake_run(full, None, 2, n_micro, 16, checkpointing, "bf16", cache)
+    assert (peak, split, n, flops) == (f_peak, f_split, f_n, f_flops)
+    assert (param_bytes, opt_bytes) == (f_states["parameters"], f_states["optimizer_state"])
+
+
+def test_data_parallel_rows_are_exact_arithmetic():
+    p = P.plan(SMALL, "a100-80gb", gpus=2, seq_len=16, batch=4, checkpointing=("none",), precisions=("fp32",))
+    rows = {(r.combination.ranks, r.combination.parallel, r.combination.micro_batch): r for r in p.rows}
+    single, ddp, zero1 = rows[2, "single"] if (2, "single") in rows else None, rows[2, "ddp", 2], rows[2, "zero1", 2]
+    assert single is None
+    params = 4 * SMALL.n_params()
+    assert ddp.peak_bytes - zero1.peak_bytes == ddp.split["optimizer_state"] // 2 == params  # Adam: 2 x fp32 params
+    assert ddp.comm_s > 0 and rows[1, "single", 4].comm_s == 0
+    assert p.fastest is not None and p.fastest in p.pareto
+    assert all(a.step_s <= b.step_s and a.peak_bytes > b.peak_bytes for a, b in zip(p.pareto, p.pareto[1:]))
+
+
+def test_fp16_rows_exist_only_where_the_gpu_has_them():
+    t4 = P.plan(SMALL, "t4", 1, 16, 2, checkpointing=("none",))
+    assert {r.combination.precision for r in t4.rows} == {"fp32", "fp16"}
+    with pytest.raises(ParameterError, match="precision 'bf16'.*t4"):
+        P.plan(SMALL, "t4", 1, 16, 2, precisions=("bf16",))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"model": "gpt-17"}, "model"), ({"gpu": "v100"}, "gpu"), ({"gpus": 3, "batch": 8}, "batch"),
+    ({"seq_len": 2048, "model": "gpt2"}, "seq_len"), ({"gpus": 0}, "gpus"),
+])
+def test_bad_input_names_the_field(kwargs, field):
+    args = {"model": SMALL, "gpu": "a100-80gb", "gpus": 1, "seq_len": 16, "batch": 8, **kwargs}
+    with pytest.raises(ParameterError, match=field):
+        P.plan(**args)
+
+
+def test_memory_of_zero_is_refused():
+    with pytest.raises(ParameterError, match="memory_bytes"):
+        DeviceProfile("mine", 0, {"fp32": 1e12}, 1e9, 1e9, 1e9)
+
+
+def test_a_callable_model_runs_at_full_depth():
+    def build(rows, seq_len):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        return _WithLoss(model), (torch.randn(rows, 8), torch.randint(2, (rows,)))
+    p = P.plan(P.callable_spec(build, "mlp"), "l4", 1, 1, 4)
+    assert {r.combination.checkpointing for r in p.rows} == {"none"} and p.rows
+    assert p.n_params == 8 * 16 + 16 + 16 * 2 + 2
+    with pytest.raises(ParameterError, match="checkpointing"):
+        P.plan(P.callable_spec(build, "mlp"), "l4", 1, 1, 4, checkpointing=("every",))
+
+
+class _WithLoss(torch.nn.Module):
+    """A classifier called as model(x, y) -> (logits, loss)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        logits = self.net(x)
+        return logits, torch.nn.functional.cross_entropy(logits, y)
+
+
+def test_another_size_and_budget_give_the_same_verdicts():
+    small = P.plan(SMALL, cpu_profile(10**12), 1, 16, 4, checkpointing=("none", "every"), precisions=("fp32",))
+    cut = sorted(r.peak_bytes for r in small.rows)[len(small.rows) // 2]
+    tight = P.plan(SMALL, cpu_profile(cut), 1, 16, 4, checkpointing=("none", "every"), precisions=("fp32",),
+                   reserve_fraction=0.0)
+    assert [r.fits for r in tight.rows] == [r.peak_bytes <= cut for r in small.rows]
+    assert all(r.fits for r in small.rows)
+
+
+def test_transformers_config_plans_when_installed():
+    transformers = pytest.importorskip("transformers", reason="transformers (optional extra) is not installed")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=4, vocab_size=128)
+    p = P.plan(cfg, "a100-80gb", 1, 16, 2)
+    assert p.rows and p.n_params > 0
+
+
+def test_gpu_table_is_complete():
+    assert set(GPUS) == {"t4", "l4", "a10g", "rtx4090", "a100-40gb", "a100-80gb", "h100", "h200"}
+    assert not GPUS["t4"].has_bf16 and all(g.has_bf16 for k, g in GPUS.items() if k != "t4")
+
+
+def test_command_prints_the_table_and_json(monkeypatch, capsys):
+    monkeypatch.setitem(P.PRESETS, "tiny", dataclasses.replace(SMALL, n_layer=2))
+    assert P.main(["--model", "tiny", "--gpu", "h100", "--gpus", "2", "--seq-len", "16", "--batch", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "fastest that fits: ranks" in text and "left out:" in text
+    P.main(["--model", "tiny", "--gpu", "h100", "--seq-len", "16", "--batch", "2", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["fastest"]["fits"] and len(data["rows"]) > 0
+    with pytest.raises(SystemExit):
+        P.main(["--model", "tiny", "--gpu", "h100", "--gpus", "3", "--batch", "4"])
