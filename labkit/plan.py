@@ -251,7 +251,7 @@ def _extrapolated(spec: ModelSpec, micro_batch: int, n_micro: int, seq_len: int,
                   flops_cache: dict):
     """Return (peak, split, param bytes, opt bytes, n, FLOPs per micro-batch) at full depth, exactly extrapolated."""
     full = spec.n_layer
-    if full is None or full <= max(PROBE_DEPTHS) or checkpointing == "sqrt":  # sqrt(n) segments differ by depth
+    if full is None or full <= sum(PROBE_DEPTHS) or checkpointing == "sqrt":  # (sqrt(n) segments differ by depth)
         peak, split, states, n, fl = _fake_run(spec, full, micro_batch, n_micro, seq_len, checkpointing, precision,
                                                flops_cache)
         return peak, split, states["parameters"], states["optimizer_state"], n, fl
