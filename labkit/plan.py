@@ -38,7 +38,9 @@ NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
 }
 GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step (the same 2-byte casts; the scaler's skip test reads a value, which
 #                        fake tensors lack) plus GradScaler's scale, growth tracker, found_inf and inv_scale (4 B each)
-PROBE_DEPTHS = (2, 3)  # depths run on fake tensors when identical blocks let the full depth be extrapolated
+_FLOPS: dict = {}  # (model key, depth, micro-batch, seq_len, checkpointing) -> FLOPs per micro-batch
+PROBE_DEPTHS = {"none": (1, 2), "every": (2, 3), "selective": (2, 3)}  # depths run on fake tensors when identical
+#                                               blocks let the full depth be extrapolated (checked in tests/test_plan.py)
 SQRT_MAX_LAYERS = 12  # sqrt(n) segments change with depth: run at full depth, so only up to this many blocks
 
 
@@ -185,7 +187,7 @@ class Plan:
     reserve_fraction: float
     rows: list = field(default_factory=list)
     left_out: dict = field(default_factory=dict)  # what -> why
-    fake_steps: int = 0  # fake-tensor steps run
+    fake_steps: int = 0  # memory-relevant combinations run on fake tensors (each at PROBE_DEPTHS or full depth)
     elapsed_s: float = 0.0
 
     @property
@@ -219,11 +221,12 @@ def plan_step(model, optimizer, batch, micro_batch: int, precision: str):
 
 
 def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str,
-              precision: str, flops_cache: dict):
+              precision: str):
     """Run the step on fake tensors (labkit.estimate.fake_step); return peak, split, states, n, FLOPs per micro-batch."""
     key = None if spec.key is None else ("plan", spec.key, n_layer, micro_batch, n_micro, seq_len, checkpointing,
                                          precision)
-    flops = {}
+    flops_key = (spec.key, n_layer, micro_batch, seq_len, checkpointing)  # FLOPs: the same in every precision
+    count = spec.key is None or flops_key not in _FLOPS
 
     def build():
         model, batch = spec.build(n_layer, micro_batch * n_micro, seq_len)
@@ -234,7 +237,10 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
         create_optimizer_state(opt)
 
         def run():
-            flops["n"] = count_flops(plan_step, model, opt, batch, micro_batch, precision)
+            if count:
+                _FLOPS[flops_key] = count_flops(plan_step, model, opt, batch, micro_batch, precision) / n_micro
+            else:
+                plan_step(model, opt, batch, micro_batch, precision)
         return model, lambda meter: meter.track(model, opt, *batch), run
     try:
         peak, split, states, n = fake_step(key, build)
@@ -242,22 +248,18 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
         raise ParameterError(f"model: {spec.name} cannot run on fake tensors ({type(e).__name__}: {e}); make the "
                              "operation independent of tensor values or pass a callable that builds a model "
                              "without it") from None
-    if "n" in flops:
-        flops_cache[key] = flops["n"]
-    return peak, split, states, n, flops_cache.get(key, flops.get("n", 0)) / n_micro
+    return peak, split, states, n, _FLOPS[flops_key]
 
 
-def _extrapolated(spec: ModelSpec, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str, precision: str,
-                  flops_cache: dict):
+def _extrapolated(spec: ModelSpec, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str, precision: str):
     """Return (peak, split, param bytes, opt bytes, n, FLOPs per micro-batch) at full depth, exactly extrapolated."""
-    full = spec.n_layer
-    if full is None or full <= sum(PROBE_DEPTHS) or checkpointing == "sqrt":  # (sqrt(n) segments differ by depth)
-        peak, split, states, n, fl = _fake_run(spec, full, micro_batch, n_micro, seq_len, checkpointing, precision,
-                                               flops_cache)
+    full, probes = spec.n_layer, PROBE_DEPTHS.get(checkpointing)
+    if full is None or probes is None or full <= sum(probes):  # (sqrt(n) segments differ by depth: no probes)
+        peak, split, states, n, fl = _fake_run(spec, full, micro_batch, n_micro, seq_len, checkpointing, precision)
         return peak, split, states["parameters"], states["optimizer_state"], n, fl
-    runs = [_fake_run(spec, d, micro_batch, n_micro, seq_len, checkpointing, precision, flops_cache)
-            for d in PROBE_DEPTHS]
-    (a, b), steps = PROBE_DEPTHS, full - PROBE_DEPTHS[0]
+    runs = [_fake_run(spec, d, micro_batch, n_micro, seq_len, checkpointing, precision)
+            for d in probes]
+    (a, b), steps = probes, full - probes[0]
 
     def line(lo, hi):
         return lo + (hi - lo) * steps // (b - a)
@@ -326,19 +328,18 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     if "sqrt" in checkpointing and spec.n_layer is not None and spec.n_layer > SQRT_MAX_LAYERS:
         checkpointing = tuple(c for c in checkpointing if c != "sqrt")
         left_out["checkpointing sqrt"] = (f"{spec.n_layer} blocks: sqrt(n) segments do not extrapolate from "
-                                          f"{PROBE_DEPTHS} blocks, and a full-depth fake step per combination is slow")
+                                          f"a few blocks, and a full-depth fake step per combination is slow")
     t0 = time.perf_counter()
     ranks_list = sorted({r for r in (2**k for k in range(gpus.bit_length())) if batch % r == 0} | {gpus})
     memory_keys = sorted({(mb, min(rows // mb, 2)) for r in ranks_list for rows in [batch // r] for mb in _divisors(rows)})
     row_bytes = _input_bytes_per_row(spec, seq_len)
     out = Plan(spec.name, device.name, gpus, seq_len, batch, 0, int(device.memory_bytes * (1 - reserve_fraction)),
                reserve_fraction, left_out=left_out)
-    flops_cache: dict = {}
     fake = {}
     fake_precisions = sorted({"bf16" if p == "fp16" else p for p in precisions})
     todo = [(mb, n_micro, c, p) for mb, n_micro in memory_keys for c in checkpointing for p in fake_precisions]
     for mb, n_micro, c, p in progress(todo, desc="fake steps"):
-        fake[mb, n_micro, c, p] = _extrapolated(spec, mb, n_micro, seq_len, c, p, flops_cache)
+        fake[mb, n_micro, c, p] = _extrapolated(spec, mb, n_micro, seq_len, c, p)
     for mb, n_micro, c, p in todo:
         if p == "bf16" and "fp16" in precisions:
             peak, split, *rest = fake[mb, n_micro, c, p]
@@ -346,7 +347,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
             fake[mb, n_micro, c, "fp16"] = (peak + GRADSCALER_BYTES, scaler_split, *rest)
         if p not in precisions:
             del fake[mb, n_micro, c, p]
-    out.fake_steps = len(flops_cache)
+    out.fake_steps = len(todo)
     for ranks in ranks_list:
         rows = batch // ranks
         for (mb, n_micro, c, p), (peak, split, param_bytes, opt_bytes, n, fl) in fake.items():
@@ -379,7 +380,7 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
     """Return the plan as a text table: the Pareto front (every row with all_rows) and the fastest that fits."""
     head = (f"{p.model} ({p.n_params / 1e9:.2f} B parameters) on {p.gpus} x {p.device}, seq_len {p.seq_len}, "
             f"batch {p.batch}: budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
-            f"{len(p.rows)} combinations, {p.fake_steps} fake-tensor steps, {p.elapsed_s:.1f} s")
+            f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s")
     cols = f"{'ranks':>5} {'parallel':>8} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'peak':>10} {'fits':>4} " \
            f"{'step (s)':>9} {'tokens/s':>10}"
     lines = [head, "", "all combinations:" if all_rows else "Pareto front (memory against roofline time):", cols]

@@ -16,6 +16,7 @@ from labkit.train import make_optimizer, measure_step, seeded_model
 from labkit.validate import ParameterError
 
 SMALL = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=32, vocab_size=128)
+SMALL_LLAMA = dataclasses.replace(P.PRESETS["llama-7b"], n_layer=7, n_embd=64, n_head=4, mlp_hidden=160, vocab_size=512)
 
 
 def cpu_profile(memory_bytes: int) -> DeviceProfile:
@@ -51,12 +52,13 @@ def test_cpu_peaks_match_the_meter_within_one_percent():
 
 @pytest.mark.parametrize("checkpointing", ["none", "every", "selective"])
 @pytest.mark.parametrize("n_micro", [1, 2])
-def test_depth_extrapolation_equals_a_full_depth_run(checkpointing, n_micro):
-    spec = P.gpt_spec(SMALL)
+@pytest.mark.parametrize("cfg", [SMALL, SMALL_LLAMA], ids=["gpt2-style", "llama-style"])
+def test_depth_extrapolation_equals_a_full_depth_run(cfg, checkpointing, n_micro):
+    spec = P.gpt_spec(cfg)
     full = dataclasses.replace(spec, n_layer=None, key=None)  # run at full depth
-    cache = {}
-    peak, split, param_bytes, opt_bytes, n, flops = P._extrapolated(spec, 2, n_micro, 16, checkpointing, "bf16", cache)
-    f_peak, f_split, f_states, f_n, f_flops = P._fake_run(full, None, 2, n_micro, 16, checkpointing, "bf16", cache)
+
+    peak, split, param_bytes, opt_bytes, n, flops = P._extrapolated(spec, 2, n_micro, 16, checkpointing, "bf16")
+    f_peak, f_split, f_states, f_n, f_flops = P._fake_run(full, None, 2, n_micro, 16, checkpointing, "bf16")
     assert (peak, split, n, flops) == (f_peak, f_split, f_n, f_flops)
     assert (param_bytes, opt_bytes) == (f_states["parameters"], f_states["optimizer_state"])
 
