@@ -20,7 +20,7 @@ from labkit.checkpointing import checkpoint_blocks
 from labkit.estimate import example_batch, fake_step
 from labkit.flops import count_flops
 from labkit.gpus import DeviceProfile, device_profile
-from labkit.meter import format_bytes
+from labkit.meter import active_meter, format_bytes
 from labkit.models import GPTConfig, blocks_of, build_model
 from labkit.precision import PRECISIONS, amp_train_step
 from labkit.progress import progress
@@ -38,10 +38,11 @@ NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
 }
 GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step (the same 2-byte casts; the scaler's skip test reads a value, which
 #                        fake tensors lack) plus GradScaler's scale, growth tracker, found_inf and inv_scale (4 B each)
+_AT_OPTIMIZER: dict = {}  # fake_step's key -> bytes by category when the optimizer step started
 _FLOPS: dict = {}  # (model key, depth, micro-batch, seq_len, checkpointing) -> FLOPs per micro-batch
-PROBE_DEPTHS = {"none": (1, 2), "every": (2, 3), "selective": (2, 3)}  # depths run on fake tensors when identical
-#                                               blocks let the full depth be extrapolated (checked in tests/test_plan.py)
-SQRT_MAX_LAYERS = 12  # sqrt(n) segments change with depth: run at full depth, so only up to this many blocks
+PROBE_DEPTHS = {"none": (3, 4), "every": (3, 4), "selective": (3, 4)}  # depths run on fake tensors for depth="probe"
+DEPTHS = ("full", "probe")  # full: every block on fake tensors (exact); probe: lines through PROBE_DEPTHS (a lower bound)
+SQRT_MAX_LAYERS = 12  # depth="probe": sqrt(n) segments change with depth, so run at full depth up to this many blocks
 
 
 def _gpt2(n_layer: int, n_embd: int, n_head: int) -> GPTConfig:
@@ -235,6 +236,7 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
             checkpoint_blocks(model, **seg)
         opt = make_optimizer("adam", model.parameters())
         create_optimizer_state(opt)
+        opt.register_step_pre_hook(lambda *_: _AT_OPTIMIZER.__setitem__(key, active_meter().current_split()))
 
         def run():
             if count:
@@ -248,24 +250,35 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
         raise ParameterError(f"model: {spec.name} cannot run on fake tensors ({type(e).__name__}: {e}); make the "
                              "operation independent of tensor values or pass a callable that builds a model "
                              "without it") from None
+    states["at_optimizer"] = _AT_OPTIMIZER[key]  # bytes by category when the optimizer step starts
     return peak, split, states, n, _FLOPS[flops_key]
 
 
-def _extrapolated(spec: ModelSpec, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str, precision: str):
-    """Return (peak, split, param bytes, opt bytes, n, FLOPs per micro-batch) at full depth, exactly extrapolated."""
+def _extrapolated(spec: ModelSpec, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str, precision: str,
+                  depth: str = "full"):
+    """Return (peak, split, param bytes, opt bytes, n, FLOPs per micro-batch) at full depth, run or extrapolated.
+
+    depth="probe": the peak is the larger of two lines through the probes (their peaks; the bytes when the optimizer
+    starts plus the rise over them of a step whose activations are negligible). The peak is a maximum of lines in
+    the depth, so this is a lower bound, exact while no steeper line takes over between the probes and full depth.
+    """
     full, probes = spec.n_layer, PROBE_DEPTHS.get(checkpointing)
-    if full is None or probes is None or full <= sum(probes):  # (sqrt(n) segments differ by depth: no probes)
+    if depth == "full" or full is None or probes is None or full <= sum(probes):  # (sqrt(n) segments differ by depth: no probes)
         peak, split, states, n, fl = _fake_run(spec, full, micro_batch, n_micro, seq_len, checkpointing, precision)
         return peak, split, states["parameters"], states["optimizer_state"], n, fl
-    runs = [_fake_run(spec, d, micro_batch, n_micro, seq_len, checkpointing, precision)
-            for d in probes]
+    runs = [_fake_run(spec, d, micro_batch, n_micro, seq_len, checkpointing, precision) for d in probes]
     (a, b), steps = probes, full - probes[0]
 
     def line(lo, hi):
         return lo + (hi - lo) * steps // (b - a)
     lo, hi = runs
-    split = {k: line(lo[1][k], hi[1][k]) for k in lo[1]}
-    return (line(lo[0], hi[0]), split, line(lo[2]["parameters"], hi[2]["parameters"]),
+    peak, split = line(lo[0], hi[0]), {k: line(lo[1][k], hi[1][k]) for k in lo[1]}
+    at_opt = {k: line(lo[2]["at_optimizer"][k], hi[2]["at_optimizer"][k]) for k in lo[1]}
+    quiet = _fake_run(spec, b, 1, n_micro, 1, "none", precision)  # one token per row: the states' own rise
+    rise = quiet[0] - sum(quiet[2]["at_optimizer"].values())
+    if sum(at_opt.values()) + rise > peak:
+        peak, split = sum(at_opt.values()) + rise, {**at_opt, "activations": at_opt["activations"] + rise}
+    return (peak, split, line(lo[2]["parameters"], hi[2]["parameters"]),
             line(lo[2]["optimizer_state"], hi[2]["optimizer_state"]), line(lo[3], hi[3]), line(lo[4], hi[4]))
 
 
@@ -313,19 +326,22 @@ def _check(spec: ModelSpec, device: DeviceProfile, gpus: int, seq_len: int, batc
 
 
 def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: int = 1024, batch: int = 8,
-         precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION) -> Plan:
+         precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "full") -> Plan:
     """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s."""
     spec = model_spec(model)
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
     precisions = tuple(p for p in PRECISIONS if p in device.flops_per_s) if precisions is None else tuple(precisions)
     _check(spec, device, gpus, seq_len, batch, reserve_fraction, precisions)
+    check_choice("depth", depth, DEPTHS)
     checkpointing = (CHECKPOINTING if spec.n_layer is not None else ("none",)) if checkpointing is None else checkpointing
     for c in checkpointing:
         if c != "none" and spec.n_layer is None:
             raise ParameterError(f"checkpointing {c!r}: {spec.name} has no labkit blocks to checkpoint")
         check_choice("checkpointing", c, CHECKPOINTING)
     left_out = dict(NOT_MODELLED)
-    if "sqrt" in checkpointing and spec.n_layer is not None and spec.n_layer > SQRT_MAX_LAYERS:
+    if depth == "probe":
+        left_out["exact peaks"] = "depth='probe' extrapolates from a few blocks: each peak is a lower bound"
+    if depth == "probe" and "sqrt" in checkpointing and spec.n_layer is not None and spec.n_layer > SQRT_MAX_LAYERS:
         checkpointing = tuple(c for c in checkpointing if c != "sqrt")
         left_out["checkpointing sqrt"] = (f"{spec.n_layer} blocks: sqrt(n) segments do not extrapolate from "
                                           f"a few blocks, and a full-depth fake step per combination is slow")
@@ -339,7 +355,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     fake_precisions = sorted({"bf16" if p == "fp16" else p for p in precisions})
     todo = [(mb, n_micro, c, p) for mb, n_micro in memory_keys for c in checkpointing for p in fake_precisions]
     for mb, n_micro, c, p in progress(todo, desc="fake steps"):
-        fake[mb, n_micro, c, p] = _extrapolated(spec, mb, n_micro, seq_len, c, p)
+        fake[mb, n_micro, c, p] = _extrapolated(spec, mb, n_micro, seq_len, c, p, depth)
     for mb, n_micro, c, p in todo:
         if p == "bf16" and "fp16" in precisions:
             peak, split, *rest = fake[mb, n_micro, c, p]
@@ -414,11 +430,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sample")
     ap.add_argument("--batch", type=int, default=8, help="global batch: samples per optimizer step")
     ap.add_argument("--reserve", type=float, default=RESERVE_FRACTION, help="share of device memory held back")
+    ap.add_argument("--depth", choices=DEPTHS, default="full",
+                    help="full: every block on fake tensors (exact); probe: extrapolated from a few (faster, a lower bound)")
     ap.add_argument("--all", action="store_true", help="print every combination, not only the Pareto front")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
     try:
-        p = plan(args.model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve)
+        p = plan(args.model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
+                 depth=args.depth)
     except ParameterError as e:
         ap.error(str(e))
     print(json.dumps(plan_json(p), indent=1) if args.json else format_plan(p, args.all))

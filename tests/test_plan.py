@@ -16,7 +16,8 @@ from labkit.train import make_optimizer, measure_step, seeded_model
 from labkit.validate import ParameterError
 
 SMALL = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=32, vocab_size=128)
-SMALL_LLAMA = dataclasses.replace(P.PRESETS["llama-7b"], n_layer=7, n_embd=64, n_head=4, mlp_hidden=160, vocab_size=512)
+DEEP = GPTConfig(n_layer=16, n_embd=64, n_head=4, block_size=64, vocab_size=8192, mlp_hidden=512)
+DEEP_LLAMA = dataclasses.replace(P.PRESETS["llama-7b"], n_layer=16, n_embd=64, n_head=4, mlp_hidden=512, vocab_size=8192)
 
 
 def cpu_profile(memory_bytes: int) -> DeviceProfile:
@@ -52,15 +53,20 @@ def test_cpu_peaks_match_the_meter_within_one_percent():
 
 @pytest.mark.parametrize("checkpointing", ["none", "every", "selective"])
 @pytest.mark.parametrize("n_micro", [1, 2])
-@pytest.mark.parametrize("cfg", [SMALL, SMALL_LLAMA], ids=["gpt2-style", "llama-style"])
+@pytest.mark.parametrize("cfg", [DEEP, DEEP_LLAMA], ids=["gpt2-style", "llama-style"])
 def test_depth_extrapolation_equals_a_full_depth_run(cfg, checkpointing, n_micro):
-    spec = P.gpt_spec(cfg)
-    full = dataclasses.replace(spec, n_layer=None, key=None)  # run at full depth
+    """Probes give the full depth's states and FLOPs exactly and its peak as a lower bound (exact without accumulation).
 
-    peak, split, param_bytes, opt_bytes, n, flops = P._extrapolated(spec, 2, n_micro, 16, checkpointing, "bf16")
-    f_peak, f_split, f_states, f_n, f_flops = P._fake_run(full, None, 2, n_micro, 16, checkpointing, "bf16")
-    assert (peak, split, n, flops) == (f_peak, f_split, f_n, f_flops)
-    assert (param_bytes, opt_bytes) == (f_states["parameters"], f_states["optimizer_state"])
+    Here the peak's place moves with depth (from the logits to the blocks), which linear extrapolation cannot see.
+    """
+    spec = P.gpt_spec(cfg)
+    peak, split, param_bytes, opt_bytes, n, flops = P._extrapolated(spec, 2, n_micro, 16, checkpointing, "bf16",
+                                                                    "probe")
+    f_peak, f_split, f_param_bytes, f_opt_bytes, f_n, f_flops = P._extrapolated(spec, 2, n_micro, 16, checkpointing,
+                                                                                "bf16", "full")
+    assert (param_bytes, opt_bytes, n, flops) == (f_param_bytes, f_opt_bytes, f_n, f_flops)
+    assert peak <= f_peak
+    assert peak == f_peak or n_micro == 2
 
 
 def test_data_parallel_rows_are_exact_arithmetic():
