@@ -159,3 +159,12 @@ def test_command_prints_the_table_and_json(monkeypatch, capsys):
     assert data["fastest"]["fits"] and len(data["rows"]) > 0
     with pytest.raises(SystemExit):
         P.main(["--model", "tiny", "--gpu", "h100", "--gpus", "3", "--batch", "4"])
+
+
+def test_make_plan_passes_the_settings():
+    from pathlib import Path
+    makefile = (Path(__file__).parents[1] / "Makefile").read_text()
+    recipe = makefile.split("\nplan:", 1)[1].split("\n\n", 1)[0]
+    for part in ("-m labkit.plan", "--model $(MODEL)", "--gpu $(GPU)", "--gpus $(GPUS)", "--seq-len $(SEQ_LEN)",
+                 "--batch $(BATCH)"):
+        assert part in recipe, part
