@@ -1,6 +1,6 @@
 """Plan training of a model on some GPUs: every technique combination's peak from a fake-tensor step, the fastest fit.
 
-Memory comes from labkit.estimate.fake_step (one step run on fake tensors); a step time is a roofline, not a measurement.
+Memory comes from labkit.estimate.fake_step (one step on fake tensors); a step time is a roofline, not a measurement.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from labkit.validate import ParameterError, check_choice, check_float, check_int
 
 RESERVE_FRACTION = 0.10  # share of device memory kept for what tensors do not show: CUDA context, allocator
 #                          rounding and fragmentation, communication buffers
-CHECKPOINTING = ("none", "every", "sqrt", "selective")  # none; every block; round(sqrt(n)) segments; every block, matmuls kept
+CHECKPOINTING = ("none", "every", "sqrt", "selective")  # every block; sqrt(n) segments; every block, matmuls kept
 PARALLEL = ("single", "ddp", "zero1")  # one device; DDP (gradient buckets); ZeRO-1 (optimizer state sharded)
 NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
     "activation offload on": "no fake-tensor step with offload hooks yet",
@@ -41,7 +41,7 @@ GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step (the same 2-byte casts; the
 _AT_OPTIMIZER: dict = {}  # fake_step's key -> bytes by category when the optimizer step started
 _FLOPS: dict = {}  # (model key, depth, micro-batch, seq_len, checkpointing) -> FLOPs per micro-batch
 PROBE_DEPTHS = {"none": (3, 4), "every": (3, 4), "selective": (3, 4)}  # depths run on fake tensors for depth="probe"
-DEPTHS = ("full", "probe")  # full: every block on fake tensors (exact); probe: lines through PROBE_DEPTHS (a lower bound)
+DEPTHS = ("full", "probe")  # full: every block on fake tensors (exact); probe: lines through PROBE_DEPTHS (lower bound)
 SQRT_MAX_LAYERS = 12  # depth="probe": sqrt(n) segments change with depth, so run at full depth up to this many blocks
 
 
@@ -75,7 +75,7 @@ class ModelSpec:
 
     name: str  # shown in the table
     build: Callable  # (n_layer, rows, seq_len) -> (nn.Module, tuple of tensors with `rows` rows)
-    n_layer: int | None  # identical blocks (checkpointable): the depth, extrapolated from PROBE_DEPTHS; None: full depth
+    n_layer: int | None  # identical blocks (checkpointable): their number; None: no labkit blocks, always full depth
     key: str | None  # identifies the model in fake_step's cache (None: not cached)
     max_seq_len: int | None = None  # longest sequence the model takes (a learned position table), None: any
 
@@ -223,7 +223,7 @@ def plan_step(model, optimizer, batch, micro_batch: int, precision: str):
 
 def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str,
               precision: str):
-    """Run the step on fake tensors (labkit.estimate.fake_step); return peak, split, states, n, FLOPs per micro-batch."""
+    """Run the step on fake tensors (estimate.fake_step); return peak, split, states, n, FLOPs per micro-batch."""
     key = None if spec.key is None else ("plan", spec.key, n_layer, micro_batch, n_micro, seq_len, checkpointing,
                                          precision)
     flops_key = (spec.key, n_layer, micro_batch, seq_len, checkpointing)  # FLOPs: the same in every precision
@@ -263,7 +263,7 @@ def _extrapolated(spec: ModelSpec, micro_batch: int, n_micro: int, seq_len: int,
     the depth, so this is a lower bound, exact while no steeper line takes over between the probes and full depth.
     """
     full, probes = spec.n_layer, PROBE_DEPTHS.get(checkpointing)
-    if depth == "full" or full is None or probes is None or full <= sum(probes):  # (sqrt(n) segments differ by depth: no probes)
+    if depth == "full" or full is None or probes is None or full <= sum(probes):  # (sqrt(n): segments vary by depth)
         peak, split, states, n, fl = _fake_run(spec, full, micro_batch, n_micro, seq_len, checkpointing, precision)
         return peak, split, states["parameters"], states["optimizer_state"], n, fl
     runs = [_fake_run(spec, d, micro_batch, n_micro, seq_len, checkpointing, precision) for d in probes]
@@ -333,7 +333,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     precisions = tuple(p for p in PRECISIONS if p in device.flops_per_s) if precisions is None else tuple(precisions)
     _check(spec, device, gpus, seq_len, batch, reserve_fraction, precisions)
     check_choice("depth", depth, DEPTHS)
-    checkpointing = (CHECKPOINTING if spec.n_layer is not None else ("none",)) if checkpointing is None else checkpointing
+    if checkpointing is None:
+        checkpointing = CHECKPOINTING if spec.n_layer is not None else ("none",)
     for c in checkpointing:
         if c != "none" and spec.n_layer is None:
             raise ParameterError(f"checkpointing {c!r}: {spec.name} has no labkit blocks to checkpoint")
@@ -347,7 +348,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
                                           f"a few blocks, and a full-depth fake step per combination is slow")
     t0 = time.perf_counter()
     ranks_list = sorted({r for r in (2**k for k in range(gpus.bit_length())) if batch % r == 0} | {gpus})
-    memory_keys = sorted({(mb, min(rows // mb, 2)) for r in ranks_list for rows in [batch // r] for mb in _divisors(rows)})
+    per_rank = [batch // r for r in ranks_list]
+    memory_keys = sorted({(mb, min(rows // mb, 2)) for rows in per_rank for mb in _divisors(rows)})
     row_bytes = _input_bytes_per_row(spec, seq_len)
     out = Plan(spec.name, device.name, gpus, seq_len, batch, 0, int(device.memory_bytes * (1 - reserve_fraction)),
                reserve_fraction, left_out=left_out)
@@ -431,7 +433,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="global batch: samples per optimizer step")
     ap.add_argument("--reserve", type=float, default=RESERVE_FRACTION, help="share of device memory held back")
     ap.add_argument("--depth", choices=DEPTHS, default="full",
-                    help="full: every block on fake tensors (exact); probe: extrapolated from a few (faster, a lower bound)")
+                    help="full: every block on fake tensors (exact); probe: from a few blocks (faster, a lower bound)")
     ap.add_argument("--all", action="store_true", help="print every combination, not only the Pareto front")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
