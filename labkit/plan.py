@@ -399,8 +399,8 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
     head = (f"{p.model} ({p.n_params / 1e9:.2f} B parameters) on {p.gpus} x {p.device}, seq_len {p.seq_len}, "
             f"batch {p.batch}: budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s")
-    cols = f"{'ranks':>5} {'parallel':>8} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'peak':>10} {'fits':>4} " \
-           f"{'step (s)':>9} {'tokens/s':>10}"
+    cols = (f"{'ranks':>5} {'parallel':>8} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'peak':>10} {'fits':>4} "
+            f"{'step (s)':>9} {'tokens/s':>10}")
     lines = [head, "", "all combinations:" if all_rows else "Pareto front (memory against roofline time):", cols]
     for r in (p.rows if all_rows else p.pareto):
         c = r.combination
