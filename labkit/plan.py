@@ -401,8 +401,13 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s")
     cols = (f"{'ranks':>5} {'parallel':>8} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'peak':>10} {'fits':>4} "
             f"{'step (s)':>9} {'tokens/s':>10}")
-    lines = [head, "", "all combinations:" if all_rows else "Pareto front (memory against roofline time):", cols]
-    for r in (p.rows if all_rows else p.pareto):
+    shown, title = p.rows, "all combinations:"
+    if not all_rows:
+        shown, title = p.pareto, "Pareto front (memory against roofline time):"
+    if not shown:
+        shown, title = sorted(p.rows, key=lambda r: r.peak_bytes)[:5], "nothing fits; the smallest peaks:"
+    lines = [head, "", title, cols]
+    for r in shown:
         c = r.combination
         lines.append(f"{c.ranks:>5} {c.parallel:>8} {c.micro_batch:>5} {c.accum_steps:>5} {c.checkpointing:>9} "
                      f"{c.precision:>4} {format_bytes(r.peak_bytes):>10} {'yes' if r.fits else 'no':>4} "

@@ -160,7 +160,10 @@ def test_command_prints_the_table_and_json(monkeypatch, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["fastest"]["fits"] and len(data["rows"]) > 0
     with pytest.raises(SystemExit):
-        P.main(["--model", "tiny", "--gpu", "h100", "--gpus", "3", "--batch", "4"])
+        P.main(["--model", "tiny", "--gpu", "h100", "--gpus", "3", "--seq-len", "16", "--batch", "4"])
+    assert "batch (4) must be divisible by gpus (3)" in capsys.readouterr().err
+    nothing = P.plan(dataclasses.replace(SMALL, n_layer=2), cpu_profile(1000), 1, 16, 2, checkpointing=("none",))
+    assert nothing.fastest is None and "nothing fits; the smallest peaks:" in P.format_plan(nothing)
 
 
 def test_make_plan_passes_the_settings():
