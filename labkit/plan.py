@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, Unsuppor
 
 from labkit.accumulation import split_batch
 from labkit.checkpointing import checkpoint_blocks
-from labkit.estimate import example_batch, fake_step
+from labkit.estimate import estimate_training_memory, example_batch, fake_step
 from labkit.flops import count_flops
 from labkit.gpus import DeviceProfile, device_profile
 from labkit.meter import active_meter, format_bytes
@@ -30,10 +30,12 @@ from labkit.validate import ParameterError, check_choice, check_float, check_int
 RESERVE_FRACTION = 0.10  # share of device memory kept for what tensors do not show: CUDA context, allocator
 #                          rounding and fragmentation, communication buffers
 CHECKPOINTING = ("none", "every", "sqrt", "selective")  # every block; sqrt(n) segments; every block, matmuls kept
-PARALLEL = ("single", "ddp", "zero1")  # one device; DDP (gradient buckets); ZeRO-1 (optimizer state sharded)
+PARALLEL = ("single", "ddp", "zero1", "fsdp2", "fsdp2-reshard")  # one device; DDP (gradient buckets); ZeRO-1 (Adam
+#   sharded); FSDP2 with reshard_after_forward False / True (labkit.estimate's fake process group, rank 0)
 NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
     "activation offload on": "no fake-tensor step with offload hooks yet",
-    "fsdp2 (reshard False/True)": "estimate's FSDP2 path runs only the plain fp32 step at full depth",
+    "fsdp2 with accumulation, autocast or checkpointing": "estimate's FSDP2 path runs one plain fp32 micro-batch",
+    "fsdp2 of a model not a GPTConfig": "estimate's FSDP2 path builds labkit GPTs only",
     "optimizer state on host": "no fake-tensor step with a host optimizer yet",
 }
 GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step (the same 2-byte casts; the scaler's skip test reads a value, which
@@ -78,6 +80,7 @@ class ModelSpec:
     n_layer: int | None  # identical blocks (checkpointable): their number; None: no labkit blocks, always full depth
     key: str | None  # identifies the model in fake_step's cache (None: not cached)
     max_seq_len: int | None = None  # longest sequence the model takes (a learned position table), None: any
+    config: GPTConfig | None = None  # a labkit GPT's config (FSDP2 rows need it)
 
 
 def gpt_spec(cfg: GPTConfig, name: str = "GPTConfig") -> ModelSpec:
@@ -87,7 +90,7 @@ def gpt_spec(cfg: GPTConfig, name: str = "GPTConfig") -> ModelSpec:
         if c.pos == "rope":
             c = replace(c, block_size=seq_len)  # rotary positions: no table, any length
         return build_model(c), example_batch(c, rows, seq_len)
-    return ModelSpec(name, build, cfg.n_layer, repr(cfg), cfg.block_size if cfg.pos == "learned" else None)
+    return ModelSpec(name, build, cfg.n_layer, repr(cfg), cfg.block_size if cfg.pos == "learned" else None, cfg)
 
 
 def callable_spec(fn: Callable, name: str = "model") -> ModelSpec:
@@ -374,12 +377,34 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
             out.n_params = n
             peak += (rows - mb * n_micro) * row_bytes  # the whole per-rank batch is held; the fake step held n_micro
             split = {**split, "activations": split["activations"] + (rows - mb * n_micro) * row_bytes}
-            for parallel in (("single",) if ranks == 1 else PARALLEL[1:]):
+            for parallel in (("single",) if ranks == 1 else ("ddp", "zero1")):
                 rank_peak, rank_split = _data_parallel(peak, split, param_bytes, opt_bytes, parallel, ranks)
                 out.rows.append(_row(Combination(ranks, parallel, mb, rows // mb, c, p), rank_peak, rank_split,
                                      out.budget_bytes, fl, param_bytes, opt_bytes, device, seq_len * batch))
+    if spec.config is not None and "fp32" in precisions and "none" in checkpointing:
+        out.rows += _fsdp_rows(spec.config, ranks_list, batch, seq_len, device, out.budget_bytes, depth)
     out.elapsed_s = time.perf_counter() - t0
     return out
+
+
+def _fsdp_rows(cfg: GPTConfig, ranks_list, batch: int, seq_len: int, device: DeviceProfile, budget: int,
+               depth: str) -> list:
+    """Return FSDP2 rows (fp32, no accumulation, no checkpointing): rank 0's step from labkit.estimate's fake group."""
+    rows = []
+    for ranks in (r for r in ranks_list if r > 1):
+        mb = batch // ranks
+        flops = _extrapolated(gpt_spec(cfg), mb, 1, seq_len, "none", "fp32", depth)[5]
+        for parallel, stage in (("fsdp2", 2), ("fsdp2-reshard", 3)):
+            est = estimate_training_memory(cfg, mb, seq_len, "adam", ranks, stage)
+            param_bytes = 4 * est.n_params  # the full fp32 parameters: what all-gathers and reduce-scatters move
+            row = _row(Combination(ranks, parallel, mb, 1, "none", "fp32"), est.peak_bytes, est.split, budget, flops,
+                       param_bytes // ranks, est.states["optimizer_state"], device, seq_len * batch)
+            gathers = 2 if stage == 3 else 1  # all-gathers per step (forward, and again in backward when resharded)
+            row.comm_s = (gathers + 1) * (ranks - 1) / ranks * param_bytes / device.peer_bytes_per_s
+            row.step_s = row.compute_s + row.comm_s
+            row.tokens_per_s = seq_len * batch / row.step_s
+            rows.append(row)
+    return rows
 
 
 def _row(comb: Combination, peak: int, split: dict, budget: int, flops_per_micro: float, param_bytes: int,

@@ -173,3 +173,14 @@ def test_make_plan_passes_the_settings():
     for part in ("-m labkit.plan", "--model $(MODEL)", "--gpu $(GPU)", "--gpus $(GPUS)", "--seq-len $(SEQ_LEN)",
                  "--batch $(BATCH)"):
         assert part in recipe, part
+
+
+def test_fsdp2_rows_come_from_the_estimators_sharded_step():
+    from labkit.estimate import estimate_training_memory
+    p = P.plan(SMALL, "h100", gpus=2, seq_len=16, batch=4, checkpointing=("none",), precisions=("fp32",))
+    fsdp = {r.combination.parallel: r for r in p.rows if r.combination.parallel.startswith("fsdp2")}
+    assert set(fsdp) == {"fsdp2", "fsdp2-reshard"}
+    assert fsdp["fsdp2-reshard"].peak_bytes == estimate_training_memory(SMALL, 2, 16, "adam", 2, 3).peak_bytes
+    assert fsdp["fsdp2-reshard"].peak_bytes <= fsdp["fsdp2"].peak_bytes
+    ddp = next(r for r in p.rows if r.combination.parallel == "ddp" and r.combination.micro_batch == 2)
+    assert fsdp["fsdp2-reshard"].peak_bytes < ddp.peak_bytes and fsdp["fsdp2-reshard"].comm_s > ddp.comm_s
