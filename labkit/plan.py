@@ -424,7 +424,7 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
     head = (f"{p.model} ({p.n_params / 1e9:.2f} B parameters) on {p.gpus} x {p.device}, seq_len {p.seq_len}, "
             f"batch {p.batch}: budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s")
-    cols = (f"{'ranks':>5} {'parallel':>8} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'peak':>10} {'fits':>4} "
+    cols = (f"{'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'peak':>10} {'fits':>4} "
             f"{'step (s)':>9} {'tokens/s':>10}")
     shown, title = p.rows, "all combinations:"
     if not all_rows:
@@ -434,7 +434,7 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
     lines = [head, "", title, cols]
     for r in shown:
         c = r.combination
-        lines.append(f"{c.ranks:>5} {c.parallel:>8} {c.micro_batch:>5} {c.accum_steps:>5} {c.checkpointing:>9} "
+        lines.append(f"{c.ranks:>5} {c.parallel:>13} {c.micro_batch:>5} {c.accum_steps:>5} {c.checkpointing:>9} "
                      f"{c.precision:>4} {format_bytes(r.peak_bytes):>10} {'yes' if r.fits else 'no':>4} "
                      f"{r.step_s:>9.3g} {r.tokens_per_s:>10.4g}")
     best = p.fastest
