@@ -187,16 +187,28 @@ def exercise_failures(nb: dict) -> tuple[dict, set, list]:
     return failed, checks, not_run
 
 
+@pytest.fixture(scope="session")
+def lab_session(tmp_path_factory):
+    """One JupyterLab server and one Chromium for this test process, started at their first chapter (labdriver.Lab).
+
+    The server's root is the process's temporary folder, so that every test's copy of a chapter lies under it.
+    """
+    import labdriver
+
+    with labdriver.Lab(tmp_path_factory.mktemp("lab"), tmp_path_factory.getbasetemp()) as lab:
+        yield lab
+
+
 @pytest.fixture
-def execute_notebook(tmp_path, student_copies, monkeypatch):
+def execute_notebook(tmp_path, student_copies, monkeypatch, request):
     """Return a function that runs the student copy of notebooks/<stem>.ipynb with parameters; return its results entry.
 
-    Where Chromium is installed the chapter runs in JupyterLab in the browser (tests/labdriver.py: Run All, its
-    widget panel twice, the notebook saved and read back), else under papermill as `make run` runs it
-    (LABKIT_TEST_PAPERMILL=1 chooses papermill). Either way the copy must run to its end with exactly the
-    exercises' checks failing (their stubs solve nothing). Its figures are checked as they are drawn
-    (workbook.figcheck): a problem not in KNOWN_FIGURE_PROBLEMS fails; so does a section (text under one
-    heading) that printed more than one PASS line.
+    Where Chromium is installed the chapter runs in JupyterLab in the browser (`lab_session`, the test process's
+    server and browser; tests/labdriver.py: Run All, its widget panel twice, the notebook saved and read back),
+    else under papermill as `make run` runs it (LABKIT_TEST_PAPERMILL=1 chooses papermill). Either way the copy must
+    run to its end with exactly the exercises' checks failing (their stubs solve nothing). Its figures are checked
+    as they are drawn (workbook.figcheck): a problem not in KNOWN_FIGURE_PROBLEMS fails; so does a section (text
+    under one heading) that printed more than one PASS line.
     """
     import json
     import os
@@ -223,7 +235,7 @@ def execute_notebook(tmp_path, student_copies, monkeypatch):
         if parameters:  # as papermill -p injects them: a cell after the one tagged `parameters`
             nbformat.write(parameterize_notebook(load_notebook_node(str(path)), parameters), path)
         if in_browser:
-            entry = labdriver.run_chapter(work, stem, tmp_path, timeout_s)
+            entry = request.getfixturevalue("lab_session").run_chapter(work, stem, tmp_path, timeout_s)
         else:
             entry = run_notebook(path, tmp_path, {}, timeout_s)
             entry["path"] = tmp_path / entry["executed"]

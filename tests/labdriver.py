@@ -1,11 +1,12 @@
 """JupyterLab in a real browser, for the tests: a server as `make lab` starts it, Debian's Chromium driven by
 Playwright (which downloads nothing here), and a chapter run as a person runs it.
 
-`run_chapter(folder, stem, out, timeout_s)` is how every whole-chapter test runs its chapter when Chromium is
-there (conftest's `execute_notebook`): JupyterLab on `folder`, Run All, the chapter's widget panel run twice
-(a control moved between), the notebook saved and read back from disk: its records, errors, figure checks and
-PASS lines, as the runner reports a papermill run. The server, the browser and the kernel end with the call,
-on failure too.
+`Lab(base, root)` is one JupyterLab server on `root` and one Chromium for a test process (conftest's session
+fixture `lab_session`); `Lab.run_chapter(folder, stem, out, timeout_s)` is how every whole-chapter test runs its
+chapter when Chromium is there (conftest's `execute_notebook`): a fresh browser context, Run All, the chapter's
+widget panel run twice (a control moved between), the notebook saved and read back from disk: its records,
+errors, figure checks and PASS lines, as the runner reports a papermill run. The chapter's kernel and page end
+with the call, on failure too; the server and the browser end with `Lab.close()`.
 """
 
 from __future__ import annotations
@@ -73,27 +74,44 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+KERNEL_CONFIG = """import json, os, sys
+sys.path.insert(0, {root!r})  # `workbook` is found from any working directory
+c.IPKernelApp.extra_extensions = ['workbook.figcheck']
+_env = os.path.join({envs!r}, os.path.realpath(os.getcwd()).replace(os.sep, '%') + '.json')
+if os.path.exists(_env):  # the run of the notebook in this folder: its variables, its figure-check file
+    with open(_env) as _f:
+        _changes = json.load(_f)
+    os.environ.update(_changes['set'])
+    for _name in _changes['unset']:
+        os.environ.pop(_name, None)
+"""
+
+
+def kernel_env_file(envs: Path, folder: Path) -> Path:
+    """Return the file a kernel started in `folder` reads its environment changes from (KERNEL_CONFIG)."""
+    return envs / (os.path.realpath(folder).replace(os.sep, "%") + ".json")
+
+
 @contextlib.contextmanager
-def serve(base: Path, root: Path, env: dict, figure_checks: Path | None = None):
+def serve(base: Path, root: Path, env: dict, figure_checks: bool = False):
     """Start JupyterLab as `make lab` does, on `root`; yield (url, token); stop it.
 
-    With `figure_checks`, every kernel it starts checks each figure it draws into that file (workbook.figcheck),
-    as the runner's kernels do.
+    With `figure_checks`, every kernel it starts loads workbook.figcheck and first applies the environment
+    changes `kernel_env_file(base / "kernel-env", folder)` holds for its notebook's folder, if any.
     """
-    from workbook import figcheck
-
     lab.install_settings()  # what `make lab` does first
     port, token = free_port(), secrets.token_hex(16)
     env = dict(env, JUPYTER_CONFIG_DIR=str(base / "config"), JUPYTERLAB_SETTINGS_DIR=str(base / "settings"),
                JUPYTER_RUNTIME_DIR=str(base / "runtime"))
     env.setdefault("LABKIT_BUILD_DIR", str(base / "build"))
     env.pop("LABKIT_BATCH", None)  # a person at a browser: live plots and widgets
-    if figure_checks is not None:
+    if figure_checks:
         profile = base / "ipython" / "profile_default"
         profile.mkdir(parents=True, exist_ok=True)
-        (profile / "ipython_kernel_config.py").write_text(  # `workbook` is found from any working directory
-            f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nc.IPKernelApp.extra_extensions = ['workbook.figcheck']\n")
-        env.update(IPYTHONDIR=str(base / "ipython"), **{figcheck.OUT_ENV: str(figure_checks)})
+        (base / "kernel-env").mkdir(exist_ok=True)
+        (profile / "ipython_kernel_config.py").write_text(
+            KERNEL_CONFIG.format(root=str(ROOT), envs=str(base / "kernel-env")))
+        env["IPYTHONDIR"] = str(base / "ipython")
     (base / "workspaces").mkdir(parents=True, exist_ok=True)
     argv = lab.command(root, base / "workspaces", [
         "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
@@ -109,53 +127,55 @@ def serve(base: Path, root: Path, env: dict, figure_checks: Path | None = None):
             stop(proc)
 
 
-@contextlib.contextmanager
-def chromium(profile: Path, limit_s: float = LIMIT_S):
-    """Start Debian's Chromium (its own process group) and connect Playwright to it; kill it after.
-
-    Yields (browser, expired): a watchdog kills the browser after `limit_s`, which ends any Playwright
-    call still waiting on it; `expired()` then says so.
-    """
-    from playwright.sync_api import sync_playwright
-
+def start_chromium(profile: Path) -> tuple[subprocess.Popen, int]:
+    """Start Debian's Chromium in its own process group; return (process, its debugging port) once it answers."""
     port = free_port()
     proc = subprocess.Popen([CHROMIUM, *CHROMIUM_FLAGS, f"--remote-debugging-port={port}",
                              f"--user-data-dir={profile}", "about:blank"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/json/version", timeout=5).close()
+            return proc, port
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                kill_group(proc)
+                raise AssertionError("Chromium did not start")
+            time.sleep(0.2)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill a process started in its own session, with its group, and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def watchdog(proc: subprocess.Popen, limit_s: float) -> tuple[threading.Timer, threading.Event]:
+    """Start a timer that kills `proc`'s group after `limit_s`; return it and the event it sets when it does."""
     expired = threading.Event()
 
     def kill():
         expired.set()
         os.killpg(proc.pid, signal.SIGKILL)
 
-    watchdog = threading.Timer(limit_s, kill)
-    watchdog.daemon = True
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/json/version", timeout=5).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "Chromium did not start"
-                time.sleep(0.2)
-        watchdog.start()
-        with sync_playwright() as p:
-            b = p.chromium.connect_over_cdp(f"http://127.0.0.1:{port}")
-            try:
-                yield b, expired.is_set
-            finally:
-                try:
-                    b.close()
-                except Exception:
-                    pass  # killed by the watchdog already
-    finally:
-        watchdog.cancel()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+    timer = threading.Timer(limit_s, kill)
+    timer.daemon = True
+    timer.start()
+    return timer, expired
+
+
+def start_session(url: str, token: str, path: str) -> None:
+    """Start the kernel of the notebook at `path` (relative to the server's root): JupyterLab opens it attached."""
+    kernel = json.loads(urllib.request.urlopen(f"{url}/api/contents/{path}?token={token}&content=1", timeout=60)
+                        .read())["content"]["metadata"].get("kernelspec", {}).get("name", "python3")
+    body = {"path": path, "name": path.rsplit("/", 1)[-1], "type": "notebook", "kernel": {"name": kernel}}
+    req = urllib.request.Request(f"{url}/api/sessions?token={token}", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=120).close()
 
 
 def delete_sessions(url: str, token: str) -> None:
@@ -195,7 +215,7 @@ def run_all(page, stop_on_error: bool = True, timeout_s: float = RUN_ALL_TIMEOUT
         idle_since = (idle_since or time.monotonic()) if quiet else None
         if quiet and (state["notRun"] == 0 or time.monotonic() - idle_since > 5):
             return state
-        time.sleep(1)
+        time.sleep(0.5)
     raise AssertionError(f"Run All did not finish within {timeout_s:.0f} s: {page.evaluate(STATE_JS)}")
 
 
@@ -208,7 +228,7 @@ def press_run(panel, output) -> tuple[str, str]:
     deadline = time.monotonic() + 180
     last = None
     while time.monotonic() < deadline:
-        time.sleep(1)
+        time.sleep(0.5)
         text, html = status.inner_text().strip(), output.inner_html()
         settled = text in ("done", "does not fit") or text.startswith("error")
         if settled and not button.is_disabled() and html != before and html == last:
@@ -237,45 +257,152 @@ def exercise_panel(page, stem: str) -> None:
     page.screenshot(path=str(SHOTS / f"{stem}.png"))
 
 
-def run_chapter(folder: Path, stem: str, out: Path, timeout_s: float = RUN_ALL_TIMEOUT_S) -> dict:
-    """Run folder/<stem>.ipynb in JupyterLab as a person would; return a results entry like the runner's.
+class Lab:
+    """One JupyterLab server on `root` and one Chromium, each started when first needed and again if it died.
 
-    Run All going on past failed cells tagged `raises-exception` (a student copy's exercise checks), then the
-    widget panel twice; the notebook is saved by JupyterLab and read back: {status, measurements,
-    figure_problems, crowded_sections, path}.
+    Chapters run one after another, each in a fresh browser context, its kernel shut down after it: a chapter
+    that fails, or that the watchdog stopped (it kills the browser), does not carry over into the next.
     """
-    from labkit.results import records_from_notebook
-    from workbook import figcheck
-    from workbook.nbcheck import crowded_sections
 
-    base = out / f"lab-{stem}"
-    base.mkdir(parents=True, exist_ok=True)
-    checks = base / "figures.jsonl"
-    start = time.perf_counter()
-    with serve(base, folder, dict(os.environ), figure_checks=checks) as (url, token), \
-            chromium(base / "profile", min(LIMIT_S, timeout_s + 240)) as (b, expired):
-        page = b.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    def __init__(self, base: Path, root: Path):
+        self.base, self.root = base, root
+        self.server = None  # (ExitStack, url, token)
+        self.browser = None  # (Chromium's process, its debugging port)
+        self.env: dict = {}  # the server's environment: a chapter's kernel gets what differs from it
+
+    def __enter__(self) -> "Lab":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def address(self) -> tuple[str, str]:
+        """Return the server's (url, token), starting the server first where it is not running."""
+        if self.server is not None:
+            _, url, token = self.server
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=10).close()
+                return url, token
+            except OSError:
+                self._stop_server()
+        stack = contextlib.ExitStack()
+        self.env = dict(os.environ)
+        url, token = stack.enter_context(serve(self.base, self.root, self.env, figure_checks=True))
+        self.server = (stack, url, token)
+        return url, token
+
+    def _chromium(self) -> tuple[subprocess.Popen, int]:
+        if self.browser is not None:
+            proc, port = self.browser
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/json/version", timeout=10).close()
+                return self.browser
+            except OSError:
+                self._stop_browser()
+        self.browser = start_chromium(self.base / "profile")
+        return self.browser
+
+    @contextlib.contextmanager
+    def chromium(self):
+        """Yield the Playwright browser connected to the process's Chromium (started where it is not running).
+
+        Playwright's sync API holds an asyncio loop in this thread while it runs: it stops when the block ends,
+        so that the tests after it may run their own loops (papermill, nbclient).
+        """
+        from playwright.sync_api import sync_playwright
+
+        _, port = self._chromium()
+        with sync_playwright() as p:
+            b = p.chromium.connect_over_cdp(f"http://127.0.0.1:{port}")
+            try:
+                yield b
+            finally:
+                try:
+                    b.close()  # disconnects: Chromium goes on
+                except Exception:
+                    pass  # killed by the watchdog already
+
+    def _stop_browser(self) -> None:
+        if self.browser is not None:
+            proc = self.browser[0]
+            self.browser = None
+            kill_group(proc)
+
+    def _stop_server(self) -> None:
+        if self.server is not None:
+            stack = self.server[0]
+            self.server = None
+            stack.close()
+
+    def close(self) -> None:
+        """Stop the browser and the server (every kernel it started goes with it)."""
         try:
-            page.goto(f"{url}/lab/tree/{stem}.ipynb?token={token}&reset")
-            run_all(page, stop_on_error=False, timeout_s=timeout_s)  # the saved notebook tells what ran and failed
-            exercise_panel(page, stem)
-            page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+            self._stop_browser()
+        finally:
+            self._stop_server()
+
+    def kernel_env(self, figure_checks: Path) -> dict:
+        """Return the environment changes a chapter's kernel applies: this process's variables, its figure file."""
+        from workbook import figcheck
+
+        now = dict(os.environ, **{figcheck.OUT_ENV: str(figure_checks)})
+        now.pop("LABKIT_BATCH", None)  # a person at a browser: live plots and widgets
+        return {"set": {k: v for k, v in now.items() if self.env.get(k) != v},
+                "unset": sorted(k for k in self.env if k not in now and k != "LABKIT_BATCH")}
+
+    def run_chapter(self, folder: Path, stem: str, out: Path, timeout_s: float = RUN_ALL_TIMEOUT_S,
+                    panel: bool = True) -> dict:
+        """Run folder/<stem>.ipynb in JupyterLab as a person would; return a results entry like the runner's.
+
+        `folder` lies under the server's root. Run All going on past failed cells tagged `raises-exception` (a
+        student copy's exercise checks), then the widget panel twice (with `panel`); the notebook is saved by
+        JupyterLab and read back: {status, wall_s, measurements, figure_problems, crowded_sections, path}.
+        """
+        import nbformat
+
+        from labkit.results import records_from_notebook
+        from workbook import figcheck
+        from workbook.nbcheck import crowded_sections
+
+        run_dir = out / f"lab-{stem}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        checks = run_dir / "figures.jsonl"
+        start = time.perf_counter()
+        url, token = self.address()
+        proc, _ = self._chromium()
+        env_file = kernel_env_file(self.base / "kernel-env", folder)
+        env_file.write_text(json.dumps(self.kernel_env(checks)))
+        relative = (Path(folder) / f"{stem}.ipynb").resolve().relative_to(Path(self.root).resolve()).as_posix()
+        timer, expired = watchdog(proc, min(LIMIT_S, timeout_s + 240))
+        try:
+            start_session(url, token, relative)  # the kernel starts while the page loads
+            with self.chromium() as b:
+                context = b.new_context(viewport={"width": 1400, "height": 1000})
+                try:
+                    page = context.new_page()
+                    page.goto(f"{url}/lab/tree/{relative}?token={token}&reset")
+                    run_all(page, stop_on_error=False, timeout_s=timeout_s)  # the saved notebook tells what ran
+                    if panel:
+                        exercise_panel(page, stem)
+                    page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+                finally:
+                    try:
+                        context.close()
+                    except Exception:
+                        pass  # the browser is gone (watchdog)
         except Exception as e:
-            if expired():
+            if expired.is_set():
                 raise AssertionError(f"{stem} still ran after the watchdog's limit: it killed the browser") from e
             raise
         finally:
-            try:
-                page.close()
-            except Exception:
-                pass  # the browser is gone (watchdog)
+            timer.cancel()
+            if expired.is_set():
+                self._stop_browser()
+            env_file.unlink(missing_ok=True)
             delete_sessions(url, token)  # its kernel, and the kernel's children, end here
-    import nbformat
-
-    path = folder / f"{stem}.ipynb"
-    nb = nbformat.read(path, as_version=4)
-    entry = {"status": "ok", "wall_s": round(time.perf_counter() - start, 3),
-             "measurements": records_from_notebook(nb),
-             "figure_problems": figcheck.problems_by_cell(nb, figcheck.read_lines(checks)),
-             "crowded_sections": crowded_sections(nb), "path": path}
-    return entry
+        path = folder / f"{stem}.ipynb"
+        nb = nbformat.read(path, as_version=4)
+        return {"status": "ok", "wall_s": round(time.perf_counter() - start, 3),
+                "measurements": records_from_notebook(nb),
+                "figure_problems": figcheck.problems_by_cell(nb, figcheck.read_lines(checks)),
+                "crowded_sections": crowded_sections(nb), "path": path}

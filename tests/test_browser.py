@@ -4,18 +4,22 @@ JupyterLab starts on loopback with a token, by the command `make lab` runs (work
 copy of the notebooks; headless Chromium is Debian's (`/usr/bin/chromium`, or $LABKIT_CHROMIUM),
 driven by Playwright, which downloads nothing here (tests/labdriver.py). Every chapter's Run All and
 widget panel run in the browser too, in its whole-chapter test (conftest's `execute_notebook`), so
-that no test here runs a chapter again. Screenshots land in build/browser/. The server and the
-browser end with the module, on failure too.
+that no test here runs a chapter again; the last test checks that a run there which fails leaves the
+next its own kernel and environment. Screenshots land in build/browser/. The servers started here end
+with their module, on failure too; the browser is the test process's one (conftest's `lab_session`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import shutil
 import subprocess
-import json
+import urllib.request
 from pathlib import Path
 
+import nbformat
 import pytest
 
 import labdriver
@@ -55,15 +59,15 @@ def student_server(tmp_path_factory):
 
 
 @pytest.fixture
-def browser(tmp_path):
-    """Debian's Chromium driven by Playwright; yields (browser, expired) (labdriver.chromium)."""
-    with labdriver.chromium(tmp_path / "profile") as b:
+def browser(lab_session):
+    """The test process's Chromium (conftest's `lab_session`), driven by Playwright for this test."""
+    with lab_session.chromium() as b:
         yield b
 
 
 def test_jupyterlab_opens_on_the_first_chapter_without_a_prompt(server, browser):
     url, token = server
-    page = browser[0].new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
     try:
         page.goto(f"{url}/?token={token}")
         try:
@@ -78,7 +82,7 @@ def test_jupyterlab_opens_on_the_first_chapter_without_a_prompt(server, browser)
         has = page.evaluate(f"() => {json.dumps(TEACHER_COMMANDS)}.filter(c => window.jupyterapp.commands.hasCommand(c))")
         assert has == TEACHER_COMMANDS, f"the teacher's lab lacks nbgrader's tools: only {has}"  # the student lab's differ
     finally:
-        page.close()
+        page.context.close()
         labdriver.delete_sessions(url, token)
 
 
@@ -105,8 +109,7 @@ def test_optuna_dashboard_shows_a_study_of_the_chapters_storage(browser, tmp_pat
     try:
         labdriver.wait_until_answers(f"http://127.0.0.1:{port}/api/studies", proc, tmp_path / "dashboard.log",
                                      "optuna-dashboard", 60)
-        b, _ = browser
-        page = b.contexts[0].new_page() if b.contexts else b.new_page()
+        page = browser.new_context().new_page()
         page.goto(f"http://127.0.0.1:{port}/dashboard", timeout=60_000)
         page.wait_for_selector("text=dashboard-check", timeout=60_000)
         SHOTS.mkdir(parents=True, exist_ok=True)
@@ -115,7 +118,7 @@ def test_optuna_dashboard_shows_a_study_of_the_chapters_storage(browser, tmp_pat
         page.wait_for_url("**/studies/**", timeout=60_000)  # the study's own page
         page.wait_for_load_state("networkidle", timeout=60_000)
         page.screenshot(path=str(SHOTS / "optuna-dashboard-study.png"), full_page=True)
-        page.close()
+        page.context.close()
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=20)
@@ -129,8 +132,7 @@ def test_the_student_lab_opens_a_student_copy_without_the_teacher_tools(student_
     own check (they run the student copies in this browser): this test does not run the chapter again.
     """
     url, token = student_server
-    b, _ = browser
-    page = b.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
     try:
         page.goto(f"{url}/lab/tree/{STUDENT_CHAPTER}?token={token}&reset")
         page.wait_for_function("() => window.jupyterapp?.shell.currentWidget?.sessionContext?.isReady", timeout=120_000)
@@ -143,5 +145,36 @@ def test_the_student_lab_opens_a_student_copy_without_the_teacher_tools(student_
         SHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SHOTS / f"student-{Path(STUDENT_CHAPTER).stem}.png"))
     finally:
-        page.close()
+        page.context.close()
         labdriver.delete_sessions(url, token)
+
+
+def _tiny_notebook(path: Path, *sources: str) -> None:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in sources])
+    nb.metadata.kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+
+
+def test_a_chapter_that_hangs_leaves_the_next_one_a_fresh_kernel_and_its_own_environment(lab_session, tmp_path,
+                                                                                       monkeypatch):
+    """The process's shared server and browser (conftest's `lab_session`): a run that fails does not leak into
+    the next run, which sees its own variables and figure-check file, and no kernel outlives its run."""
+    monkeypatch.setenv("LABKIT_BUILD_DIR", str(tmp_path / "hung-build"))
+    plot = "import matplotlib.pyplot as plt\nplt.plot([0, 1])\nplt.show()"
+    _tiny_notebook(tmp_path / "hung" / "hang.ipynb", plot, "import time\ntime.sleep(600)")
+    with pytest.raises(AssertionError, match="did not finish"):
+        lab_session.run_chapter(tmp_path / "hung", "hang", tmp_path / "out-hung", timeout_s=10, panel=False)
+    monkeypatch.setenv("LABKIT_BUILD_DIR", str(tmp_path / "next-build"))
+    _tiny_notebook(tmp_path / "next" / "next.ipynb", "import os\nprint(os.environ['LABKIT_BUILD_DIR'])", plot)
+    entry = lab_session.run_chapter(tmp_path / "next", "next", tmp_path / "out-next", timeout_s=120, panel=False)
+    nb = nbformat.read(entry["path"], as_version=4)
+    printed = "".join(o.get("text", "") for c in nb.cells for o in c.outputs)
+    assert printed.strip() == str(tmp_path / "next-build"), printed
+    assert [c.execution_count for c in nb.cells] == [1, 2], "the second run's kernel is not a fresh one"
+    assert (tmp_path / "out-next" / "lab-next" / "figures.jsonl").read_text().count("\n") == 1
+    assert (tmp_path / "out-hung" / "lab-hang" / "figures.jsonl").read_text().count("\n") == 1
+    url, token = lab_session.address()
+    with urllib.request.urlopen(f"{url}/api/kernels?token={token}", timeout=30) as r:
+        assert json.load(r) == [], "a run's kernel outlived it"
+    asyncio.run(asyncio.sleep(0))  # Playwright left no event loop running: papermill's runs after it work
