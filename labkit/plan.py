@@ -20,7 +20,7 @@ from labkit.checkpointing import checkpoint_blocks
 from labkit.estimate import estimate_training_memory, example_batch, fake_step
 from labkit.flops import count_flops
 from labkit.gpus import DeviceProfile, device_profile
-from labkit.meter import active_meter, format_bytes
+from labkit.meter import CATEGORIES, active_meter, format_bytes
 from labkit.models import GPTConfig, blocks_of, build_model
 from labkit.precision import PRECISIONS, amp_train_step
 from labkit.progress import progress
@@ -42,9 +42,12 @@ GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step (the same 2-byte casts; the
 #                        fake tensors lack) plus GradScaler's scale, growth tracker, found_inf and inv_scale (4 B each)
 _AT_OPTIMIZER: dict = {}  # fake_step's key -> bytes by category when the optimizer step started
 _FLOPS: dict = {}  # (model key, depth, micro-batch, seq_len, checkpointing) -> FLOPs per micro-batch
-PROBE_DEPTHS = {"none": (3, 4), "every": (3, 4), "selective": (3, 4)}  # depths run on fake tensors for depth="probe"
-DEPTHS = ("full", "probe")  # full: every block on fake tensors (exact); probe: lines through PROBE_DEPTHS (lower bound)
-SQRT_MAX_LAYERS = 12  # depth="probe": sqrt(n) segments change with depth, so run at full depth up to this many blocks
+_FITS: dict = {}  # (model key, n_micro, seq_len, checkpointing, precision) -> _fit's figures (None: not affine)
+_RISE: dict = {}  # model key -> bytes the optimizer step adds to what its start holds
+DEPTHS = ("fast", "full", "probe")  # fast: exact arithmetic over runs at FAST_DEPTHS; full: every block on fake
+#                                     tensors (the reference); probe: the former name of fast
+FAST_DEPTHS = (2, 3)  # depth="fast": blocks of the small runs (each with micro-batches of 1 and 2 rows); one apart
+FULL_MAX_LAYERS = 12  # depth="fast": sqrt(n) segments and FSDP2 rows run at full depth up to this many blocks
 
 
 def _gpt2(n_layer: int, n_embd: int, n_head: int) -> GPTConfig:
@@ -191,7 +194,7 @@ class Plan:
     reserve_fraction: float
     rows: list = field(default_factory=list)
     left_out: dict = field(default_factory=dict)  # what -> why
-    fake_steps: int = 0  # memory-relevant combinations run on fake tensors (each at PROBE_DEPTHS or full depth)
+    fake_steps: int = 0  # memory-relevant combinations run on fake tensors (each at FAST_DEPTHS or full depth)
     elapsed_s: float = 0.0
 
     @property
@@ -224,11 +227,54 @@ def plan_step(model, optimizer, batch, micro_batch: int, precision: str):
     return amp_train_step(model, optimizer, split_batch(batch, micro_batch), precision=precision)
 
 
+class _AtOptimizer(Exception):
+    """Raised where a traced step's optimizer step starts: what follows is _RISE's, the same in every combination."""
+
+
+def _tag_blocks(meter, model) -> None:
+    """Make the meter tag each event (micro-batch, position): "pre", the index of the block that runs, or "post"."""
+    blocks = blocks_of(model)
+    micro = [-1]
+
+    def tag(pos):
+        meter.tag = (micro[0], pos)
+
+    def model_pre(module, args):
+        if torch._C._current_graph_task_id() == -1:
+            micro[0] += 1
+            tag("pre")
+
+    def block_pre(i):
+        def hook(module, args):
+            if torch._C._current_graph_task_id() == -1:  # (not a checkpoint's recomputation in backward)
+                tag(i)
+                if i == 0 and args[0].requires_grad:
+                    args[0].register_hook(lambda grad: tag("pre"))  # backward leaves the blocks
+        return hook
+
+    def block_post(i):
+        def hook(module, args, out):
+            if torch._C._current_graph_task_id() == -1:
+                if out.requires_grad:
+                    out.register_hook(lambda grad: tag(i))  # backward reaches block i
+                if i == len(blocks) - 1:
+                    tag("post")
+        return hook
+    model.register_forward_pre_hook(model_pre)
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(block_pre(i))
+        block.register_forward_hook(block_post(i))
+
+
 def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str,
-              precision: str):
-    """Run the step on fake tensors (estimate.fake_step); return peak, split, states, n, FLOPs per micro-batch."""
+              precision: str, trace: bool = False, whole: bool = True):
+    """Run the step on fake tensors (estimate.fake_step); return peak, split, states, n, FLOPs per micro-batch.
+
+    trace: the events tagged by block (_tag_blocks) and a sixth item, fake_step's trace; whole=False: stop where the
+    optimizer step starts (states["at_optimizer"] is then what the step held there).
+    """
     key = None if spec.key is None else ("plan", spec.key, n_layer, micro_batch, n_micro, seq_len, checkpointing,
-                                         precision)
+                                         precision, trace, whole)
     flops_key = (spec.key, n_layer, micro_batch, seq_len, checkpointing)  # FLOPs: the same in every precision
     count = spec.key is None or flops_key not in _FLOPS
 
@@ -239,50 +285,168 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
             checkpoint_blocks(model, **seg)
         opt = make_optimizer("adam", model.parameters())
         create_optimizer_state(opt)
-        opt.register_step_pre_hook(lambda *_: _AT_OPTIMIZER.__setitem__(key, active_meter().current_split()))
+        opt.register_step_pre_hook(lambda *_: _at_optimizer(key, whole))
+
+        def attach(meter):
+            meter.track(model, opt, *batch)
+            if trace:
+                _tag_blocks(meter, model)
+
+        def step():
+            try:
+                plan_step(model, opt, batch, micro_batch, precision)
+            except _AtOptimizer:
+                pass
 
         def run():
             if count:
-                _FLOPS[flops_key] = count_flops(plan_step, model, opt, batch, micro_batch, precision) / n_micro
+                _FLOPS[flops_key] = count_flops(step) / n_micro
             else:
-                plan_step(model, opt, batch, micro_batch, precision)
-        return model, lambda meter: meter.track(model, opt, *batch), run
+                step()
+        return model, attach, run
     try:
-        peak, split, states, n = fake_step(key, build)
+        peak, split, states, n, *events = fake_step(key, build, trace)
     except (DataDependentOutputException, UnsupportedOperatorException) as e:
         raise ParameterError(f"model: {spec.name} cannot run on fake tensors ({type(e).__name__}: {e}); make the "
                              "operation independent of tensor values or pass a callable that builds a model "
                              "without it") from None
     states["at_optimizer"] = _AT_OPTIMIZER[key]  # bytes by category when the optimizer step starts
-    return peak, split, states, n, _FLOPS[flops_key]
+    return (peak, split, states, n, _FLOPS[flops_key], *events)
+
+
+def _at_optimizer(key, whole: bool) -> None:
+    """Keep the bytes by category where the optimizer step starts; raise _AtOptimizer unless the step runs whole."""
+    _AT_OPTIMIZER[key] = active_meter().current_split()
+    if not whole:
+        raise _AtOptimizer
 
 
 def _extrapolated(spec: ModelSpec, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str, precision: str,
-                  depth: str = "full"):
-    """Return (peak, split, param bytes, opt bytes, n, FLOPs per micro-batch) at full depth, run or extrapolated.
+                  depth: str = "fast"):
+    """Return (peak, split, param bytes, opt bytes, n, FLOPs per micro-batch) at full depth, exact.
 
-    depth="probe": the peak is the larger of two lines through the probes (their peaks; the bytes when the optimizer
-    starts plus the rise over them of a step whose activations are negligible). The peak is a maximum of lines in
-    the depth, so this is a lower bound, exact while no steeper line takes over between the probes and full depth.
+    depth="fast" (identical blocks, not sqrt(n) segments): arithmetic over small runs (_fit); a full-depth run where
+    the small runs do not repeat block by block.
     """
-    full, probes = spec.n_layer, PROBE_DEPTHS.get(checkpointing)
-    if depth == "full" or full is None or probes is None or full <= sum(probes):  # (sqrt(n): segments vary by depth)
-        peak, split, states, n, fl = _fake_run(spec, full, micro_batch, n_micro, seq_len, checkpointing, precision)
-        return peak, split, states["parameters"], states["optimizer_state"], n, fl
-    runs = [_fake_run(spec, d, micro_batch, n_micro, seq_len, checkpointing, precision) for d in probes]
-    (a, b), steps = probes, full - probes[0]
+    full = spec.n_layer
+    if depth != "full" and full is not None and full > FAST_DEPTHS[-1] and checkpointing != "sqrt":
+        fit_key = (spec.key, n_micro, seq_len, checkpointing, precision)
+        if fit_key not in _FITS:
+            _FITS[fit_key] = _fit(spec, n_micro, seq_len, checkpointing, precision)
+        if _FITS[fit_key] is not None:
+            return _at_rows(_FITS[fit_key], micro_batch)
+    peak, split, states, n, fl = _fake_run(spec, full, micro_batch, n_micro, seq_len, checkpointing, precision)
+    return peak, split, states["parameters"], states["optimizer_state"], n, fl
 
-    def line(lo, hi):
-        return lo + (hi - lo) * steps // (b - a)
-    lo, hi = runs
-    peak, split = line(lo[0], hi[0]), {k: line(lo[1][k], hi[1][k]) for k in lo[1]}
-    at_opt = {k: line(lo[2]["at_optimizer"][k], hi[2]["at_optimizer"][k]) for k in lo[1]}
-    quiet = _fake_run(spec, b, 1, n_micro, 1, "none", precision)  # one token per row: the states' own rise
-    rise = quiet[0] - sum(quiet[2]["at_optimizer"].values())
-    if sum(at_opt.values()) + rise > peak:
-        peak, split = sum(at_opt.values()) + rise, {**at_opt, "activations": at_opt["activations"] + rise}
-    return (peak, split, line(lo[2]["parameters"], hi[2]["parameters"]),
-            line(lo[2]["optimizer_state"], hi[2]["optimizer_state"]), line(lo[3], hi[3]), line(lo[4], hi[4]))
+
+def _keyed(events, n_layer: int, last_apart: bool) -> list:
+    """Return [(key, block index or None, bytes by category)]: a traced step's rises, keyed alike at every depth.
+
+    Only events that raise the bytes can make a peak; frees are left out (autocast frees its weight casts, as many
+    as the blocks, at once). last_apart: the last block is a position of its own (checkpointing leaves it unchecked).
+    """
+    out, runs, prev, j, before = [], {}, None, 0, 0
+    for phase, tag, split in events:
+        micro, pos = (None, "start") if tag is None else tag
+        if last_apart and pos == n_layer - 1:
+            pos = "last"
+        here = (micro, phase, pos)
+        if here != prev:
+            runs[here] = runs.get(here, -1) + 1
+            prev, j = here, 0
+        now, before = before, sum(split)
+        if before <= now:
+            continue
+        block = isinstance(pos, int)
+        out.append(((micro, phase, "block" if block else pos, runs[here], j), pos if block else None, split))
+        j += 1
+    return out
+
+
+def _line(lo, hi, steps: int) -> tuple:
+    """Return lo + (hi - lo) * steps, element by element."""
+    return tuple(a + (b - a) * steps for a, b in zip(lo, hi))
+
+
+def _full_depth_events(small, big, n_layer: int, last_apart: bool) -> list | None:
+    """Return the full depth's candidate events [(key, bytes by category)] in time order from runs at FAST_DEPTHS.
+
+    Bytes at a key are affine in the depth and, inside the blocks, in the block index, so a maximum over the blocks
+    sits at the first or the last of them; None when the runs do not repeat block by block (checked, not assumed).
+    """
+    d0, d1 = FAST_DEPTHS
+    n0, n1, n = (d0 - 1, d1 - 1, n_layer - 1) if last_apart else (d0, d1, n_layer)  # blocks keyed as blocks
+    keyed = _keyed(big, d1, last_apart)
+    at0 = {(k, i): v for k, i, v in _keyed(small, d0, last_apart)}
+    at1 = {(k, i): v for k, i, v in keyed}
+    blocks = {k for k, i in at1 if i is not None}
+    if ({k for k, i in at0 if i is None} != {k for k, i in at1 if i is None}
+            or blocks != {k for k, i in at0 if i is not None} or len(at0) != len(at1) - len(blocks) * (n1 - n0)
+            or any((k, i) not in at1 for k in blocks for i in range(n1)) or n1 < 2):
+        return None
+    out = []
+    for k, i, v in keyed:
+        if i is None:
+            out.append((k, _line(at0[k, i], v, n_layer - d0)))
+            continue
+        step = tuple(b - a for a, b in zip(at1[k, 0], at1[k, 1]))  # one block further in
+        if any(at[k, b] != tuple(x + s * b for x, s in zip(at[k, 0], step))
+               for at, m in ((at0, n0), (at1, n1)) for b in range(m)):
+            return None
+        first = _line(at0[k, 0], at1[k, 0], n_layer - d0)
+        if i == 0:
+            out.append((k, first))
+        elif i == n1 - 1:
+            out.append((k + ("last",), tuple(x + s * (n - 1) for x, s in zip(first, step))))
+    return out
+
+
+def _fit(spec: ModelSpec, n_micro: int, seq_len: int, checkpointing: str, precision: str):
+    """Return full-depth figures for micro-batches of 1, 2 and 3 rows from traced runs at FAST_DEPTHS (None: not exact).
+
+    Every tensor's bytes are independent of the rows or proportional to them, and runs with 2 and 3 rows run the same
+    operators (checked), so bytes at 2 rows or more are a line through the two (_at_rows). One row is run apart: some
+    operators skip a copy when a dimension has size 1.
+    """
+    L = spec.n_layer
+    d0, d1 = FAST_DEPTHS
+    rows = {}
+    for mb in (1, 2, 3):
+        runs = [_fake_run(spec, d, mb, n_micro, seq_len, checkpointing, precision, trace=True, whole=False)
+                for d in FAST_DEPTHS]
+        events = _full_depth_events(runs[0][5], runs[1][5], L, False)
+        if events is None:
+            events = _full_depth_events(runs[0][5], runs[1][5], L, True)
+        if events is None:
+            return None
+        at_opt = [tuple(r[2]["at_optimizer"][c] for c in CATEGORIES) for r in runs]
+        rows[mb] = (events, _line(*at_opt, L - d0), _line((runs[0][4],), (runs[1][4],), L - d0)[0],
+                    _line((runs[0][3],), (runs[1][3],), L - d0)[0])
+    if [k for k, _ in rows[2][0]] != [k for k, _ in rows[3][0]]:
+        return None
+    if spec.key not in _RISE:
+        run = _fake_run(spec, d0, 1, 1, 1, "none", "fp32", trace=True)
+        start = next(k for k, (phase, _, _) in enumerate(run[5]) if phase == "optimizer")
+        _RISE[spec.key] = max(sum(v) for _, _, v in run[5][start:]) - sum(run[2]["at_optimizer"].values())
+    return rows, _RISE[spec.key]
+
+
+def _at_rows(fit, micro_batch: int):
+    """Return _extrapolated's tuple at `micro_batch` rows from _fit's figures (a line through 2 and 3 rows)."""
+    rows, rise = fit
+    one, two = (rows[1], rows[1]) if micro_batch == 1 else (rows[2], rows[3])
+    steps = 0 if micro_batch == 1 else micro_batch - 2
+    peak, split = -1, None
+    for (_, a), (_, b) in zip(one[0], two[0]):
+        v = _line(a, b, steps)
+        if sum(v) > peak:
+            peak, split = sum(v), v
+    at_opt = _line(one[1], two[1], steps)
+    if sum(at_opt) + rise > peak:
+        peak, split = sum(at_opt) + rise, at_opt[:3] + (at_opt[3] + rise,)
+    flops = one[2] + (two[2] - one[2]) * steps
+    split = dict(zip(CATEGORIES, split))
+    return peak, split, at_opt[0], at_opt[2], one[3], flops
 
 
 def _data_parallel(peak: int, split: dict, param_bytes: int, opt_bytes: int, parallel: str, ranks: int):
@@ -329,7 +493,7 @@ def _check(spec: ModelSpec, device: DeviceProfile, gpus: int, seq_len: int, batc
 
 
 def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: int = 1024, batch: int = 8,
-         precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "full") -> Plan:
+         precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "fast") -> Plan:
     """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s."""
     spec = model_spec(model)
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
@@ -343,12 +507,14 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
             raise ParameterError(f"checkpointing {c!r}: {spec.name} has no labkit blocks to checkpoint")
         check_choice("checkpointing", c, CHECKPOINTING)
     left_out = dict(NOT_MODELLED)
-    if depth == "probe":
-        left_out["exact peaks"] = "depth='probe' extrapolates from a few blocks: each peak is a lower bound"
-    if depth == "probe" and "sqrt" in checkpointing and spec.n_layer is not None and spec.n_layer > SQRT_MAX_LAYERS:
+    deep = depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS
+    if deep and "sqrt" in checkpointing:
         checkpointing = tuple(c for c in checkpointing if c != "sqrt")
-        left_out["checkpointing sqrt"] = (f"{spec.n_layer} blocks: sqrt(n) segments do not extrapolate from "
-                                          f"a few blocks, and a full-depth fake step per combination is slow")
+        left_out["checkpointing sqrt"] = (f"{spec.n_layer} blocks: sqrt(n) segments change with depth, so only a "
+                                          "full-depth fake step is exact (--depth full)")
+    if deep and spec.config is not None:
+        left_out["fsdp2"] = (f"{spec.n_layer} blocks: the sharded fake step runs at full depth only "
+                             "(--depth full)")
     t0 = time.perf_counter()
     ranks_list = sorted({r for r in (2**k for k in range(gpus.bit_length())) if batch % r == 0} | {gpus})
     per_rank = [batch // r for r in ranks_list]
@@ -381,7 +547,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
                 rank_peak, rank_split = _data_parallel(peak, split, param_bytes, opt_bytes, parallel, ranks)
                 out.rows.append(_row(Combination(ranks, parallel, mb, rows // mb, c, p), rank_peak, rank_split,
                                      out.budget_bytes, fl, param_bytes, opt_bytes, device, seq_len * batch))
-    if spec.config is not None and "fp32" in precisions and "none" in checkpointing:
+    if spec.config is not None and "fp32" in precisions and "none" in checkpointing and not deep:
         out.rows += _fsdp_rows(spec.config, ranks_list, batch, seq_len, device, out.budget_bytes, depth)
     out.elapsed_s = time.perf_counter() - t0
     return out
@@ -462,8 +628,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sample")
     ap.add_argument("--batch", type=int, default=8, help="global batch: samples per optimizer step")
     ap.add_argument("--reserve", type=float, default=RESERVE_FRACTION, help="share of device memory held back")
-    ap.add_argument("--depth", choices=DEPTHS, default="full",
-                    help="full: every block on fake tensors (exact); probe: from a few blocks (faster, a lower bound)")
+    ap.add_argument("--depth", choices=DEPTHS[:2], default="fast",
+                    help="fast: exact arithmetic over a few blocks; full: every block on fake tensors (the reference)")
     ap.add_argument("--all", action="store_true", help="print every combination, not only the Pareto front")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
