@@ -517,7 +517,8 @@ class MemoryMeter(TorchDispatchMode):
         if new > self.peak_bytes:
             self.peak_bytes = new
             self._peak_seq = self._seq
-            if len(self._history) > 2048 and not self.every_record:  # records freed before this peak can never matter again
+            # records freed before this peak can never matter again (but to timeline_splits, with every_record)
+            if len(self._history) > 2048 and not self.every_record:
                 self._history = [r for r in self._history if r.free_seq is None or r.free_seq > self._peak_seq]
         self._note()
 

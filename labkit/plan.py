@@ -46,7 +46,8 @@ _FITS: dict = {}  # (model key, n_micro, seq_len, checkpointing, precision) -> _
 _RISE: dict = {}  # model key -> bytes the optimizer step adds to what its start holds
 DEPTHS = ("fast", "full", "probe")  # fast: exact arithmetic over runs at FAST_DEPTHS; full: every block on fake
 #                                     tensors (the reference); probe: the former name of fast
-FAST_DEPTHS = (2, 3)  # depth="fast": blocks of the small runs (each with micro-batches of 1 and 2 rows); one apart
+FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "selective": (2, 3)}  # depth="fast": blocks of the small runs, one
+#   apart (checkpointing leaves the last block unchecked: two more blocks show the checked ones' step)
 FULL_MAX_LAYERS = 12  # depth="fast": sqrt(n) segments and FSDP2 rows run at full depth up to this many blocks
 
 
@@ -329,7 +330,7 @@ def _extrapolated(spec: ModelSpec, micro_batch: int, n_micro: int, seq_len: int,
     the small runs do not repeat block by block.
     """
     full = spec.n_layer
-    if depth != "full" and full is not None and full > FAST_DEPTHS[-1] and checkpointing != "sqrt":
+    if depth != "full" and full is not None and full > FAST_DEPTHS.get(checkpointing, (full,))[-1]:
         fit_key = (spec.key, n_micro, seq_len, checkpointing, precision)
         if fit_key not in _FITS:
             _FITS[fit_key] = _fit(spec, n_micro, seq_len, checkpointing, precision)
@@ -368,13 +369,13 @@ def _line(lo, hi, steps: int) -> tuple:
     return tuple(a + (b - a) * steps for a, b in zip(lo, hi))
 
 
-def _full_depth_events(small, big, n_layer: int, last_apart: bool) -> list | None:
+def _full_depth_events(small, big, n_layer: int, depths, last_apart: bool) -> list | None:
     """Return the full depth's candidate events [(key, bytes by category)] in time order from runs at FAST_DEPTHS.
 
     Bytes at a key are affine in the depth and, inside the blocks, in the block index, so a maximum over the blocks
     sits at the first or the last of them; None when the runs do not repeat block by block (checked, not assumed).
     """
-    d0, d1 = FAST_DEPTHS
+    d0, d1 = depths
     n0, n1, n = (d0 - 1, d1 - 1, n_layer - 1) if last_apart else (d0, d1, n_layer)  # blocks keyed as blocks
     keyed = _keyed(big, d1, last_apart)
     at0 = {(k, i): v for k, i, v in _keyed(small, d0, last_apart)}
@@ -402,40 +403,42 @@ def _full_depth_events(small, big, n_layer: int, last_apart: bool) -> list | Non
 
 
 def _fit(spec: ModelSpec, n_micro: int, seq_len: int, checkpointing: str, precision: str):
-    """Return full-depth figures for micro-batches of 1, 2 and 3 rows from traced runs at FAST_DEPTHS (None: not exact).
+    """Return full-depth figures for micro-batches of 1, 2 (and 3) rows from traced runs at FAST_DEPTHS (None: inexact).
 
-    Every tensor's bytes are independent of the rows or proportional to them, and runs with 2 and 3 rows run the same
-    operators (checked), so bytes at 2 rows or more are a line through the two (_at_rows). One row is run apart: some
-    operators skip a copy when a dimension has size 1.
+    Every tensor's bytes are independent of the rows or proportional to them, so where runs with 1 and 2 rows raise
+    the bytes at the same events they are a line in the rows (_at_rows). Where they do not (some operators skip a copy
+    when a dimension has size 1), the line goes through 2 and 3 rows, which must match, and 1 row stands apart.
     """
     L = spec.n_layer
-    d0, d1 = FAST_DEPTHS
+    d0, d1 = depths = FAST_DEPTHS[checkpointing]
     rows = {}
     for mb in (1, 2, 3):
+        if mb == 3 and [k for k, _ in rows[1][0]] == [k for k, _ in rows[2][0]]:
+            break
         runs = [_fake_run(spec, d, mb, n_micro, seq_len, checkpointing, precision, trace=True, whole=False)
-                for d in FAST_DEPTHS]
-        events = _full_depth_events(runs[0][5], runs[1][5], L, False)
-        if events is None:
-            events = _full_depth_events(runs[0][5], runs[1][5], L, True)
+                for d in depths]
+        events = (_full_depth_events(runs[0][5], runs[1][5], L, depths, False)
+                  or _full_depth_events(runs[0][5], runs[1][5], L, depths, True))
         if events is None:
             return None
         at_opt = [tuple(r[2]["at_optimizer"][c] for c in CATEGORIES) for r in runs]
         rows[mb] = (events, _line(*at_opt, L - d0), _line((runs[0][4],), (runs[1][4],), L - d0)[0],
                     _line((runs[0][3],), (runs[1][3],), L - d0)[0])
-    if [k for k, _ in rows[2][0]] != [k for k, _ in rows[3][0]]:
+    if 3 in rows and [k for k, _ in rows[2][0]] != [k for k, _ in rows[3][0]]:
         return None
     if spec.key not in _RISE:
-        run = _fake_run(spec, d0, 1, 1, 1, "none", "fp32", trace=True)
+        run = _fake_run(spec, FAST_DEPTHS["none"][0], 1, 1, 1, "none", "fp32", trace=True)
         start = next(k for k, (phase, _, _) in enumerate(run[5]) if phase == "optimizer")
         _RISE[spec.key] = max(sum(v) for _, _, v in run[5][start:]) - sum(run[2]["at_optimizer"].values())
     return rows, _RISE[spec.key]
 
 
 def _at_rows(fit, micro_batch: int):
-    """Return _extrapolated's tuple at `micro_batch` rows from _fit's figures (a line through 2 and 3 rows)."""
+    """Return _extrapolated's tuple at `micro_batch` rows from _fit's figures (a line in the rows)."""
     rows, rise = fit
-    one, two = (rows[1], rows[1]) if micro_batch == 1 else (rows[2], rows[3])
-    steps = 0 if micro_batch == 1 else micro_batch - 2
+    one, two, steps = rows[1], rows[2], micro_batch - 1
+    if 3 in rows:
+        one, two, steps = (rows[1], rows[1], 0) if micro_batch == 1 else (rows[2], rows[3], micro_batch - 2)
     peak, split = -1, None
     for (_, a), (_, b) in zip(one[0], two[0]):
         v = _line(a, b, steps)

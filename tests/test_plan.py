@@ -1,4 +1,4 @@
-"""labkit.plan: fake-tensor peaks against the meter, exact depth extrapolation, bad input, the command."""
+"""labkit.plan: fake-tensor peaks against the meter, the fast path against full-depth runs, bad input, the command."""
 
 import dataclasses
 import json
@@ -16,9 +16,8 @@ from labkit.train import make_optimizer, measure_step, seeded_model
 from labkit.validate import ParameterError
 
 SMALL = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=32, vocab_size=128)
-DEEP = GPTConfig(n_layer=16, n_embd=64, n_head=4, block_size=64, vocab_size=8192, mlp_hidden=512)
-DEEP_LLAMA = dataclasses.replace(P.PRESETS["llama-7b"], n_layer=16, n_embd=64, n_head=4, mlp_hidden=512,
-                                 vocab_size=8192)
+DEEP = GPTConfig(n_layer=5, n_embd=32, n_head=2, block_size=64, vocab_size=512, mlp_hidden=64)
+DEEP_LLAMA = dataclasses.replace(P.PRESETS["llama-7b"], n_layer=5, n_embd=32, n_head=2, mlp_hidden=64, vocab_size=512)
 
 
 def cpu_profile(memory_bytes: int) -> DeviceProfile:
@@ -53,22 +52,57 @@ def test_cpu_peaks_match_the_meter_within_one_percent():
     assert any(r.fits for r in p.rows) and not all(r.fits for r in p.rows)  # the budget decides
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "every", "selective"])
-@pytest.mark.parametrize("n_micro", [1, 2])
-@pytest.mark.parametrize("cfg", [DEEP, DEEP_LLAMA], ids=["gpt2-style", "llama-style"])
-def test_depth_extrapolation_equals_a_full_depth_run(cfg, checkpointing, n_micro):
-    """Probes give the full depth's states and FLOPs exactly and its peak as a lower bound (exact without accumulation).
+def _same_rows(fast, full):
+    """Return the largest peak difference (bytes) of two plans' rows; assert the rest is equal."""
+    assert [r.combination for r in fast.rows] == [r.combination for r in full.rows]
+    for a, b in zip(fast.rows, full.rows):
+        assert (a.split, a.flops, a.fits) == (b.split, b.flops, b.fits), a.combination
+    return max(abs(a.peak_bytes - b.peak_bytes) for a, b in zip(fast.rows, full.rows))
 
-    Here the peak's place moves with depth (from the logits to the blocks), which linear extrapolation cannot see.
-    """
-    spec = P.gpt_spec(cfg)
-    peak, split, param_bytes, opt_bytes, n, flops = P._extrapolated(spec, 2, n_micro, 16, checkpointing, "bf16",
-                                                                    "probe")
-    f_peak, f_split, f_param_bytes, f_opt_bytes, f_n, f_flops = P._extrapolated(spec, 2, n_micro, 16, checkpointing,
-                                                                                "bf16", "full")
-    assert (param_bytes, opt_bytes, n, flops) == (f_param_bytes, f_opt_bytes, f_n, f_flops)
-    assert peak <= f_peak
-    assert peak == f_peak or n_micro == 2
+
+@pytest.mark.parametrize("cfg", [DEEP, DEEP_LLAMA], ids=["gpt2-style", "llama-style"])
+def test_fast_depth_equals_a_full_depth_run(cfg):
+    """Every checkpointing choice, both precisions, accumulation: the fast plan's peaks and splits, byte for byte."""
+    fast = P.plan(cfg, cpu_profile(10**9), 1, 16, 4, depth="fast")
+    assert len(fast.rows) == 3 * 4 * 2  # micro-batches 1, 2, 4; every checkpointing; fp32 and bf16
+    fits = [k for k, v in P._FITS.items() if k[0] == repr(cfg)]
+    assert len(fits) >= 2 * 3 * 2 and all(P._FITS[k] is not None for k in fits)  # no full-depth fallback taken
+    assert _same_rows(fast, P.plan(cfg, cpu_profile(10**9), 1, 16, 4, depth="full")) == 0
+
+
+@pytest.mark.parametrize("micro_batch", [3, 5, 8])
+def test_rows_are_a_line_through_small_micro_batches(micro_batch):
+    """Peaks at 3, 5 and 8 rows from runs with 1 and 2 (or 2 and 3) rows equal real runs at those rows."""
+    spec = P.gpt_spec(DEEP_LLAMA)
+    for checkpointing, precision in (("none", "bf16"), ("every", "fp32")):
+        fast = P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "fast")
+        assert fast == P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "full")
+
+
+def test_deep_models_leave_out_what_only_full_depth_gives():
+    deep = dataclasses.replace(DEEP_LLAMA, n_layer=P.FULL_MAX_LAYERS + 1)
+    p = P.plan(deep, "h100", 2, 16, 2, precisions=("fp32",), checkpointing=("none", "sqrt"))
+    assert {"checkpointing sqrt", "fsdp2"} <= set(p.left_out)
+    assert {r.combination.parallel for r in p.rows} == {"single", "ddp", "zero1"}
+    assert {r.combination.checkpointing for r in p.rows} == {"none"}
+
+
+def test_meter_tags_events_and_splits_every_point():
+    from labkit.meter import CATEGORIES, MemoryMeter
+    model = torch.nn.Linear(8, 8)
+    with MemoryMeter("cpu", every_record=True) as meter:
+        meter.track(model)
+        meter.tag = "forward"
+        y = model(torch.randn(4, 8))
+        meter.tag = "backward"
+        y.sum().backward()
+    points, splits = meter.timeline, meter.timeline_splits()
+    assert len(points) == len(splits) and {p.tag for p in points} == {None, "forward", "backward"}
+    assert all(sum(s) == p.bytes for p, s in zip(points, splits))
+    peak = max(range(len(points)), key=lambda k: points[k].bytes)
+    assert dict(zip(CATEGORIES, splits[peak])) == meter.peak_split()
+    with pytest.raises(RuntimeError, match="every_record"):
+        MemoryMeter("cpu").timeline_splits()
 
 
 def test_data_parallel_rows_are_exact_arithmetic():
