@@ -44,11 +44,12 @@ _AT_OPTIMIZER: dict = {}  # fake_step's key -> bytes by category when the optimi
 _FLOPS: dict = {}  # (model key, depth, micro-batch, seq_len, checkpointing) -> FLOPs per micro-batch
 _FITS: dict = {}  # (model key, n_micro, seq_len, checkpointing, precision) -> _fit's figures (None: not affine)
 _RISE: dict = {}  # model key -> bytes the optimizer step adds to what its start holds
-DEPTHS = ("fast", "full", "probe")  # fast: exact arithmetic over runs at FAST_DEPTHS; full: every block on fake
-#                                     tensors (the reference); probe: the former name of fast
+DEPTHS = ("fast", "full", "probe")  # fast: beyond FULL_MAX_LAYERS blocks, exact arithmetic over runs at FAST_DEPTHS;
+#                                     full: every block on fake tensors (the reference); probe: the former name of fast
 FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "selective": (2, 3)}  # depth="fast": blocks of the small runs, one
 #   apart (checkpointing leaves the last block unchecked: two more blocks show the checked ones' step)
-FULL_MAX_LAYERS = 12  # depth="fast": sqrt(n) segments and FSDP2 rows run at full depth up to this many blocks
+FULL_MAX_LAYERS = 12  # depth="fast": models up to this many blocks run at full depth (as fast, and exact by itself);
+#                       deeper ones leave out sqrt(n) segments and FSDP2 rows, which only a full-depth run gives
 
 
 def _gpt2(n_layer: int, n_embd: int, n_head: int) -> GPTConfig:
@@ -326,11 +327,11 @@ def _extrapolated(spec: ModelSpec, micro_batch: int, n_micro: int, seq_len: int,
                   depth: str = "fast"):
     """Return (peak, split, param bytes, opt bytes, n, FLOPs per micro-batch) at full depth, exact.
 
-    depth="fast" (identical blocks, not sqrt(n) segments): arithmetic over small runs (_fit); a full-depth run where
-    the small runs do not repeat block by block.
+    depth="fast" (more than FULL_MAX_LAYERS identical blocks, not sqrt(n) segments): arithmetic over small runs
+    (_fit); a full-depth run where the small runs do not repeat block by block.
     """
     full = spec.n_layer
-    if depth != "full" and full is not None and full > FAST_DEPTHS.get(checkpointing, (full,))[-1]:
+    if depth != "full" and full is not None and full > FULL_MAX_LAYERS and checkpointing in FAST_DEPTHS:
         fit_key = (spec.key, n_micro, seq_len, checkpointing, precision)
         if fit_key not in _FITS:
             _FITS[fit_key] = _fit(spec, n_micro, seq_len, checkpointing, precision)
