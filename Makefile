@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup run test unit lab student grade gpu-check dashboard clean
+.PHONY: setup run test unit lab student grade gpu-check plan dashboard clean
 
 # labkit declares a torch range; constraints.txt pins the exact versions the project is tested with
 # (here: the CPU wheel of torch on disk). Only `make setup` and CI use it.
@@ -54,6 +54,15 @@ grade: $(STAMP)  ## autograde SUBMISSIONS=dir (<student>/<chapter>.ipynb); score
 GPU_CHECK_ARGS ?=
 gpu-check: $(STAMP)  ## every CUDA path at GPT-2 small: a table, and build/gpu-check.json (needs CUDA; exit 2 without)
 	@$(PY) -m labkit.tools.gpucheck --out build $(GPU_CHECK_ARGS)
+
+MODEL ?= gpt2
+GPU ?= a100-80gb
+GPUS ?= 1
+SEQ_LEN ?= 1024
+BATCH ?= 8
+PLAN_ARGS ?=
+plan: $(STAMP)  ## every technique combination for MODEL on GPUS x GPU (fake-tensor peaks, roofline times), the fastest that fits; e.g. MODEL=llama-7b GPU=a100-80gb GPUS=8 PLAN_ARGS="--json"
+	@$(PY) -m labkit.plan --model $(MODEL) --gpu $(GPU) --gpus $(GPUS) --seq-len $(SEQ_LEN) --batch $(BATCH) $(PLAN_ARGS)
 
 DASHBOARD_STORAGE ?= sqlite:///$(CURDIR)/build/search/studies.db
 DASHBOARD_PORT ?= 8080

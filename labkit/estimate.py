@@ -52,23 +52,26 @@ def example_batch(cfg: GPTConfig | MLPConfig, batch_size: int, seq_len: int | No
 _FAKE_STEPS: dict = {}  # key -> (peak, split, states, n): a sweep or a study asks for the same step again and again
 
 
-def fake_step(key, build) -> tuple[int, dict, dict, int]:
+def fake_step(key, build, trace: bool = False) -> tuple:
     """Meter one step of `build()` on fake tensors; return its peak bytes, split at the peak, split after it, n.
 
     `build()` runs in fake mode and returns (model, attach, run): `attach(meter)` tracks the step's tensors,
     `run()` runs one step whose optimizer state exists already. Cached by `key` (None: not cached).
+    With `trace`, a fifth item: (phase, tag, bytes by category) at every event of the meter's timeline.
     """
     if key is not None and key in _FAKE_STEPS:
         return copy.deepcopy(_FAKE_STEPS[key])
     with FakeTensorMode(allow_non_fake_inputs=True):  # (FSDP2's meta-built shards enter as non-fake inputs)
         model, attach, run = build()
-        with MemoryMeter("cpu", timeline=False) as meter:
+        with MemoryMeter("cpu", timeline=trace, every_record=trace) as meter:
             attach(meter)
             kept = run()  # what the step returns (the last logits and loss) is held when its bytes are counted
             states = meter.current_split()
             del kept
         n = sum(p.numel() for p in model.parameters())  # DTensor.numel(): the global count
     out = (meter.peak_bytes, meter.peak_split(), states, n)
+    if trace:
+        out += ([(pt.phase, pt.tag, split) for pt, split in zip(meter.timeline, meter.timeline_splits())],)
     if key is not None:
         _FAKE_STEPS[key] = copy.deepcopy(out)
     return out

@@ -153,13 +153,14 @@ class TimelinePoint:
     t_s: float  # seconds since the meter started
     bytes: int  # device bytes in use after the event
     phase: str  # one of PHASES
+    tag: object = None  # the meter's `tag` at the event (set by the caller, e.g. the block running), None: untagged
 
 
 class MemoryMeter(TorchDispatchMode):
     """Count live tensor bytes on the compute device exactly; optionally enforce a budget."""
 
     def __init__(self, device: str | torch.device | None = None, budget_bytes: int | None = None,
-                 timeline: bool = True):
+                 timeline: bool = True, every_record: bool = False):
         super().__init__()
         if check_budget("budget_bytes", budget_bytes) is not None:
             budget_bytes = int(budget_bytes)
@@ -167,6 +168,8 @@ class MemoryMeter(TorchDispatchMode):
         self.device = as_device(resolve_device("auto") if device is None else device)
         self.budget_bytes = budget_bytes
         self.keep_timeline = timeline
+        self.every_record = every_record  # keep every storage's record, so that timeline_splits() can split each point
+        self.tag = None  # a label the caller sets; each timeline point keeps the tag current at its event
         self.current_bytes = 0  # device bytes live now
         self.peak_bytes = 0  # most device bytes live at once
         self.host_current_bytes = 0  # host-tier bytes live now
@@ -186,7 +189,7 @@ class MemoryMeter(TorchDispatchMode):
         self._open = False
         self._used = False
         self._t0 = time.perf_counter()
-        self._timeline: list[tuple] = []  # (seq, t_s, bytes, phase); TimelinePoints are built when asked for
+        self._timeline: list[tuple] = []  # (seq, t_s, bytes, phase, tag); TimelinePoints are built when asked for
         self._hooks: list = []
         self._tracked_modules: list[weakref.ref] = []
         self._tracked_optimizers: list[weakref.ref] = []
@@ -334,6 +337,29 @@ class MemoryMeter(TorchDispatchMode):
     def timeline(self) -> list[TimelinePoint]:
         """Device bytes after every allocation and free, with phase labels."""
         return [TimelinePoint(*point) for point in self._timeline]
+
+    def timeline_splits(self) -> list[tuple]:
+        """Return device bytes by category (in CATEGORIES order) at every timeline point; needs every_record=True."""
+        if not self.every_record:
+            raise RuntimeError("timeline_splits() needs MemoryMeter(every_record=True)")
+        self._classify()
+        index = {c: k for k, c in enumerate(CATEGORIES)}
+        changes: dict[int, list] = {}  # seq -> [(category index, bytes)], applied once the point's seq is reached
+        for r in self._history:
+            if not r.host:
+                k = index[r.category or "activations"]
+                changes.setdefault(r.alloc_seq, []).append((k, r.nbytes))
+                if r.free_seq is not None:
+                    changes.setdefault(r.free_seq, []).append((k, -r.nbytes))
+        pending = sorted(changes)
+        now, done, out = [0] * len(CATEGORIES), 0, []
+        for seq, *_ in self._timeline:
+            while done < len(pending) and pending[done] <= seq:
+                for k, nbytes in changes[pending[done]]:
+                    now[k] += nbytes
+                done += 1
+            out.append(tuple(now))
+        return out
 
     def summary(self) -> dict:
         """Return the meter's figures as a JSON-able dict."""
@@ -491,7 +517,8 @@ class MemoryMeter(TorchDispatchMode):
         if new > self.peak_bytes:
             self.peak_bytes = new
             self._peak_seq = self._seq
-            if len(self._history) > 2048:  # records freed before this peak can never matter again
+            # records freed before this peak can never matter again (but to timeline_splits, with every_record)
+            if len(self._history) > 2048 and not self.every_record:
                 self._history = [r for r in self._history if r.free_seq is None or r.free_seq > self._peak_seq]
         self._note()
 
@@ -512,7 +539,8 @@ class MemoryMeter(TorchDispatchMode):
 
     def _note(self) -> None:
         if self.keep_timeline and self._open and not self._quiet:
-            self._timeline.append((self._seq, time.perf_counter() - self._t0, self.current_bytes, self._phase()))
+            self._timeline.append((self._seq, time.perf_counter() - self._t0, self.current_bytes, self._phase(),
+                                   self.tag))
 
 
 def _freed(meter_ref, key: int, rec: _Record, _storage_ref) -> None:

@@ -1,0 +1,650 @@
+"""Plan training of a model on some GPUs: every technique combination's peak from a fake-tensor step, the fastest fit.
+
+Memory comes from labkit.estimate.fake_step (one step on fake tensors); a step time is a roofline, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, UnsupportedOperatorException
+
+from labkit.accumulation import split_batch
+from labkit.checkpointing import checkpoint_blocks
+from labkit.estimate import estimate_training_memory, example_batch, fake_step
+from labkit.flops import count_flops
+from labkit.gpus import DeviceProfile, device_profile
+from labkit.meter import CATEGORIES, active_meter, format_bytes
+from labkit.models import GPTConfig, blocks_of, build_model
+from labkit.precision import PRECISIONS, amp_train_step
+from labkit.progress import progress
+from labkit.train import create_optimizer_state, make_optimizer
+from labkit.validate import ParameterError, check_choice, check_float, check_int
+
+RESERVE_FRACTION = 0.10  # share of device memory kept for what tensors do not show: CUDA context, allocator
+#                          rounding and fragmentation, communication buffers
+CHECKPOINTING = ("none", "every", "sqrt", "selective")  # every block; sqrt(n) segments; every block, matmuls kept
+PARALLEL = ("single", "ddp", "zero1", "fsdp2", "fsdp2-reshard")  # one device; DDP (gradient buckets); ZeRO-1 (Adam
+#   sharded); FSDP2 with reshard_after_forward False / True (labkit.estimate's fake process group, rank 0)
+NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
+    "activation offload on": "no fake-tensor step with offload hooks yet",
+    "fsdp2 with accumulation, autocast or checkpointing": "estimate's FSDP2 path runs one plain fp32 micro-batch",
+    "fsdp2 of a model not a GPTConfig": "estimate's FSDP2 path builds labkit GPTs only",
+    "optimizer state on host": "no fake-tensor step with a host optimizer yet",
+}
+GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step (the same 2-byte casts; the scaler's skip test reads a value, which
+#                        fake tensors lack) plus GradScaler's scale, growth tracker, found_inf and inv_scale (4 B each)
+_AT_OPTIMIZER: dict = {}  # fake_step's key -> bytes by category when the optimizer step started
+_FLOPS: dict = {}  # (model key, depth, micro-batch, seq_len, checkpointing) -> FLOPs per micro-batch
+_FITS: dict = {}  # (model key, n_micro, seq_len, checkpointing, precision) -> _fit's figures (None: not affine)
+_RISE: dict = {}  # model key -> bytes the optimizer step adds to what its start holds
+DEPTHS = ("fast", "full", "probe")  # fast: beyond FULL_MAX_LAYERS blocks, exact arithmetic over runs at FAST_DEPTHS;
+#                                     full: every block on fake tensors (the reference); probe: the former name of fast
+FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "selective": (2, 3)}  # depth="fast": blocks of the small runs, one
+#   apart (checkpointing leaves the last block unchecked: two more blocks show the checked ones' step)
+FULL_MAX_LAYERS = 12  # depth="fast": models up to this many blocks run at full depth (as fast, and exact by itself);
+#                       deeper ones leave out sqrt(n) segments and FSDP2 rows, which only a full-depth run gives
+
+
+def _gpt2(n_layer: int, n_embd: int, n_head: int) -> GPTConfig:
+    """Return a GPT-2 shape (learned positions up to 1024, tied embeddings)."""
+    return GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=1024, vocab_size=50257)
+
+
+def _llama(n_layer: int, n_embd: int, n_head: int, hidden: int) -> GPTConfig:
+    """Return a Llama-style shape (multi-head attention, RoPE, RMSNorm, SwiGLU, vocabulary 32000, untied)."""
+    return GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=4096, vocab_size=32000, bias=False,
+                     mlp="swiglu", mlp_hidden=hidden, norm="rms", pos="rope", attn="sdpa", fused_qkv=False,
+                     tie_weights=False)
+
+
+PRESETS = {
+    "gpt2": _gpt2(12, 768, 12),  # 124 M
+    "gpt2-medium": _gpt2(24, 1024, 16),  # 355 M
+    "gpt2-large": _gpt2(36, 1280, 20),  # 774 M
+    "gpt2-xl": _gpt2(48, 1600, 25),  # 1.5 B
+    "llama-1b": _llama(22, 2048, 32, 5632),  # TinyLlama's shape with multi-head attention: 1.3 B
+    "llama-7b": _llama(32, 4096, 32, 11008),  # Llama 2 7B: 6.7 B
+    "llama-13b": _llama(40, 5120, 40, 13824),  # Llama 2 13B: 13 B
+    "llama-70b": _llama(80, 8192, 64, 28672),  # Llama 2 70B's shape with multi-head attention: 78 B
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model to plan: build(n_layer or None, rows, seq_len) returns (model, batch) with model(*batch) -> (_, loss)."""
+
+    name: str  # shown in the table
+    build: Callable  # (n_layer, rows, seq_len) -> (nn.Module, tuple of tensors with `rows` rows)
+    n_layer: int | None  # identical blocks (checkpointable): their number; None: no labkit blocks, always full depth
+    key: str | None  # identifies the model in fake_step's cache (None: not cached)
+    max_seq_len: int | None = None  # longest sequence the model takes (a learned position table), None: any
+    config: GPTConfig | None = None  # a labkit GPT's config (FSDP2 rows need it)
+
+
+def gpt_spec(cfg: GPTConfig, name: str = "GPTConfig") -> ModelSpec:
+    """Return the spec of a labkit GPT."""
+    def build(n_layer, rows, seq_len):
+        c = replace(cfg, n_layer=cfg.n_layer if n_layer is None else n_layer)
+        if c.pos == "rope":
+            c = replace(c, block_size=seq_len)  # rotary positions: no table, any length
+        return build_model(c), example_batch(c, rows, seq_len)
+    return ModelSpec(name, build, cfg.n_layer, repr(cfg), cfg.block_size if cfg.pos == "learned" else None, cfg)
+
+
+def callable_spec(fn: Callable, name: str = "model") -> ModelSpec:
+    """Return the spec of fn(rows, seq_len) -> (nn.Module, batch): any model, run at full depth."""
+    return ModelSpec(name, lambda n_layer, rows, seq_len: fn(rows, seq_len), None, None)
+
+
+class _CausalLM(torch.nn.Module):
+    """A transformers causal LM called as model(input_ids, labels) -> (logits, loss)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        out = self.model(input_ids=input_ids, labels=labels)
+        return out.logits, out.loss
+
+
+def hf_spec(config, name: str = "transformers") -> ModelSpec:
+    """Return the spec of a transformers config (a config object or a config.json path), built with from_config."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ParameterError("model: a transformers config needs the optional extra transformers "
+                             "(pip install transformers)") from None
+    if isinstance(config, str):
+        config = AutoConfig.from_pretrained(config)  # a local config.json: no weights, no hub
+
+    def build(n_layer, rows, seq_len):
+        c = config if n_layer is None else replace_hf_layers(config, n_layer)
+        x = torch.randint(config.vocab_size, (rows, seq_len))
+        return _CausalLM(AutoModelForCausalLM.from_config(c)), (x, x.clone())
+    return ModelSpec(name, build, None, None)
+
+
+def replace_hf_layers(config, n_layer: int):
+    """Return a copy of a transformers config with `n_layer` hidden layers."""
+    out = config.__class__.from_dict(config.to_dict())
+    out.num_hidden_layers = n_layer
+    return out
+
+
+def model_spec(model) -> ModelSpec:
+    """Return the spec of a preset name, a GPTConfig, a config.json path, a transformers config or a ModelSpec."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, GPTConfig):
+        return gpt_spec(model)
+    if isinstance(model, str) and model in PRESETS:
+        return gpt_spec(PRESETS[model], model)
+    if isinstance(model, str) and model.endswith(".json"):
+        return hf_spec(model, model)
+    if hasattr(model, "to_dict") and hasattr(model, "vocab_size"):
+        return hf_spec(model, type(model).__name__)
+    raise ParameterError(f"model must be one of {tuple(PRESETS)}, a GPTConfig, a config.json path, "
+                         f"a transformers config or a ModelSpec, got {model!r}")
+
+
+@dataclass(frozen=True)
+class Combination:
+    """One way to run the training step."""
+
+    ranks: int  # data-parallel devices
+    parallel: str  # one of PARALLEL
+    micro_batch: int  # rows per micro-batch (per rank)
+    accum_steps: int  # micro-batches per optimizer step
+    checkpointing: str  # one of CHECKPOINTING
+    precision: str  # "fp32", "bf16" (autocast) or "fp16" (autocast + GradScaler)
+
+
+@dataclass
+class Row:
+    """A combination's prediction: per-device peak and its split, verdict, roofline step time."""
+
+    combination: Combination
+    peak_bytes: int  # per-device peak (fake-tensor step, plus exact arithmetic)
+    split: dict  # bytes at the peak by category
+    fits: bool  # peak_bytes <= the plan's budget_bytes
+    flops: int  # FLOPs per optimizer step per device, recomputation included
+    compute_s: float  # roofline: max(FLOPs / peak FLOP/s, memory bytes / memory bandwidth)
+    comm_s: float  # communicated bytes / device-to-device bandwidth
+    step_s: float  # compute_s + comm_s (no overlap assumed)
+    tokens_per_s: float  # global batch tokens / step_s
+
+
+@dataclass
+class Plan:
+    """Every combination's row, what was left out and why, the fastest that fits and the Pareto front."""
+
+    model: str
+    device: str
+    gpus: int
+    seq_len: int
+    batch: int  # global batch (samples per optimizer step)
+    n_params: int
+    budget_bytes: int  # device memory less the reserve
+    reserve_fraction: float
+    rows: list = field(default_factory=list)
+    left_out: dict = field(default_factory=dict)  # what -> why
+    fake_steps: int = 0  # memory-relevant combinations run on fake tensors (each at FAST_DEPTHS or full depth)
+    elapsed_s: float = 0.0
+
+    @property
+    def fastest(self) -> Row | None:
+        """Return the fastest row that fits (None: nothing fits)."""
+        fitting = [r for r in self.rows if r.fits]
+        return min(fitting, key=lambda r: (r.step_s, r.peak_bytes)) if fitting else None
+
+    @property
+    def pareto(self) -> list:
+        """Return the fitting rows no other fitting row beats in both peak and step time, fastest first."""
+        front = []
+        for r in sorted((r for r in self.rows if r.fits), key=lambda r: (r.step_s, r.peak_bytes)):
+            if not front or r.peak_bytes < front[-1].peak_bytes:
+                front.append(r)
+        return front
+
+
+def _segments(checkpointing: str, n_layer: int) -> dict | None:
+    """Return checkpoint_blocks' arguments for a checkpointing choice at a depth (None: none)."""
+    if checkpointing == "none":
+        return None
+    if checkpointing == "sqrt":
+        return {"segments": max(1, round(math.sqrt(n_layer)))}
+    return {"segments": n_layer, "selective": checkpointing == "selective"}
+
+
+def plan_step(model, optimizer, batch, micro_batch: int, precision: str):
+    """Run one optimizer step over `batch` in micro-batches of `micro_batch` rows (labkit.precision.amp_train_step)."""
+    return amp_train_step(model, optimizer, split_batch(batch, micro_batch), precision=precision)
+
+
+class _AtOptimizer(Exception):
+    """Raised where a traced step's optimizer step starts: what follows is _RISE's, the same in every combination."""
+
+
+def _tag_blocks(meter, model) -> None:
+    """Make the meter tag each event (micro-batch, position): "pre", the index of the block that runs, or "post"."""
+    blocks = blocks_of(model)
+    micro = [-1]
+
+    def tag(pos):
+        meter.tag = (micro[0], pos)
+
+    def model_pre(module, args):
+        if torch._C._current_graph_task_id() == -1:
+            micro[0] += 1
+            tag("pre")
+
+    def block_pre(i):
+        def hook(module, args):
+            if torch._C._current_graph_task_id() == -1:  # (not a checkpoint's recomputation in backward)
+                tag(i)
+                if i == 0 and args[0].requires_grad:
+                    args[0].register_hook(lambda grad: tag("pre"))  # backward leaves the blocks
+        return hook
+
+    def block_post(i):
+        def hook(module, args, out):
+            if torch._C._current_graph_task_id() == -1:
+                if out.requires_grad:
+                    out.register_hook(lambda grad: tag(i))  # backward reaches block i
+                if i == len(blocks) - 1:
+                    tag("post")
+        return hook
+    model.register_forward_pre_hook(model_pre)
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(block_pre(i))
+        block.register_forward_hook(block_post(i))
+
+
+def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str,
+              precision: str, trace: bool = False, whole: bool = True):
+    """Run the step on fake tensors (estimate.fake_step); return peak, split, states, n, FLOPs per micro-batch.
+
+    trace: the events tagged by block (_tag_blocks) and a sixth item, fake_step's trace; whole=False: stop where the
+    optimizer step starts (states["at_optimizer"] is then what the step held there).
+    """
+    key = None if spec.key is None else ("plan", spec.key, n_layer, micro_batch, n_micro, seq_len, checkpointing,
+                                         precision, trace, whole)
+    flops_key = (spec.key, n_layer, micro_batch, seq_len, checkpointing)  # FLOPs: the same in every precision
+    count = spec.key is None or flops_key not in _FLOPS
+
+    def build():
+        model, batch = spec.build(n_layer, micro_batch * n_micro, seq_len)
+        seg = _segments(checkpointing, len(blocks_of(model))) if checkpointing != "none" else None
+        if seg is not None:
+            checkpoint_blocks(model, **seg)
+        opt = make_optimizer("adam", model.parameters())
+        create_optimizer_state(opt)
+        opt.register_step_pre_hook(lambda *_: _at_optimizer(key, whole))
+
+        def attach(meter):
+            meter.track(model, opt, *batch)
+            if trace:
+                _tag_blocks(meter, model)
+
+        def step():
+            try:
+                plan_step(model, opt, batch, micro_batch, precision)
+            except _AtOptimizer:
+                pass
+
+        def run():
+            if count:
+                _FLOPS[flops_key] = count_flops(step) / n_micro
+            else:
+                step()
+        return model, attach, run
+    try:
+        peak, split, states, n, *events = fake_step(key, build, trace)
+    except (DataDependentOutputException, UnsupportedOperatorException) as e:
+        raise ParameterError(f"model: {spec.name} cannot run on fake tensors ({type(e).__name__}: {e}); make the "
+                             "operation independent of tensor values or pass a callable that builds a model "
+                             "without it") from None
+    states["at_optimizer"] = _AT_OPTIMIZER[key]  # bytes by category when the optimizer step starts
+    return (peak, split, states, n, _FLOPS[flops_key], *events)
+
+
+def _at_optimizer(key, whole: bool) -> None:
+    """Keep the bytes by category where the optimizer step starts; raise _AtOptimizer unless the step runs whole."""
+    _AT_OPTIMIZER[key] = active_meter().current_split()
+    if not whole:
+        raise _AtOptimizer
+
+
+def _extrapolated(spec: ModelSpec, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str, precision: str,
+                  depth: str = "fast"):
+    """Return (peak, split, param bytes, opt bytes, n, FLOPs per micro-batch) at full depth, exact.
+
+    depth="fast" (more than FULL_MAX_LAYERS identical blocks, not sqrt(n) segments): arithmetic over small runs
+    (_fit); a full-depth run where the small runs do not repeat block by block.
+    """
+    full = spec.n_layer
+    if depth != "full" and full is not None and full > FULL_MAX_LAYERS and checkpointing in FAST_DEPTHS:
+        fit_key = (spec.key, n_micro, seq_len, checkpointing, precision)
+        if fit_key not in _FITS:
+            _FITS[fit_key] = _fit(spec, n_micro, seq_len, checkpointing, precision)
+        if _FITS[fit_key] is not None:
+            return _at_rows(_FITS[fit_key], micro_batch)
+    peak, split, states, n, fl = _fake_run(spec, full, micro_batch, n_micro, seq_len, checkpointing, precision)
+    return peak, split, states["parameters"], states["optimizer_state"], n, fl
+
+
+def _keyed(events, n_layer: int, last_apart: bool) -> list:
+    """Return [(key, block index or None, bytes by category)]: a traced step's rises, keyed alike at every depth.
+
+    Only events that raise the bytes can make a peak; frees are left out (autocast frees its weight casts, as many
+    as the blocks, at once). last_apart: the last block is a position of its own (checkpointing leaves it unchecked).
+    """
+    out, runs, prev, j, before = [], {}, None, 0, 0
+    for phase, tag, split in events:
+        micro, pos = (None, "start") if tag is None else tag
+        if last_apart and pos == n_layer - 1:
+            pos = "last"
+        here = (micro, phase, pos)
+        if here != prev:
+            runs[here] = runs.get(here, -1) + 1
+            prev, j = here, 0
+        now, before = before, sum(split)
+        if before <= now:
+            continue
+        block = isinstance(pos, int)
+        out.append(((micro, phase, "block" if block else pos, runs[here], j), pos if block else None, split))
+        j += 1
+    return out
+
+
+def _line(lo, hi, steps: int) -> tuple:
+    """Return lo + (hi - lo) * steps, element by element."""
+    return tuple(a + (b - a) * steps for a, b in zip(lo, hi))
+
+
+def _full_depth_events(small, big, n_layer: int, depths, last_apart: bool) -> list | None:
+    """Return the full depth's candidate events [(key, bytes by category)] in time order from runs at FAST_DEPTHS.
+
+    Bytes at a key are affine in the depth and, inside the blocks, in the block index, so a maximum over the blocks
+    sits at the first or the last of them; None when the runs do not repeat block by block (checked, not assumed).
+    """
+    d0, d1 = depths
+    n0, n1, n = (d0 - 1, d1 - 1, n_layer - 1) if last_apart else (d0, d1, n_layer)  # blocks keyed as blocks
+    keyed = _keyed(big, d1, last_apart)
+    at0 = {(k, i): v for k, i, v in _keyed(small, d0, last_apart)}
+    at1 = {(k, i): v for k, i, v in keyed}
+    blocks = {k for k, i in at1 if i is not None}
+    if ({k for k, i in at0 if i is None} != {k for k, i in at1 if i is None}
+            or blocks != {k for k, i in at0 if i is not None} or len(at0) != len(at1) - len(blocks) * (n1 - n0)
+            or any((k, i) not in at1 for k in blocks for i in range(n1)) or n1 < 2):
+        return None
+    out = []
+    for k, i, v in keyed:
+        if i is None:
+            out.append((k, _line(at0[k, i], v, n_layer - d0)))
+            continue
+        step = tuple(b - a for a, b in zip(at1[k, 0], at1[k, 1]))  # one block further in
+        if any(at[k, b] != tuple(x + s * b for x, s in zip(at[k, 0], step))
+               for at, m in ((at0, n0), (at1, n1)) for b in range(m)):
+            return None
+        first = _line(at0[k, 0], at1[k, 0], n_layer - d0)
+        if i == 0:
+            out.append((k, first))
+        elif i == n1 - 1:
+            out.append((k + ("last",), tuple(x + s * (n - 1) for x, s in zip(first, step))))
+    return out
+
+
+def _fit(spec: ModelSpec, n_micro: int, seq_len: int, checkpointing: str, precision: str):
+    """Return full-depth figures for micro-batches of 1, 2 (and 3) rows from traced runs at FAST_DEPTHS (None: inexact).
+
+    Every tensor's bytes are independent of the rows or proportional to them, so where runs with 1 and 2 rows raise
+    the bytes at the same events they are a line in the rows (_at_rows). Where they do not (some operators skip a copy
+    when a dimension has size 1), the line goes through 2 and 3 rows, which must match, and 1 row stands apart.
+    """
+    L = spec.n_layer
+    d0, d1 = depths = FAST_DEPTHS[checkpointing]
+    rows = {}
+    for mb in (1, 2, 3):
+        if mb == 3 and [k for k, _ in rows[1][0]] == [k for k, _ in rows[2][0]]:
+            break
+        runs = [_fake_run(spec, d, mb, n_micro, seq_len, checkpointing, precision, trace=True, whole=False)
+                for d in depths]
+        events = (_full_depth_events(runs[0][5], runs[1][5], L, depths, False)
+                  or _full_depth_events(runs[0][5], runs[1][5], L, depths, True))
+        if events is None:
+            return None
+        at_opt = [tuple(r[2]["at_optimizer"][c] for c in CATEGORIES) for r in runs]
+        rows[mb] = (events, _line(*at_opt, L - d0), _line((runs[0][4],), (runs[1][4],), L - d0)[0],
+                    _line((runs[0][3],), (runs[1][3],), L - d0)[0])
+    if 3 in rows and [k for k, _ in rows[2][0]] != [k for k, _ in rows[3][0]]:
+        return None
+    if spec.key not in _RISE:
+        run = _fake_run(spec, FAST_DEPTHS["none"][0], 1, 1, 1, "none", "fp32", trace=True)
+        start = next(k for k, (phase, _, _) in enumerate(run[5]) if phase == "optimizer")
+        _RISE[spec.key] = max(sum(v) for _, _, v in run[5][start:]) - sum(run[2]["at_optimizer"].values())
+    return rows, _RISE[spec.key]
+
+
+def _at_rows(fit, micro_batch: int):
+    """Return _extrapolated's tuple at `micro_batch` rows from _fit's figures (a line in the rows)."""
+    rows, rise = fit
+    one, two, steps = rows[1], rows[2], micro_batch - 1
+    if 3 in rows:
+        one, two, steps = (rows[1], rows[1], 0) if micro_batch == 1 else (rows[2], rows[3], micro_batch - 2)
+    peak, split = -1, None
+    for (_, a), (_, b) in zip(one[0], two[0]):
+        v = _line(a, b, steps)
+        if sum(v) > peak:
+            peak, split = sum(v), v
+    at_opt = _line(one[1], two[1], steps)
+    if sum(at_opt) + rise > peak:
+        peak, split = sum(at_opt) + rise, at_opt[:3] + (at_opt[3] + rise,)
+    flops = one[2] + (two[2] - one[2]) * steps
+    split = dict(zip(CATEGORIES, split))
+    return peak, split, at_opt[0], at_opt[2], one[3], flops
+
+
+def _data_parallel(peak: int, split: dict, param_bytes: int, opt_bytes: int, parallel: str, ranks: int):
+    """Return (peak, split) of one rank: DDP adds gradient buckets (the gradients' bytes), ZeRO-1 keeps 1/N of Adam."""
+    split = dict(split)
+    if parallel in ("ddp", "zero1"):
+        peak += param_bytes  # gradients have the parameters' dtype and size
+        split["activations"] += param_bytes
+    if parallel == "zero1":
+        dropped = opt_bytes - opt_bytes // ranks
+        peak -= dropped
+        split["optimizer_state"] -= dropped
+    return peak, split
+
+
+def _input_bytes_per_row(spec: ModelSpec, seq_len: int) -> int:
+    """Return the bytes of one batch row (all input tensors), built on the meta device."""
+    with torch.device("meta"):
+        _, batch = spec.build(1 if spec.n_layer else None, 1, seq_len)
+    return sum(t.numel() * t.element_size() for t in batch)
+
+
+def _divisors(n: int) -> list:
+    """Return the powers of two that divide n, and n."""
+    return sorted({d for d in (2**k for k in range(n.bit_length())) if n % d == 0} | {n})
+
+
+def _check(spec: ModelSpec, device: DeviceProfile, gpus: int, seq_len: int, batch: int, reserve_fraction: float,
+           precisions) -> None:
+    """Raise ParameterError naming the field for bad input, before any work."""
+    check_int("gpus", gpus, 1, 1 if device.name == "cpu" else 4096)
+    check_int("seq_len", seq_len, 1)
+    if spec.max_seq_len is not None:
+        check_int("seq_len", seq_len, 1, spec.max_seq_len)
+    check_int("batch", batch, 1)
+    if batch % gpus:
+        raise ParameterError(f"batch ({batch}) must be divisible by gpus ({gpus}): every rank takes batch / gpus rows")
+    check_float("reserve_fraction", reserve_fraction, 0.0, 1.0, hi_open=True)
+    for p in precisions:
+        check_choice("precision", p, PRECISIONS)
+        if p not in device.flops_per_s:
+            raise ParameterError(f"precision {p!r}: the {device.name} has no {p} compute "
+                                 f"(it has {tuple(device.flops_per_s)})")
+
+
+def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: int = 1024, batch: int = 8,
+         precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "fast") -> Plan:
+    """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s."""
+    spec = model_spec(model)
+    device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
+    precisions = tuple(p for p in PRECISIONS if p in device.flops_per_s) if precisions is None else tuple(precisions)
+    _check(spec, device, gpus, seq_len, batch, reserve_fraction, precisions)
+    check_choice("depth", depth, DEPTHS)
+    if checkpointing is None:
+        checkpointing = CHECKPOINTING if spec.n_layer is not None else ("none",)
+    for c in checkpointing:
+        if c != "none" and spec.n_layer is None:
+            raise ParameterError(f"checkpointing {c!r}: {spec.name} has no labkit blocks to checkpoint")
+        check_choice("checkpointing", c, CHECKPOINTING)
+    left_out = dict(NOT_MODELLED)
+    deep = depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS
+    if deep and "sqrt" in checkpointing:
+        checkpointing = tuple(c for c in checkpointing if c != "sqrt")
+        left_out["checkpointing sqrt"] = (f"{spec.n_layer} blocks: sqrt(n) segments change with depth, so only a "
+                                          "full-depth fake step is exact (--depth full)")
+    if deep and spec.config is not None:
+        left_out["fsdp2"] = (f"{spec.n_layer} blocks: the sharded fake step runs at full depth only "
+                             "(--depth full)")
+    t0 = time.perf_counter()
+    ranks_list = sorted({r for r in (2**k for k in range(gpus.bit_length())) if batch % r == 0} | {gpus})
+    per_rank = [batch // r for r in ranks_list]
+    memory_keys = sorted({(mb, min(rows // mb, 2)) for rows in per_rank for mb in _divisors(rows)})
+    row_bytes = _input_bytes_per_row(spec, seq_len)
+    out = Plan(spec.name, device.name, gpus, seq_len, batch, 0, int(device.memory_bytes * (1 - reserve_fraction)),
+               reserve_fraction, left_out=left_out)
+    fake = {}
+    fake_precisions = sorted({"bf16" if p == "fp16" else p for p in precisions})
+    todo = [(mb, n_micro, c, p) for mb, n_micro in memory_keys for c in checkpointing for p in fake_precisions]
+    for mb, n_micro, c, p in progress(todo, desc="fake steps"):
+        fake[mb, n_micro, c, p] = _extrapolated(spec, mb, n_micro, seq_len, c, p, depth)
+    for mb, n_micro, c, p in todo:
+        if p == "bf16" and "fp16" in precisions:
+            peak, split, *rest = fake[mb, n_micro, c, p]
+            scaler_split = {**split, "activations": split["activations"] + GRADSCALER_BYTES}
+            fake[mb, n_micro, c, "fp16"] = (peak + GRADSCALER_BYTES, scaler_split, *rest)
+        if p not in precisions:
+            del fake[mb, n_micro, c, p]
+    out.fake_steps = len(todo)
+    for ranks in ranks_list:
+        rows = batch // ranks
+        for (mb, n_micro, c, p), (peak, split, param_bytes, opt_bytes, n, fl) in fake.items():
+            if rows % mb or min(rows // mb, 2) != n_micro:
+                continue
+            out.n_params = n
+            peak += (rows - mb * n_micro) * row_bytes  # the whole per-rank batch is held; the fake step held n_micro
+            split = {**split, "activations": split["activations"] + (rows - mb * n_micro) * row_bytes}
+            for parallel in (("single",) if ranks == 1 else ("ddp", "zero1")):
+                rank_peak, rank_split = _data_parallel(peak, split, param_bytes, opt_bytes, parallel, ranks)
+                out.rows.append(_row(Combination(ranks, parallel, mb, rows // mb, c, p), rank_peak, rank_split,
+                                     out.budget_bytes, fl, param_bytes, opt_bytes, device, seq_len * batch))
+    if spec.config is not None and "fp32" in precisions and "none" in checkpointing and not deep:
+        out.rows += _fsdp_rows(spec.config, ranks_list, batch, seq_len, device, out.budget_bytes, depth)
+    out.elapsed_s = time.perf_counter() - t0
+    return out
+
+
+def _fsdp_rows(cfg: GPTConfig, ranks_list, batch: int, seq_len: int, device: DeviceProfile, budget: int,
+               depth: str) -> list:
+    """Return FSDP2 rows (fp32, no accumulation, no checkpointing): rank 0's step from labkit.estimate's fake group."""
+    rows = []
+    for ranks in (r for r in ranks_list if r > 1):
+        mb = batch // ranks
+        flops = _extrapolated(gpt_spec(cfg), mb, 1, seq_len, "none", "fp32", depth)[5]
+        for parallel, stage in (("fsdp2", 2), ("fsdp2-reshard", 3)):
+            est = estimate_training_memory(cfg, mb, seq_len, "adam", ranks, stage)
+            param_bytes = 4 * est.n_params  # the full fp32 parameters: what all-gathers and reduce-scatters move
+            row = _row(Combination(ranks, parallel, mb, 1, "none", "fp32"), est.peak_bytes, est.split, budget, flops,
+                       param_bytes // ranks, est.states["optimizer_state"], device, seq_len * batch)
+            gathers = 2 if stage == 3 else 1  # all-gathers per step (forward, and again in backward when resharded)
+            row.comm_s = (gathers + 1) * (ranks - 1) / ranks * param_bytes / device.peer_bytes_per_s
+            row.step_s = row.compute_s + row.comm_s
+            row.tokens_per_s = seq_len * batch / row.step_s
+            rows.append(row)
+    return rows
+
+
+def _row(comb: Combination, peak: int, split: dict, budget: int, flops_per_micro: float, param_bytes: int,
+         opt_bytes: int, device: DeviceProfile, tokens: int) -> Row:
+    """Return a combination's row: the roofline step time over the device's rates."""
+    flops = int(flops_per_micro * comb.accum_steps)
+    traffic = comb.accum_steps * (3 * param_bytes + 2 * split["activations"]) + 3 * param_bytes + 2 * opt_bytes
+    compute_s = max(flops / device.flops_per_s[comb.precision], traffic / device.memory_bytes_per_s)
+    comm_bytes = 0 if comb.ranks == 1 else 2 * (comb.ranks - 1) / comb.ranks * param_bytes  # ring all-reduce
+    comm_s = comm_bytes / device.peer_bytes_per_s
+    step_s = compute_s + comm_s
+    return Row(comb, peak, split, peak <= budget, flops, compute_s, comm_s, step_s, tokens / step_s)
+
+
+def format_plan(p: Plan, all_rows: bool = False) -> str:
+    """Return the plan as a text table: the Pareto front (every row with all_rows) and the fastest that fits."""
+    head = (f"{p.model} ({p.n_params / 1e9:.2f} B parameters) on {p.gpus} x {p.device}, seq_len {p.seq_len}, "
+            f"batch {p.batch}: budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
+            f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s")
+    cols = (f"{'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'peak':>10} {'fits':>4} "
+            f"{'step (s)':>9} {'tokens/s':>10}")
+    shown, title = p.rows, "all combinations:"
+    if not all_rows:
+        shown, title = p.pareto, "Pareto front (memory against roofline time):"
+    if not shown:
+        shown, title = sorted(p.rows, key=lambda r: r.peak_bytes)[:5], "nothing fits; the smallest peaks:"
+    lines = [head, "", title, cols]
+    for r in shown:
+        c = r.combination
+        lines.append(f"{c.ranks:>5} {c.parallel:>13} {c.micro_batch:>5} {c.accum_steps:>5} {c.checkpointing:>9} "
+                     f"{c.precision:>4} {format_bytes(r.peak_bytes):>10} {'yes' if r.fits else 'no':>4} "
+                     f"{r.step_s:>9.3g} {r.tokens_per_s:>10.4g}")
+    best = p.fastest
+    lines.append("")
+    lines.append("fastest that fits: " + ("none" if best is None else ", ".join(
+        f"{k} {v}" for k, v in asdict(best.combination).items()) + f" ({format_bytes(best.peak_bytes)}, roofline "
+        f"{best.step_s:.3g} s/step, {best.tokens_per_s:.4g} tokens/s)"))
+    lines.append("left out: " + "; ".join(f"{k} ({v})" for k, v in p.left_out.items()))
+    return "\n".join(lines)
+
+
+def plan_json(p: Plan) -> dict:
+    """Return the plan as JSON-able data."""
+    best = p.fastest
+    return {**{k: v for k, v in asdict(p).items() if k != "rows"}, "rows": [asdict(r) for r in p.rows],
+            "fastest": None if best is None else asdict(best), "pareto": [asdict(r) for r in p.pareto]}
+
+
+def main(argv=None) -> int:
+    """Print the plan of `--model` on `--gpus` x `--gpu` (a table, or JSON with --json)."""
+    ap = argparse.ArgumentParser(prog="python -m labkit.plan", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt2", help=f"a preset {tuple(PRESETS)} or a transformers config.json")
+    ap.add_argument("--gpu", default="a100-80gb", help="a GPU of labkit.gpus.GPUS or cpu (measured)")
+    ap.add_argument("--gpus", type=int, default=1, help="devices (data-parallel ranks at most)")
+    ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sample")
+    ap.add_argument("--batch", type=int, default=8, help="global batch: samples per optimizer step")
+    ap.add_argument("--reserve", type=float, default=RESERVE_FRACTION, help="share of device memory held back")
+    ap.add_argument("--depth", choices=DEPTHS[:2], default="fast",
+                    help="fast: exact arithmetic over a few blocks; full: every block on fake tensors (the reference)")
+    ap.add_argument("--all", action="store_true", help="print every combination, not only the Pareto front")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = ap.parse_args(argv)
+    try:
+        p = plan(args.model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
+                 depth=args.depth)
+    except ParameterError as e:
+        ap.error(str(e))
+    print(json.dumps(plan_json(p), indent=1) if args.json else format_plan(p, args.all))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,216 @@
+"""labkit.plan: fake-tensor peaks against the meter, the fast path against full-depth runs, bad input, the command."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from labkit import plan as P
+from labkit.checkpointing import checkpoint_blocks
+from labkit.estimate import example_batch
+from labkit.example import running_example
+from labkit.gpus import GPUS, DeviceProfile
+from labkit.models import GPTConfig
+from labkit.train import make_optimizer, measure_step, seeded_model
+from labkit.validate import ParameterError
+
+SMALL = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=32, vocab_size=128)
+DEEP = GPTConfig(n_layer=4, n_embd=32, n_head=2, block_size=64, vocab_size=512, mlp_hidden=64, attn="sdpa")
+DEEP_LLAMA = dataclasses.replace(P.PRESETS["llama-7b"], n_layer=4, n_embd=32, n_head=2, mlp_hidden=64, vocab_size=512)
+
+
+def cpu_profile(memory_bytes: int) -> DeviceProfile:
+    """Return a CPU-like profile with fixed rates (no timing in tests)."""
+    return DeviceProfile("cpu", memory_bytes, {"fp32": 1e11, "bf16": 1e11}, 1e10, 1e10, 1e10)
+
+
+def test_cpu_peaks_match_the_meter_within_one_percent():
+    ex = running_example()
+    cfg = ex.config
+    p = P.plan(cfg, cpu_profile(ex.budget_bytes), 1, ex.seq_len, ex.batch_size, reserve_fraction=0.0)
+    combos = {(r.combination.micro_batch, r.combination.checkpointing, r.combination.precision) for r in p.rows}
+    assert {c for _, c, _ in combos} == set(P.CHECKPOINTING)
+    assert {q for _, _, q in combos} == {"fp32", "bf16"}
+    assert {m for m, _, _ in combos} == {1, 2, 4, 8, 16}
+    errors = []
+    for r in p.rows:
+        c = r.combination
+        model = seeded_model(cfg, 0)
+        seg = P._segments(c.checkpointing, cfg.n_layer)
+        if seg is not None:
+            checkpoint_blocks(model, **seg)
+        opt = make_optimizer("adam", model.parameters())
+        batch = example_batch(cfg, ex.batch_size, ex.seq_len)
+        measured = measure_step(model, opt, batch, lambda m, o, b: P.plan_step(m, o, b, c.micro_batch, c.precision))
+        errors.append((abs(r.peak_bytes - measured.peak_bytes) / measured.peak_bytes, c))
+        near_budget = abs(measured.peak_bytes - ex.budget_bytes) < 0.01 * ex.budget_bytes
+        assert r.fits == (measured.peak_bytes <= ex.budget_bytes) or near_budget
+    worst = max(errors, key=lambda e: e[0])
+    print(f"largest error {worst[0]:.4%} at {worst[1]}")
+    assert worst[0] <= 0.01, f"predicted peak off by {worst[0]:.2%} at {worst[1]}"
+    assert any(r.fits for r in p.rows) and not all(r.fits for r in p.rows)  # the budget decides
+
+
+@pytest.mark.parametrize("cfg", [DEEP, DEEP_LLAMA], ids=["gpt2-style", "llama-style"])
+def test_fast_depth_equals_a_full_depth_run(cfg, monkeypatch):
+    """Accumulation, every checkpointing choice but sqrt(n), both precisions: fast peaks and splits, byte for byte."""
+    monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)  # take the fast path on a small model
+    spec = P.gpt_spec(cfg)
+    for checkpointing in ("none", "every", "selective"):
+        for precision in ("fp32", "bf16"):
+            for micro_batch in (1, 3):
+                fast = P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "fast")
+                assert P._FITS[repr(cfg), 2, 16, checkpointing, precision] is not None  # no full-depth fallback
+                assert fast == P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "full")
+
+
+@pytest.mark.parametrize("micro_batch", [3, 8])
+def test_rows_are_a_line_through_small_micro_batches(micro_batch, monkeypatch):
+    """Peaks at 3 and 8 rows from runs with 1 and 2 (or 2 and 3) rows equal real runs at those rows."""
+    monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)
+    for cfg, checkpointing, precision in ((DEEP_LLAMA, "none", "bf16"), (DEEP, "every", "fp32")):
+        spec = P.gpt_spec(cfg)
+        fast = P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "fast")
+        assert fast == P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "full")
+
+
+def test_deep_models_leave_out_what_only_full_depth_gives(monkeypatch):
+    monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)
+    p = P.plan(DEEP_LLAMA, "h100", 2, 16, 2, precisions=("fp32",), checkpointing=("none", "sqrt"))
+    assert {"checkpointing sqrt", "fsdp2"} <= set(p.left_out)
+    assert {r.combination.parallel for r in p.rows} == {"single", "ddp", "zero1"}
+    assert {r.combination.checkpointing for r in p.rows} == {"none"}
+
+
+def test_meter_tags_events_and_splits_every_point():
+    from labkit.meter import CATEGORIES, MemoryMeter
+    model = torch.nn.Linear(8, 8)
+    with MemoryMeter("cpu", every_record=True) as meter:
+        meter.track(model)
+        meter.tag = "forward"
+        y = model(torch.randn(4, 8))
+        meter.tag = "backward"
+        y.sum().backward()
+    points, splits = meter.timeline, meter.timeline_splits()
+    assert len(points) == len(splits) and {p.tag for p in points} == {None, "forward", "backward"}
+    assert all(sum(s) == p.bytes for p, s in zip(points, splits))
+    peak = max(range(len(points)), key=lambda k: points[k].bytes)
+    assert dict(zip(CATEGORIES, splits[peak])) == meter.peak_split()
+    with pytest.raises(RuntimeError, match="every_record"):
+        MemoryMeter("cpu").timeline_splits()
+
+
+def test_data_parallel_rows_are_exact_arithmetic():
+    p = P.plan(SMALL, "a100-80gb", gpus=2, seq_len=16, batch=4, checkpointing=("none",), precisions=("fp32",))
+    rows = {(r.combination.ranks, r.combination.parallel, r.combination.micro_batch): r for r in p.rows}
+    single, ddp, zero1 = rows[2, "single"] if (2, "single") in rows else None, rows[2, "ddp", 2], rows[2, "zero1", 2]
+    assert single is None
+    adam = ddp.split["optimizer_state"]
+    assert adam >= 2 * 4 * SMALL.n_params()  # Adam's two fp32 moments (and a step counter per parameter)
+    assert ddp.peak_bytes - zero1.peak_bytes == adam - adam // 2 == adam - zero1.split["optimizer_state"]
+    assert ddp.comm_s > 0 and rows[1, "single", 4].comm_s == 0
+    assert p.fastest is not None and p.fastest in p.pareto
+    assert all(a.step_s <= b.step_s and a.peak_bytes > b.peak_bytes for a, b in zip(p.pareto, p.pareto[1:]))
+
+
+def test_fp16_rows_exist_only_where_the_gpu_has_them():
+    t4 = P.plan(SMALL, "t4", 1, 16, 2, checkpointing=("none",))
+    assert {r.combination.precision for r in t4.rows} == {"fp32", "fp16"}
+    with pytest.raises(ParameterError, match="precision 'bf16'.*t4"):
+        P.plan(SMALL, "t4", 1, 16, 2, precisions=("bf16",))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"model": "gpt-17"}, "model"), ({"gpu": "v100"}, "gpu"), ({"gpus": 3, "batch": 8}, "batch"),
+    ({"seq_len": 2048, "model": "gpt2"}, "seq_len"), ({"gpus": 0}, "gpus"),
+])
+def test_bad_input_names_the_field(kwargs, field):
+    args = {"model": SMALL, "gpu": "a100-80gb", "gpus": 1, "seq_len": 16, "batch": 8, **kwargs}
+    with pytest.raises(ParameterError, match=field):
+        P.plan(**args)
+
+
+def test_memory_of_zero_is_refused():
+    with pytest.raises(ParameterError, match="memory_bytes"):
+        DeviceProfile("mine", 0, {"fp32": 1e12}, 1e9, 1e9, 1e9)
+
+
+def test_a_callable_model_runs_at_full_depth():
+    def build(rows, seq_len):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        return _WithLoss(model), (torch.randn(rows, 8), torch.randint(2, (rows,)))
+    p = P.plan(P.callable_spec(build, "mlp"), "l4", 1, 1, 4)
+    assert {r.combination.checkpointing for r in p.rows} == {"none"} and p.rows
+    assert p.n_params == 8 * 16 + 16 + 16 * 2 + 2
+    with pytest.raises(ParameterError, match="checkpointing"):
+        P.plan(P.callable_spec(build, "mlp"), "l4", 1, 1, 4, checkpointing=("every",))
+
+
+class _WithLoss(torch.nn.Module):
+    """A classifier called as model(x, y) -> (logits, loss)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        logits = self.net(x)
+        return logits, torch.nn.functional.cross_entropy(logits, y)
+
+
+def test_another_size_and_budget_give_the_same_verdicts():
+    small = P.plan(SMALL, cpu_profile(10**12), 1, 16, 4, checkpointing=("none", "every"), precisions=("fp32",))
+    cut = sorted(r.peak_bytes for r in small.rows)[len(small.rows) // 2]
+    tight = P.plan(SMALL, cpu_profile(cut), 1, 16, 4, checkpointing=("none", "every"), precisions=("fp32",),
+                   reserve_fraction=0.0)
+    assert [r.fits for r in tight.rows] == [r.peak_bytes <= cut for r in small.rows]
+    assert all(r.fits for r in small.rows)
+
+
+def test_transformers_config_plans_when_installed():
+    transformers = pytest.importorskip("transformers", reason="transformers (optional extra) is not installed")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=4, vocab_size=128)
+    p = P.plan(cfg, "a100-80gb", 1, 16, 2)
+    assert p.rows and p.n_params > 0
+
+
+def test_gpu_table_is_complete():
+    assert set(GPUS) == {"t4", "l4", "a10g", "rtx4090", "a100-40gb", "a100-80gb", "h100", "h200"}
+    assert not GPUS["t4"].has_bf16 and all(g.has_bf16 for k, g in GPUS.items() if k != "t4")
+
+
+def test_command_prints_the_table_and_json(monkeypatch, capsys):
+    monkeypatch.setitem(P.PRESETS, "tiny", dataclasses.replace(SMALL, n_layer=2))
+    assert P.main(["--model", "tiny", "--gpu", "h100", "--gpus", "2", "--seq-len", "16", "--batch", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "fastest that fits: ranks" in text and "left out:" in text
+    P.main(["--model", "tiny", "--gpu", "h100", "--seq-len", "16", "--batch", "2", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["fastest"]["fits"] and len(data["rows"]) > 0
+    with pytest.raises(SystemExit):
+        P.main(["--model", "tiny", "--gpu", "h100", "--gpus", "3", "--seq-len", "16", "--batch", "4"])
+    assert "batch (4) must be divisible by gpus (3)" in capsys.readouterr().err
+    nothing = P.plan(dataclasses.replace(SMALL, n_layer=2), cpu_profile(1000), 1, 16, 2, checkpointing=("none",))
+    assert nothing.fastest is None and "nothing fits; the smallest peaks:" in P.format_plan(nothing)
+
+
+def test_make_plan_passes_the_settings():
+    from pathlib import Path
+    makefile = (Path(__file__).parents[1] / "Makefile").read_text()
+    recipe = makefile.split("\nplan:", 1)[1].split("\n\n", 1)[0]
+    for part in ("-m labkit.plan", "--model $(MODEL)", "--gpu $(GPU)", "--gpus $(GPUS)", "--seq-len $(SEQ_LEN)",
+                 "--batch $(BATCH)"):
+        assert part in recipe, part
+
+
+def test_fsdp2_rows_come_from_the_estimators_sharded_step():
+    from labkit.estimate import estimate_training_memory
+    p = P.plan(SMALL, "h100", gpus=2, seq_len=16, batch=4, checkpointing=("none",), precisions=("fp32",))
+    fsdp = {r.combination.parallel: r for r in p.rows if r.combination.parallel.startswith("fsdp2")}
+    assert set(fsdp) == {"fsdp2", "fsdp2-reshard"}
+    assert fsdp["fsdp2-reshard"].peak_bytes == estimate_training_memory(SMALL, 2, 16, "adam", 2, 3).peak_bytes
+    assert fsdp["fsdp2-reshard"].peak_bytes <= fsdp["fsdp2"].peak_bytes
+    ddp = next(r for r in p.rows if r.combination.parallel == "ddp" and r.combination.micro_batch == 2)
+    assert fsdp["fsdp2-reshard"].peak_bytes < ddp.peak_bytes and fsdp["fsdp2-reshard"].comm_s > ddp.comm_s
