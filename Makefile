@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP_INSTALL) -e '.[test,classroom]'
 	$(PIP_INSTALL) --no-build-isolation -e '.[deepspeed]' \
 		|| echo "DeepSpeed did not install: the test of the DeepSpeed configs will be skipped"
+	$(PIP_INSTALL) -e '.[plan]' \
+		|| echo "transformers did not install: the planner's Hugging Face config test will be skipped"
 	$(PIP_INSTALL) -e '.[engines]' \
 		|| echo "The engines extra did not install: Hyperopt, Ray Tune, Katib and PostgreSQL tests will be skipped"
 	touch $(STAMP)

@@ -1,17 +1,30 @@
-"""Count the floating-point operations a piece of training code runs."""
+"""Count the floating-point operations, and the bytes operators read and write, of a piece of training code."""
 
 from __future__ import annotations
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 
-class _FlopCounter(TorchDispatchMode):
-    """Add up the FLOPs of the operators torch's flop counter knows; no module hooks (so L2L and recomputation work)."""
+def _tensor_bytes(tree) -> int:
+    """Return the bytes of every tensor in a nested structure of arguments or results."""
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+class OpCounter(TorchDispatchMode):
+    """Add up torch's FLOP formulas and each operator's bytes read and written; no module hooks (L2L, recomputation).
+
+    Bytes are counted while `counting_bytes` is True: an operator reads its tensor inputs and writes its outputs
+    once each (no fusion, no cache); views move nothing and are left out.
+    """
 
     def __init__(self):
         super().__init__()
         self.flops = 0
+        self.bytes_accessed = 0
+        self.counting_bytes = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -19,11 +32,13 @@ class _FlopCounter(TorchDispatchMode):
         formula = flop_registry.get(func.overloadpacket)
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
+        if self.counting_bytes and not func.is_view:
+            self.bytes_accessed += _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
         return out
 
 
 def count_flops(fn, *args, **kwargs) -> int:
     """Return the FLOPs that `fn(*args, **kwargs)` runs (forward, backward and recomputation alike)."""
-    with _FlopCounter() as counter:
+    with OpCounter() as counter:
         fn(*args, **kwargs)
     return counter.flops

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, Unsuppor
 from labkit.accumulation import split_batch
 from labkit.checkpointing import checkpoint_blocks
 from labkit.estimate import estimate_training_memory, example_batch, fake_step
-from labkit.flops import count_flops
+from labkit.flops import OpCounter
 from labkit.gpus import DeviceProfile, device_profile
 from labkit.meter import CATEGORIES, active_meter, format_bytes
 from labkit.models import GPTConfig, blocks_of, build_model
@@ -41,7 +41,8 @@ NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
 GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step (the same 2-byte casts; the scaler's skip test reads a value, which
 #                        fake tensors lack) plus GradScaler's scale, growth tracker, found_inf and inv_scale (4 B each)
 _AT_OPTIMIZER: dict = {}  # fake_step's key -> bytes by category when the optimizer step started
-_FLOPS: dict = {}  # (model key, depth, micro-batch, seq_len, checkpointing) -> FLOPs per micro-batch
+_FLOPS: dict = {}  # (model key, depth, micro-batch, seq_len, checkpointing, precision) -> (FLOPs, bytes accessed)
+#                   per micro-batch: forward and backward, recomputation included, the optimizer step left out
 _FITS: dict = {}  # (model key, n_micro, seq_len, checkpointing, precision) -> _fit's figures (None: not affine)
 _RISE: dict = {}  # model key -> bytes the optimizer step adds to what its start holds
 DEPTHS = ("fast", "full", "probe")  # fast: beyond FULL_MAX_LAYERS blocks, exact arithmetic over runs at FAST_DEPTHS;
@@ -49,7 +50,7 @@ DEPTHS = ("fast", "full", "probe")  # fast: beyond FULL_MAX_LAYERS blocks, exact
 FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "selective": (2, 3)}  # depth="fast": blocks of the small runs, one
 #   apart (checkpointing leaves the last block unchecked: two more blocks show the checked ones' step)
 FULL_MAX_LAYERS = 12  # depth="fast": models up to this many blocks run at full depth (as fast, and exact by itself);
-#                       deeper ones leave out sqrt(n) segments and FSDP2 rows, which only a full-depth run gives
+#                       deeper ones leave out sqrt(n) segments, and plan FSDP2 on the largest rank count only
 
 
 def _gpt2(n_layer: int, n_embd: int, n_head: int) -> GPTConfig:
@@ -176,10 +177,11 @@ class Row:
     split: dict  # bytes at the peak by category
     fits: bool  # peak_bytes <= the plan's budget_bytes
     flops: int  # FLOPs per optimizer step per device, recomputation included
-    compute_s: float  # roofline: max(FLOPs / peak FLOP/s, memory bytes / memory bandwidth)
+    compute_s: float  # roofline on the device: max(FLOPs / peak FLOP/s, bytes accessed / memory bandwidth)
     comm_s: float  # communicated bytes / device-to-device bandwidth
-    step_s: float  # compute_s + comm_s (no overlap assumed)
-    tokens_per_s: float  # global batch tokens / step_s
+    step_s: float  # max(compute_s, comm_s): a lower bound on the step's time (communication hidden under compute)
+    tokens_per_s: float  # global batch tokens / step_s: an upper bound
+    bytes_accessed: int = 0  # bytes the step's operators read and write (each once: no fusion), optimizer included
 
 
 @dataclass
@@ -277,7 +279,7 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
     """
     key = None if spec.key is None else ("plan", spec.key, n_layer, micro_batch, n_micro, seq_len, checkpointing,
                                          precision, trace, whole)
-    flops_key = (spec.key, n_layer, micro_batch, seq_len, checkpointing)  # FLOPs: the same in every precision
+    flops_key = (spec.key, n_layer, micro_batch, seq_len, checkpointing, precision)
     count = spec.key is None or flops_key not in _FLOPS
 
     def build():
@@ -287,6 +289,8 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
             checkpoint_blocks(model, **seg)
         opt = make_optimizer("adam", model.parameters())
         create_optimizer_state(opt)
+        counter = OpCounter()
+        opt.register_step_pre_hook(lambda *_: setattr(counter, "counting_bytes", False))  # the optimizer: by formula
         opt.register_step_pre_hook(lambda *_: _at_optimizer(key, whole))
 
         def attach(meter):
@@ -302,7 +306,9 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
 
         def run():
             if count:
-                _FLOPS[flops_key] = count_flops(step) / n_micro
+                with counter:
+                    step()
+                _FLOPS[flops_key] = (counter.flops / n_micro, counter.bytes_accessed / n_micro)
             else:
                 step()
         return model, attach, run
@@ -423,7 +429,7 @@ def _fit(spec: ModelSpec, n_micro: int, seq_len: int, checkpointing: str, precis
         if events is None:
             return None
         at_opt = [tuple(r[2]["at_optimizer"][c] for c in CATEGORIES) for r in runs]
-        rows[mb] = (events, _line(*at_opt, L - d0), _line((runs[0][4],), (runs[1][4],), L - d0)[0],
+        rows[mb] = (events, _line(*at_opt, L - d0), _line(runs[0][4], runs[1][4], L - d0),
                     _line((runs[0][3],), (runs[1][3],), L - d0)[0])
     if 3 in rows and [k for k, _ in rows[2][0]] != [k for k, _ in rows[3][0]]:
         return None
@@ -448,9 +454,9 @@ def _at_rows(fit, micro_batch: int):
     at_opt = _line(one[1], two[1], steps)
     if sum(at_opt) + rise > peak:
         peak, split = sum(at_opt) + rise, at_opt[:3] + (at_opt[3] + rise,)
-    flops = one[2] + (two[2] - one[2]) * steps
+    work = _line(one[2], two[2], steps)  # (FLOPs, bytes accessed) per micro-batch
     split = dict(zip(CATEGORIES, split))
-    return peak, split, at_opt[0], at_opt[2], one[3], flops
+    return peak, split, at_opt[0], at_opt[2], one[3], work
 
 
 def _data_parallel(peak: int, split: dict, param_bytes: int, opt_bytes: int, parallel: str, ranks: int):
@@ -516,9 +522,9 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
         checkpointing = tuple(c for c in checkpointing if c != "sqrt")
         left_out["checkpointing sqrt"] = (f"{spec.n_layer} blocks: sqrt(n) segments change with depth, so only a "
                                           "full-depth fake step is exact (--depth full)")
-    if deep and spec.config is not None:
-        left_out["fsdp2"] = (f"{spec.n_layer} blocks: the sharded fake step runs at full depth only "
-                             "(--depth full)")
+    if deep and spec.config is not None and gpus > 2:
+        left_out["fsdp2 below the largest rank count"] = (f"{spec.n_layer} blocks: FSDP2 is planned on {gpus} ranks "
+                                                           "only (--depth full plans every rank count)")
     t0 = time.perf_counter()
     ranks_list = sorted({r for r in (2**k for k in range(gpus.bit_length())) if batch % r == 0} | {gpus})
     per_rank = [batch // r for r in ranks_list]
@@ -549,44 +555,55 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
             split = {**split, "activations": split["activations"] + (rows - mb * n_micro) * row_bytes}
             for parallel in (("single",) if ranks == 1 else ("ddp", "zero1")):
                 rank_peak, rank_split = _data_parallel(peak, split, param_bytes, opt_bytes, parallel, ranks)
+                rank_opt = opt_bytes // ranks if parallel == "zero1" else opt_bytes  # ZeRO-1 steps 1/N of Adam
                 out.rows.append(_row(Combination(ranks, parallel, mb, rows // mb, c, p), rank_peak, rank_split,
-                                     out.budget_bytes, fl, param_bytes, opt_bytes, device, seq_len * batch))
-    if spec.config is not None and "fp32" in precisions and "none" in checkpointing and not deep:
-        out.rows += _fsdp_rows(spec.config, ranks_list, batch, seq_len, device, out.budget_bytes, depth)
+                                     out.budget_bytes, fl, param_bytes, rank_opt, param_bytes, device,
+                                     seq_len * batch))
+    if spec.config is not None and "fp32" in precisions and "none" in checkpointing:
+        out.rows += _fsdp_rows(spec.config, ranks_list, batch, seq_len, device, out.budget_bytes, depth, deep)
     out.elapsed_s = time.perf_counter() - t0
     return out
 
 
 def _fsdp_rows(cfg: GPTConfig, ranks_list, batch: int, seq_len: int, device: DeviceProfile, budget: int,
-               depth: str) -> list:
-    """Return FSDP2 rows (fp32, no accumulation, no checkpointing): rank 0's step from labkit.estimate's fake group."""
+               depth: str, deep: bool) -> list:
+    """Return FSDP2 rows (fp32, no accumulation, no checkpointing): rank 0's step from labkit.estimate's fake group.
+
+    deep (depth="fast" beyond FULL_MAX_LAYERS blocks): the largest rank count only (each row a full-depth sharded step).
+    """
     rows = []
-    for ranks in (r for r in ranks_list if r > 1):
+    for ranks in (r for r in ranks_list if r > 1 and (not deep or r == max(ranks_list))):
         mb = batch // ranks
-        flops = _extrapolated(gpt_spec(cfg), mb, 1, seq_len, "none", "fp32", depth)[5]
+        work = _extrapolated(gpt_spec(cfg), mb, 1, seq_len, "none", "fp32", depth)[5]
         for parallel, stage in (("fsdp2", 2), ("fsdp2-reshard", 3)):
             est = estimate_training_memory(cfg, mb, seq_len, "adam", ranks, stage)
             param_bytes = 4 * est.n_params  # the full fp32 parameters: what all-gathers and reduce-scatters move
-            row = _row(Combination(ranks, parallel, mb, 1, "none", "fp32"), est.peak_bytes, est.split, budget, flops,
-                       param_bytes // ranks, est.states["optimizer_state"], device, seq_len * batch)
-            gathers = 2 if stage == 3 else 1  # all-gathers per step (forward, and again in backward when resharded)
-            row.comm_s = (gathers + 1) * (ranks - 1) / ranks * param_bytes / device.peer_bytes_per_s
-            row.step_s = row.compute_s + row.comm_s
-            row.tokens_per_s = seq_len * batch / row.step_s
-            rows.append(row)
+            rows.append(_row(Combination(ranks, parallel, mb, 1, "none", "fp32"), est.peak_bytes, est.split, budget,
+                             work, param_bytes // ranks, est.states["optimizer_state"], param_bytes, device,
+                             seq_len * batch))
     return rows
 
 
-def _row(comb: Combination, peak: int, split: dict, budget: int, flops_per_micro: float, param_bytes: int,
-         opt_bytes: int, device: DeviceProfile, tokens: int) -> Row:
-    """Return a combination's row: the roofline step time over the device's rates."""
+COMM_UNITS = {"single": 0, "ddp": 2, "zero1": 3, "fsdp2": 2, "fsdp2-reshard": 3}  # parameter-sized ring passes per
+#   step (chapter 07, measured): all-reduce = reduce-scatter + all-gather; ZeRO-1 all-gathers the updated
+#   parameters too; FSDP2 all-gathers in forward, again in backward when resharded, and reduce-scatters
+
+
+def _row(comb: Combination, peak: int, split: dict, budget: int, work: tuple, param_bytes: int, opt_bytes: int,
+         whole_param_bytes: int, device: DeviceProfile, tokens: int) -> Row:
+    """Return a combination's row: the roofline step time (a lower bound) over the device's rates.
+
+    work: (FLOPs, bytes accessed) per micro-batch; the optimizer step reads the parameters, their gradients and its
+    state and writes the parameters and the state (3 x param_bytes + 2 x opt_bytes).
+    """
+    flops_per_micro, bytes_per_micro = work
     flops = int(flops_per_micro * comb.accum_steps)
-    traffic = comb.accum_steps * (3 * param_bytes + 2 * split["activations"]) + 3 * param_bytes + 2 * opt_bytes
-    compute_s = max(flops / device.flops_per_s[comb.precision], traffic / device.memory_bytes_per_s)
-    comm_bytes = 0 if comb.ranks == 1 else 2 * (comb.ranks - 1) / comb.ranks * param_bytes  # ring all-reduce
-    comm_s = comm_bytes / device.peer_bytes_per_s
-    step_s = compute_s + comm_s
-    return Row(comb, peak, split, peak <= budget, flops, compute_s, comm_s, step_s, tokens / step_s)
+    accessed = int(bytes_per_micro * comb.accum_steps) + 3 * param_bytes + 2 * opt_bytes
+    compute_s = max(flops / device.flops_per_s[comb.precision], accessed / device.memory_bytes_per_s)
+    ring = (comb.ranks - 1) / comb.ranks
+    comm_s = COMM_UNITS[comb.parallel] * ring * whole_param_bytes / device.peer_bytes_per_s
+    step_s = max(compute_s, comm_s)
+    return Row(comb, peak, split, peak <= budget, flops, compute_s, comm_s, step_s, tokens / step_s, accessed)
 
 
 def format_plan(p: Plan, all_rows: bool = False) -> str:

@@ -77,10 +77,12 @@ def test_rows_are_a_line_through_small_micro_batches(micro_batch, monkeypatch):
 
 def test_deep_models_leave_out_what_only_full_depth_gives(monkeypatch):
     monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)
-    p = P.plan(DEEP_LLAMA, "h100", 2, 16, 2, precisions=("fp32",), checkpointing=("none", "sqrt"))
-    assert {"checkpointing sqrt", "fsdp2"} <= set(p.left_out)
-    assert {r.combination.parallel for r in p.rows} == {"single", "ddp", "zero1"}
+    p = P.plan(DEEP_LLAMA, "h100", 4, 16, 4, precisions=("fp32",), checkpointing=("none", "sqrt"))
+    assert {"checkpointing sqrt", "fsdp2 below the largest rank count"} <= set(p.left_out)
     assert {r.combination.checkpointing for r in p.rows} == {"none"}
+    fsdp = [r for r in p.rows if r.combination.parallel.startswith("fsdp2")]  # full-depth sharded steps, 4 ranks only
+    assert {r.combination.parallel for r in p.rows} == {"single", "ddp", "zero1", "fsdp2", "fsdp2-reshard"}
+    assert {r.combination.ranks for r in fsdp} == {4} and len(fsdp) == 2
 
 
 def test_meter_tags_events_and_splits_every_point():
@@ -214,3 +216,16 @@ def test_fsdp2_rows_come_from_the_estimators_sharded_step():
     assert fsdp["fsdp2-reshard"].peak_bytes <= fsdp["fsdp2"].peak_bytes
     ddp = next(r for r in p.rows if r.combination.parallel == "ddp" and r.combination.micro_batch == 2)
     assert fsdp["fsdp2-reshard"].peak_bytes < ddp.peak_bytes and fsdp["fsdp2-reshard"].comm_s > ddp.comm_s
+
+
+def test_roofline_counts_recomputation_and_the_bytes_it_moves():
+    """Checkpointing never makes a step faster: more FLOPs and more bytes accessed, the same micro-batch and precision."""
+    p = P.plan(SMALL, "t4", gpus=1, seq_len=32, batch=2, reserve_fraction=0.0)
+    rows = {(r.combination.micro_batch, r.combination.checkpointing, r.combination.precision): r for r in p.rows}
+    for (mb, ckpt, prec), r in rows.items():
+        plain = rows[mb, "none", prec]
+        if ckpt in ("every", "selective"):  # (selective recomputes no matmul: the FLOPs counted are the same)
+            assert r.flops >= plain.flops and r.bytes_accessed > plain.bytes_accessed and r.step_s > plain.step_s
+            assert ckpt == "selective" or r.flops > plain.flops
+        assert r.step_s == max(r.compute_s, r.comm_s) and r.bytes_accessed > 0
+    assert rows[2, "none", "fp16"].step_s < rows[2, "none", "fp32"].step_s  # 2-byte tensors move half the bytes
