@@ -72,8 +72,8 @@ BAD = [  # (chapter, parameters, words the error must contain)
     ("08_memory_aware_search", dict(STORAGE="studies.db"), ["STORAGE", "sqlite:///"]),
     ("08_memory_aware_search", dict(STUDY="my study"), ["STUDY", "letters"]),
     ("08_memory_aware_search", dict(DEVICE="tpu"), ["DEVICE", "'auto', 'cpu', 'cuda'"]),
-    ("09_what_to_use_when", dict(RESULTS="no/such/results.json"), ["RESULTS", "no file"]),
-    ("09_what_to_use_when", dict(GPUS_PER_NODE=1), ["GPUS_PER_NODE", "[2, 64]"]),
+    ("10_what_to_use_when", dict(RESULTS="no/such/results.json"), ["RESULTS", "no file"]),
+    ("10_what_to_use_when", dict(GPUS_PER_NODE=1), ["GPUS_PER_NODE", "[2, 64]"]),
 ]
 
 
