@@ -476,5 +476,20 @@ def main(argv=None) -> int:
     return 0
 
 
+def combination_step(cfg: GPTConfig, combination: Combination, seed: int = 0, device="cpu"):
+    """Return (model, optimizer, step_fn) running a one-device combination for real: what the meter checks a row by."""
+    from labkit.train import seeded_model
+
+    model = seeded_model(cfg, seed, device)
+    segments = _segments(combination.checkpointing, cfg.n_layer)
+    if segments is not None:
+        checkpoint_blocks(model, **segments)
+    optimizer = make_optimizer("adam", model.parameters())
+
+    def step_fn(model, optimizer, batch):
+        return plan_step(model, optimizer, batch, combination.micro_batch, combination.precision)
+    return model, optimizer, step_fn
+
+
 if __name__ == "__main__":
     raise SystemExit(main())
