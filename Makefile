@@ -23,13 +23,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)  ## create .venv and install labkit with its dependencies
 
-run: $(STAMP)  ## execute every notebook (fast defaults) into build/, write build/results.json and build/report.html; 09, last, reads the others' figures
+run: $(STAMP)  ## execute every notebook (fast defaults) into build/, write build/results.json and build/report.html; 10, last, reads the others' figures
 	$(PY) -m workbook.runner --notebooks notebooks --out build
 
 # Tests run in TEST_WORKERS processes (pytest-xdist; a notebook's cells stay together in one), each on one
 # thread: two processes of two OpenMP threads on two cores spin against each other and run many times slower.
 TEST_WORKERS ?= 2
-# LABKIT_RESULTS: the closing page (09) reads the committed figures of a real `make run` (it says so), not
+# LABKIT_RESULTS: the closing page (10) reads the committed figures of a real `make run` (it says so), not
 # whatever build/results.json holds, so that nbval runs it the same on every machine without running a chapter for it
 TEST_ENV := LABKIT_BATCH=1 OMP_NUM_THREADS=1 LABKIT_RESULTS=$(CURDIR)/tests/data/closing_results.json
 

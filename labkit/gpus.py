@@ -47,8 +47,9 @@ PCIE5 = 64 * GB  # PCIe 5.0 x16, one direction
 
 # Dense (no sparsity) tensor-core figures with fp32 accumulation; fp32 is the non-tensor (no TF32) rate.
 GPUS = {
-    # NVIDIA T4 datasheet: 16 GB GDDR6, 320 GB/s, fp32 8.1 TFLOPS, fp16 tensor 65 TFLOPS; no bf16; PCIe 3.0
-    "t4": DeviceProfile("t4", 16 * GiB, {"fp32": 8.1 * TERA, "fp16": 65 * TERA}, 320 * GB, PCIE3, PCIE3),
+    # NVIDIA T4 datasheet: 16 GB GDDR6 (15,360 MiB usable: nvidia-smi's total, ECC on), 320 GB/s, fp32 8.1 TFLOPS,
+    # fp16 tensor 65 TFLOPS; no bf16; PCIe 3.0
+    "t4": DeviceProfile("t4", 15360 * 2**20, {"fp32": 8.1 * TERA, "fp16": 65 * TERA}, 320 * GB, PCIE3, PCIE3),
     # NVIDIA L4 datasheet: 24 GB, 300 GB/s, fp32 30.3 TFLOPS, bf16/fp16 tensor 121 TFLOPS dense (242 sparse); PCIe 4.0
     "l4": DeviceProfile("l4", 24 * GiB, {"fp32": 30.3 * TERA, "bf16": 121 * TERA, "fp16": 121 * TERA},
                         300 * GB, PCIE4, PCIE4),

@@ -608,11 +608,11 @@ def _row(comb: Combination, peak: int, split: dict, budget: int, work: tuple, pa
 
 def format_plan(p: Plan, all_rows: bool = False) -> str:
     """Return the plan as a text table: the Pareto front (every row with all_rows) and the fastest that fits."""
-    head = (f"{p.model} ({p.n_params / 1e9:.2f} B parameters) on {p.gpus} x {p.device}, seq_len {p.seq_len}, "
+    head = (f"{p.model} ({format_count(p.n_params)} parameters) on {p.gpus} × {p.device}, seq_len {p.seq_len}, "
             f"batch {p.batch}: budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s")
     cols = (f"{'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'peak':>10} {'fits':>4} "
-            f"{'step (s)':>9} {'tokens/s':>10}")
+            f"{'step (ms)':>10} {'tokens/s':>10}")
     shown, title = p.rows, "all combinations:"
     if not all_rows:
         shown, title = p.pareto, "Pareto front (memory against roofline time):"
@@ -623,12 +623,12 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
         c = r.combination
         lines.append(f"{c.ranks:>5} {c.parallel:>13} {c.micro_batch:>5} {c.accum_steps:>5} {c.checkpointing:>9} "
                      f"{c.precision:>4} {format_bytes(r.peak_bytes):>10} {'yes' if r.fits else 'no':>4} "
-                     f"{r.step_s:>9.3g} {r.tokens_per_s:>10.4g}")
+                     f"{r.step_s * 1e3:>10,.4g} {r.tokens_per_s:>10,.0f}")
     best = p.fastest
     lines.append("")
     lines.append("fastest that fits: " + ("none" if best is None else ", ".join(
         f"{k} {v}" for k, v in asdict(best.combination).items()) + f" ({format_bytes(best.peak_bytes)}, roofline "
-        f"{best.step_s:.3g} s/step, {best.tokens_per_s:.4g} tokens/s)"))
+        f"{best.step_s * 1e3:,.4g} ms/step, {best.tokens_per_s:,.0f} tokens/s, a bound: real steps are slower)"))
     lines.append("left out: " + "; ".join(f"{k} ({v})" for k, v in p.left_out.items()))
     return "\n".join(lines)
 
@@ -661,6 +661,28 @@ def main(argv=None) -> int:
         ap.error(str(e))
     print(json.dumps(plan_json(p), indent=1) if args.json else format_plan(p, args.all))
     return 0
+
+
+def combination_step(cfg: GPTConfig, combination: Combination, seed: int = 0, device="cpu"):
+    """Return (model, optimizer, step_fn) running a one-device combination for real: what the meter checks a row by."""
+    from labkit.train import seeded_model
+
+    model = seeded_model(cfg, seed, device)
+    segments = _segments(combination.checkpointing, cfg.n_layer)
+    if segments is not None:
+        checkpoint_blocks(model, **segments)
+    optimizer = make_optimizer("adam", model.parameters())
+
+    def step_fn(model, optimizer, batch):
+        return plan_step(model, optimizer, batch, combination.micro_batch, combination.precision)
+    return model, optimizer, step_fn
+
+
+def format_count(n: int) -> str:
+    """Return a parameter count for reading: "437,760" below a million, else "124.4 M" or "6.74 B"."""
+    if n < 10**6:
+        return f"{n:,}"
+    return f"{n / 1e6:.1f} M" if n < 10**9 else f"{n / 1e9:.2f} B"
 
 
 if __name__ == "__main__":

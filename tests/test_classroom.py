@@ -18,7 +18,7 @@ from workbook import classroom
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 CHAPTERS = [p.stem for p in classroom.chapters(NOTEBOOKS)]
-GRADED = "09_what_to_use_when"  # the chapter that runs fastest (seconds): autograded three times below
+GRADED = "10_what_to_use_when"  # the chapter that runs fastest (seconds): autograded three times below
 
 pytestmark = pytest.mark.notebook
 

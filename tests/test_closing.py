@@ -1,4 +1,4 @@
-"""The closing page (notebook 09) and labkit.tools.closing: figures read from results.json, the order computed from them.
+"""The closing page (notebook 10) and labkit.tools.closing: figures read from results.json, the order computed from them.
 
 The page's figures in the tests come from tests/data/closing_results.json: a real `make run`'s results.json cut to
 the records the page reads (`closing.fixture_from`; its `note` says so and the page prints it). No chapter runs
@@ -23,7 +23,7 @@ from labkit.tools import closing
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "data" / "closing_results.json"
-PAGE = "09_what_to_use_when"
+PAGE = "10_what_to_use_when"
 
 
 @pytest.fixture

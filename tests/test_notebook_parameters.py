@@ -72,8 +72,16 @@ BAD = [  # (chapter, parameters, words the error must contain)
     ("08_memory_aware_search", dict(STORAGE="studies.db"), ["STORAGE", "sqlite:///"]),
     ("08_memory_aware_search", dict(STUDY="my study"), ["STUDY", "letters"]),
     ("08_memory_aware_search", dict(DEVICE="tpu"), ["DEVICE", "'auto', 'cpu', 'cuda'"]),
-    ("09_what_to_use_when", dict(RESULTS="no/such/results.json"), ["RESULTS", "no file"]),
-    ("09_what_to_use_when", dict(GPUS_PER_NODE=1), ["GPUS_PER_NODE", "[2, 64]"]),
+    ("09_will_it_fit", dict(MODEL="gpt-17"), ["MODEL", "'gpt2'", "'llama-7b'"]),
+    ("09_will_it_fit", dict(GPU="v100"), ["GPU", "'t4'", "'h100'"]),
+    ("09_will_it_fit", dict(GPUS=3), ["PLAN_BATCH", "divisible by GPUS (3)"]),
+    ("09_will_it_fit", dict(PLAN_SEQ_LEN=2048), ["PLAN_SEQ_LEN", "[1, 1024]"]),
+    ("09_will_it_fit", dict(PLAN_DEPTH="half"), ["PLAN_DEPTH", "'full', 'probe'"]),
+    ("09_will_it_fit", dict(RESERVE_FRACTION=1.0), ["RESERVE_FRACTION", "[0.0, 1.0)"]),
+    ("09_will_it_fit", dict(DEVICE="cuda"), ["DEVICE", "('cpu',)"]),
+    ("09_will_it_fit", dict(BATCH=0), ["BATCH", "[1, 16]"]),
+    ("10_what_to_use_when", dict(RESULTS="no/such/results.json"), ["RESULTS", "no file"]),
+    ("10_what_to_use_when", dict(GPUS_PER_NODE=1), ["GPUS_PER_NODE", "[2, 64]"]),
 ]
 
 

@@ -156,7 +156,7 @@ def test_only_merges_into_existing_results(notebooks, tmp_path):
 
 @pytest.mark.notebook
 def test_a_later_notebook_reads_this_runs_results_of_the_earlier_ones(tmp_path, monkeypatch):
-    """The closing page (09) runs last and reads results.json: it must find this run's figures, not the last run's."""
+    """The closing page (10) runs last and reads results.json: it must find this run's figures, not the last run's."""
     folder = tmp_path / "nb"
     folder.mkdir()
     out = tmp_path / "out"

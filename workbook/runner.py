@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{entry['status']} {entry['wall_s']:.1f} s", flush=True)
         if entry["status"] != "ok":
             print(f"    {entry.get('error', '').splitlines()[0] if entry.get('error') else ''}", flush=True)
-        # after each notebook: the closing page (09), run last, reads this run's figures of 00-08 from it
+        # after each notebook: the closing page (10), run last, reads this run's figures of 00-08 from it
         results_path = write_results(entries, out_dir, parameters, merge=bool(args.only))
     from workbook.report import write_report
 

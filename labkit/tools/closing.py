@@ -1,4 +1,4 @@
-"""Chapter 09's figures: what each technique saved and cost, read from the chapters' records in results.json."""
+"""Chapter 10's figures: what each technique saved and cost, read from the chapters' records in results.json."""
 
 from __future__ import annotations
 

@@ -1,0 +1,22 @@
+"""Notebook 09 with another model size, another budget, another GPU and seed: the same verdicts."""
+
+import labkit
+
+STEM = "09_will_it_fit"
+
+
+def test_notebook_09_verdicts_with_another_size_and_budget(execute_notebook):
+    entry = execute_notebook(STEM, timeout_s=300, SEED=3, N_LAYER=1, BATCH=4, SEQ_LEN=128, GPU="l4", PLAN_SEQ_LEN=256,
+                             PLAN_BATCH=1, PEERS=False)
+    assert entry["status"] == "ok", entry.get("error")
+    m = entry["measurements"]
+    ex = labkit.running_example(n_layer=1, batch_size=4, seq_len=128)
+    assert m["budget_bytes"] == ex.budget_bytes and m["plain_peak_bytes"] > ex.budget_bytes  # another budget, exceeded
+    assert m["cpu_combinations"] == 3 * 4 * 2  # micro-batches 1, 2 and 4, four checkpointing choices, fp32 and bf16
+    assert m["cpu_max_rel_peak_error"] <= 0.01
+    assert m["cpu_fit_agreement"] == 1.0
+    assert -1.0 <= m["step_time_spearman"] <= 1.0
+    fastest = m["plan_fastest"]
+    assert fastest is not None and fastest["peak_bytes"] <= 0.9 * 24 * 2**30  # within the L4's memory less the reserve
+    assert m["plan_pareto_size"] >= 1 and m["plan_combinations"] >= m["plan_pareto_size"]
+    assert "peers_bytes" not in m  # PEERS=False skips the section, and says so
