@@ -186,7 +186,7 @@ def test_make_setup_and_only_it_uses_the_constraints():
     makefile = MAKEFILE.read_text()
     assert "PIP_INSTALL := $(PY) -m pip install" in makefile and "-c constraints.txt" in makefile
     installs = [line for line in setup if "pip install" in line or "$(PIP_INSTALL)" in line]
-    assert len(installs) == 3 and all(line.startswith("$(PIP_INSTALL)") for line in installs), installs
+    assert len(installs) == 4 and all(line.startswith("$(PIP_INSTALL)") for line in installs), installs
     assert "classroom" in installs[0] and "test" in installs[0]
     assert not re.search(r"==", " ".join(_pyproject()["project"]["dependencies"])), "pins belong in constraints.txt"
 
