@@ -179,8 +179,8 @@ class Row:
     flops: int  # FLOPs per optimizer step per device, recomputation included
     compute_s: float  # roofline on the device: max(FLOPs / peak FLOP/s, bytes accessed / memory bandwidth)
     comm_s: float  # communicated bytes / device-to-device bandwidth
-    step_s: float  # max(compute_s, comm_s): a lower bound on the step's time (communication hidden under compute)
-    tokens_per_s: float  # global batch tokens / step_s: an upper bound
+    step_s: float  # compute_s + comm_s: communication not overlapped (one device: the roofline, a lower bound)
+    tokens_per_s: float  # global batch tokens / step_s (one device: an upper bound)
     bytes_accessed: int = 0  # bytes the step's operators read and write (each once: no fusion), optimizer included
 
 
@@ -591,7 +591,7 @@ COMM_UNITS = {"single": 0, "ddp": 2, "zero1": 3, "fsdp2": 2, "fsdp2-reshard": 3}
 
 def _row(comb: Combination, peak: int, split: dict, budget: int, work: tuple, param_bytes: int, opt_bytes: int,
          whole_param_bytes: int, device: DeviceProfile, tokens: int) -> Row:
-    """Return a combination's row: the roofline step time (a lower bound) over the device's rates.
+    """Return a combination's row: the roofline time on the device plus the communication, not overlapped.
 
     work: (FLOPs, bytes accessed) per micro-batch; the optimizer step reads the parameters, their gradients and its
     state and writes the parameters and the state (3 x param_bytes + 2 x opt_bytes).
@@ -602,7 +602,7 @@ def _row(comb: Combination, peak: int, split: dict, budget: int, work: tuple, pa
     compute_s = max(flops / device.flops_per_s[comb.precision], accessed / device.memory_bytes_per_s)
     ring = (comb.ranks - 1) / comb.ranks
     comm_s = COMM_UNITS[comb.parallel] * ring * whole_param_bytes / device.peer_bytes_per_s
-    step_s = max(compute_s, comm_s)
+    step_s = compute_s + comm_s
     return Row(comb, peak, split, peak <= budget, flops, compute_s, comm_s, step_s, tokens / step_s, accessed)
 
 
