@@ -35,8 +35,9 @@ from labkit.results import build_dir, checkout_root
 from labkit.throughput import copy_bandwidth, measure_throughputs
 from labkit.train import make_optimizer, measure_step, train_step
 
-CHECKS = ("meter", "budget", "offload", "l2l", "precision", "checkpoint", "tests", "notebooks")
+CHECKS = ("meter", "budget", "offload", "l2l", "precision", "checkpoint", "plan", "tests", "notebooks")
 METER_TOLERANCE = 0.05  # the meter's peak within 5% of max_memory_allocated
+PLAN_TOLERANCE = 0.03  # labkit.plan's predicted peak within 3% of max_memory_allocated (issue 24's target)
 
 
 @dataclass
@@ -276,6 +277,43 @@ def check_checkpoint(setup: Setup) -> Row:
                "sit below it)" if _cuda(setup) else "rehearsal on cpu: one timed round, not judged", figures)
 
 
+def check_plan(setup: Setup) -> Row:
+    """Hold labkit.plan's predicted peaks (fake tensors) against the real steps' max_memory_allocated."""
+    from labkit.gpus import DeviceProfile
+    from labkit.plan import Combination, combination_step, plan
+
+    half = half_precision(setup.device).precision if _cuda(setup) else "bf16"
+    wanted = [Combination(1, "single", setup.batch, 1, "none", "fp32"),
+              Combination(1, "single", max(1, setup.batch // 2), min(2, setup.batch), "every", half),
+              Combination(1, "single", 1, setup.batch, "selective", half)]
+    memory = torch.cuda.get_device_properties(setup.device).total_memory if _cuda(setup) else 2**40
+    profile = DeviceProfile(setup.device.type, memory, {"fp32": 1e12, half: 1e12}, 1e12, 1e12, 1e12)
+    rows = plan(setup.cfg, profile, 1, setup.seq_len, setup.batch, precisions=("fp32", half),
+                checkpointing=("none", "every", "selective"), reserve_fraction=0.0).rows
+    batch = setup.data()
+    errors, figures = {}, {}
+    for c in wanted:
+        predicted = next(r.peak_bytes for r in rows if r.combination == c)
+        model, opt, step_fn = combination_step(setup.cfg, c, 0, setup.device)
+        meter = measure_step(model, opt, batch, step_fn).meter
+        measured = meter.cuda_max_allocated_bytes if _cuda(setup) else meter.peak_bytes
+        name = f"mb {c.micro_batch} x {c.accum_steps}, {c.checkpointing}, {c.precision}"
+        errors[name] = predicted / measured - 1
+        figures[name] = {"predicted_peak_bytes": predicted, "measured_bytes": measured,
+                         "meter_peak_bytes": meter.peak_bytes}
+        del model, opt
+        if _cuda(setup):
+            torch.cuda.empty_cache()
+    worst = max(errors, key=lambda n: abs(errors[n]))
+    figures["relative_difference"] = errors
+    against = "max_memory_allocated" if _cuda(setup) else "the meter (rehearsal on cpu)"
+    return Row("plan", f"largest difference {errors[worst]:+.2%} ({worst}) over {len(errors)} combinations",
+               f"|predicted / {against} - 1| <= {PLAN_TOLERANCE:.0%}",
+               abs(errors[worst]) <= PLAN_TOLERANCE if _cuda(setup) else None,
+               "the plan counts tensors (fake); the allocator also counts its 512 B rounding and cuBLAS's workspace"
+               if _cuda(setup) else "rehearsal on cpu: the meter is exact here, no allocator figure", figures)
+
+
 NO_CHECKOUT = "labkit is installed without its repository (a hosted notebook): the repository's {} are not here"
 ROWS_TEST = "tests/test_cuda.py::test_gpu_check_rows_hold"  # this tool's own rows: run above, not again
 
@@ -321,7 +359,7 @@ def check_notebooks(setup: Setup, repo: Path | None, out: Path) -> Row:
 def run_checks(setup: Setup, only=CHECKS, repo: Path | None = Path("."), out: Path = Path("build")) -> list[Row]:
     """Run the chosen checks in order; a check that raises becomes a failed row with its error."""
     funcs = {"meter": check_meter, "budget": check_budget, "offload": check_offload, "l2l": check_l2l,
-             "precision": check_precision, "checkpoint": check_checkpoint,
+             "precision": check_precision, "checkpoint": check_checkpoint, "plan": check_plan,
              "tests": lambda s: check_tests(s, repo),
              "notebooks": lambda s: check_notebooks(s, repo, out / "gpu-check-notebooks")}
     rows = []
