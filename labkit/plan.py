@@ -83,10 +83,11 @@ class ModelSpec:
 
     name: str  # shown in the table
     build: Callable  # (n_layer, rows, seq_len) -> (nn.Module, tuple of tensors with `rows` rows)
-    n_layer: int | None  # identical blocks (checkpointable): their number; None: no labkit blocks, always full depth
+    n_layer: int | None  # identical blocks: their number (depth="fast" past FULL_MAX_LAYERS); None: always full depth
     key: str | None  # identifies the model in fake_step's cache (None: not cached)
     max_seq_len: int | None = None  # longest sequence the model takes (a learned position table), None: any
     config: GPTConfig | None = None  # a labkit GPT's config (FSDP2 rows need it)
+    checkpointable: bool = True  # labkit blocks that checkpoint_blocks can wrap (a transformers model's cannot)
 
 
 def gpt_spec(cfg: GPTConfig, name: str = "GPTConfig") -> ModelSpec:
@@ -130,7 +131,8 @@ def hf_spec(config, name: str = "transformers") -> ModelSpec:
         c = config if n_layer is None else replace_hf_layers(config, n_layer)
         x = torch.randint(config.vocab_size, (rows, seq_len))
         return _CausalLM(AutoModelForCausalLM.from_config(c)), (x, x.clone())
-    return ModelSpec(name, build, None, None)
+    return ModelSpec(name, build, config.num_hidden_layers, "transformers:" + config.to_json_string(),
+                     checkpointable=False)
 
 
 def replace_hf_layers(config, n_layer: int):
@@ -235,9 +237,17 @@ class _AtOptimizer(Exception):
     """Raised where a traced step's optimizer step starts: what follows is _RISE's, the same in every combination."""
 
 
+def _repeated_blocks(model) -> torch.nn.Module:
+    """Return the model's repeated blocks: a labkit model's, or a transformers model's longest ModuleList of layers."""
+    try:
+        return blocks_of(model)
+    except TypeError:
+        return max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
+
+
 def _tag_blocks(meter, model) -> None:
     """Make the meter tag each event (micro-batch, position): "pre", the index of the block that runs, or "post"."""
-    blocks = blocks_of(model)
+    blocks = _repeated_blocks(model)
     micro = [-1]
 
     def tag(pos):
@@ -511,9 +521,9 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     _check(spec, device, gpus, seq_len, batch, reserve_fraction, precisions)
     check_choice("depth", depth, DEPTHS)
     if checkpointing is None:
-        checkpointing = CHECKPOINTING if spec.n_layer is not None else ("none",)
+        checkpointing = CHECKPOINTING if spec.n_layer is not None and spec.checkpointable else ("none",)
     for c in checkpointing:
-        if c != "none" and spec.n_layer is None:
+        if c != "none" and (spec.n_layer is None or not spec.checkpointable):
             raise ParameterError(f"checkpointing {c!r}: {spec.name} has no labkit blocks to checkpoint")
         check_choice("checkpointing", c, CHECKPOINTING)
     left_out = dict(NOT_MODELLED)

@@ -178,6 +178,20 @@ def test_transformers_config_plans_when_installed():
     assert p.rows and p.n_params > 0
 
 
+def test_a_transformers_model_takes_the_fast_depth_exactly(monkeypatch):
+    """A transformers Llama's decoder layers are tagged like labkit blocks: fast equals full depth, byte for byte."""
+    transformers = pytest.importorskip("transformers", reason="transformers (optional extra) is not installed")
+    monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=128)  # grouped-query attention
+    spec = P.hf_spec(cfg)
+    for precision in ("fp32", "bf16"):
+        for micro_batch in (1, 3):
+            fast = P._extrapolated(spec, micro_batch, 2, 16, "none", precision, "fast")
+            assert P._FITS[spec.key, 2, 16, "none", precision] is not None  # no full-depth fallback
+            assert fast == P._extrapolated(spec, micro_batch, 2, 16, "none", precision, "full")
+
+
 def test_gpu_table_is_complete():
     assert set(GPUS) == {"t4", "l4", "a10g", "rtx4090", "a100-40gb", "a100-80gb", "h100", "h200"}
     assert not GPUS["t4"].has_bf16 and all(g.has_bf16 for k, g in GPUS.items() if k != "t4")
