@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 
-def _tensor_bytes(tree) -> int:
-    """Return the bytes of every tensor in a nested structure of arguments or results."""
-    return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+def _tensor_bytes(values) -> int:
+    """Return the bytes of the tensors among `values`, and in lists or tuples among them (an operator's arguments)."""
+    total = 0
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+        elif isinstance(v, (list, tuple)):
+            total += _tensor_bytes(v)
+    return total
 
 
 class OpCounter(TorchDispatchMode):
@@ -33,7 +38,7 @@ class OpCounter(TorchDispatchMode):
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
         if self.counting_bytes and not func.is_view:
-            self.bytes_accessed += _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
+            self.bytes_accessed += _tensor_bytes(args) + _tensor_bytes(kwargs.values()) + _tensor_bytes((out,))
         return out
 
 
