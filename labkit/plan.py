@@ -622,10 +622,10 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
             f"batch {p.batch}: budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s")
     cols = (f"{'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'peak':>10} {'fits':>4} "
-            f"{'step (ms)':>10} {'tokens/s':>10}")
+            f"{'step (ms)':>10} {'comm (ms)':>10} {'tokens/s':>10}")
     shown, title = p.rows, "all combinations:"
     if not all_rows:
-        shown, title = p.pareto, "Pareto front (memory against roofline time):"
+        shown, title = p.pareto, "Pareto front (memory against predicted step time):"
     if not shown:
         shown, title = sorted(p.rows, key=lambda r: r.peak_bytes)[:5], "nothing fits; the smallest peaks:"
     lines = [head, "", title, cols]
@@ -633,12 +633,14 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
         c = r.combination
         lines.append(f"{c.ranks:>5} {c.parallel:>13} {c.micro_batch:>5} {c.accum_steps:>5} {c.checkpointing:>9} "
                      f"{c.precision:>4} {format_bytes(r.peak_bytes):>10} {'yes' if r.fits else 'no':>4} "
-                     f"{r.step_s * 1e3:>10,.4g} {r.tokens_per_s:>10,.0f}")
+                     f"{r.step_s * 1e3:>10,.2f} {r.comm_s * 1e3:>10,.2f} {r.tokens_per_s:>10,.0f}")
     best = p.fastest
     lines.append("")
     lines.append("fastest that fits: " + ("none" if best is None else ", ".join(
-        f"{k} {v}" for k, v in asdict(best.combination).items()) + f" ({format_bytes(best.peak_bytes)}, roofline "
-        f"{best.step_s * 1e3:,.4g} ms/step, {best.tokens_per_s:,.0f} tokens/s, a bound: real steps are slower)"))
+        f"{k} {v}" for k, v in asdict(best.combination).items()) + f" ({format_bytes(best.peak_bytes)}, "
+        f"{best.step_s * 1e3:,.2f} ms/step, {best.tokens_per_s:,.0f} tokens/s, " + (
+            "a roofline bound: real steps are slower)" if best.combination.ranks == 1 else
+            f"an estimate: roofline + {best.comm_s * 1e3:,.2f} ms of communication, not overlapped)")))
     lines.append("left out: " + "; ".join(f"{k} ({v})" for k, v in p.left_out.items()))
     return "\n".join(lines)
 
