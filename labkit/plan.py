@@ -63,6 +63,8 @@ DEPTHS = ("fast", "full", "probe")  # fast: beyond FULL_MAX_LAYERS blocks, exact
 #                                     full: every block on fake tensors (the reference); probe: the former name of fast
 FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "selective": (2, 3)}  # depth="fast": blocks of the small runs, one
 #   apart (checkpointing leaves the last block unchecked: two more blocks show the checked ones' step)
+SHARDED_DEPTHS = (4, 5)  # the same for FSDP2: its first two and last blocks stand apart (_keyed), two more blocks
+#                         show the others' step
 FULL_MAX_LAYERS = 12  # depth="fast": models up to this many blocks run at full depth (as fast, and exact by itself);
 #                       deeper ones leave out sqrt(n) segments, and plan FSDP2 on the largest rank count only
 
@@ -419,17 +421,23 @@ def _host_optimizer(peak_before: int, split_before: dict, at_optimizer: dict) ->
     return peak - state, {**split, "optimizer_state": 0}
 
 
-def _keyed(events, n_layer: int, last_apart: bool) -> list:
+def _keyed(events, n_layer: int, apart: tuple) -> list:
     """Return [(key, block index or None, bytes by category)]: a traced step's rises, keyed alike at every depth.
 
     Only events that raise the bytes can make a peak; frees are left out (autocast frees its weight casts, as many
-    as the blocks, at once). last_apart: the last block is a position of its own (checkpointing leaves it unchecked).
+    as the blocks, at once). apart: (first, last): the first `first` blocks and (last=True) the last are positions of
+    their own (checkpointing leaves the last unchecked; FSDP2 prefetches nothing beyond the first and the last, and
+    the block after the first prefetches it in backward); blocks count from 0 after them.
     """
     out, runs, prev, j, before = [], {}, None, 0, 0
     for phase, tag, split in events:
         micro, pos = (None, "start") if tag is None else tag
-        if last_apart and pos == n_layer - 1:
+        if apart[1] and pos == n_layer - 1:
             pos = "last"
+        elif isinstance(pos, int) and pos < apart[0]:
+            pos = ("first", pos)
+        elif isinstance(pos, int):
+            pos -= apart[0]
         here = (micro, phase, pos)
         if here != prev:
             runs[here] = runs.get(here, -1) + 1
@@ -448,16 +456,16 @@ def _line(lo, hi, steps: int) -> tuple:
     return tuple(a + (b - a) * steps for a, b in zip(lo, hi))
 
 
-def _full_depth_events(small, big, n_layer: int, depths, last_apart: bool) -> list | None:
+def _full_depth_events(small, big, n_layer: int, depths, apart: tuple) -> list | None:
     """Return the full depth's candidate events [(key, bytes by category)] in time order from runs at FAST_DEPTHS.
 
     Bytes at a key are affine in the depth and, inside the blocks, in the block index, so a maximum over the blocks
     sits at the first or the last of them; None when the runs do not repeat block by block (checked, not assumed).
     """
     d0, d1 = depths
-    n0, n1, n = (d0 - 1, d1 - 1, n_layer - 1) if last_apart else (d0, d1, n_layer)  # blocks keyed as blocks
-    keyed = _keyed(big, d1, last_apart)
-    at0 = {(k, i): v for k, i, v in _keyed(small, d0, last_apart)}
+    n0, n1, n = (d - sum(apart) for d in (d0, d1, n_layer))  # blocks keyed as blocks
+    keyed = _keyed(big, d1, apart)
+    at0 = {(k, i): v for k, i, v in _keyed(small, d0, apart)}
     at1 = {(k, i): v for k, i, v in keyed}
     blocks = {k for k, i in at1 if i is not None}
     if ({k for k, i in at0 if i is None} != {k for k, i in at1 if i is None}
@@ -492,15 +500,15 @@ def _fit(spec: ModelSpec, n_micro: int, seq_len: int, checkpointing: str, precis
     when a dimension has size 1), the line goes through 2 and 3 rows, which must match, and 1 row stands apart.
     """
     L = spec.n_layer
-    d0, d1 = depths = FAST_DEPTHS[checkpointing]
+    d0, d1 = depths = FAST_DEPTHS[checkpointing] if shard is None else SHARDED_DEPTHS
     rows = {}
     for mb in (1,) if micro_batch == 1 else (1, 2, 3):
         if mb == 3 and [k for k, _ in rows[1][0]] == [k for k, _ in rows[2][0]]:
             break
         runs = [_fake_run(spec, d, mb, n_micro, seq_len, checkpointing, precision, trace=True, whole=False,
                           offload=offload, shard=shard) for d in depths]
-        events = (_full_depth_events(runs[0][5], runs[1][5], L, depths, False)
-                  or _full_depth_events(runs[0][5], runs[1][5], L, depths, True))
+        events = next((e for apart in ((0, False), (0, True), (2, True))
+                       if (e := _full_depth_events(runs[0][5], runs[1][5], L, depths, apart)) is not None), None)
         if events is None:
             return None
         at_opt = [tuple(r[2]["at_optimizer"][c] for c in CATEGORIES) for r in runs]
@@ -509,7 +517,7 @@ def _fit(spec: ModelSpec, n_micro: int, seq_len: int, checkpointing: str, precis
     if 3 in rows and [k for k, _ in rows[2][0]] != [k for k, _ in rows[3][0]]:
         return None
     if (spec.key, shard) not in _RISE:
-        run = _fake_run(spec, FAST_DEPTHS["none"][0], 1, 1, 1, "none", "fp32", trace=True, shard=shard)
+        run = _fake_run(spec, depths[0], 1, 1, 1, "none", "fp32", trace=True, shard=shard)
         start = next(k for k, (phase, _, _) in enumerate(run[5]) if phase == "optimizer")
         _RISE[spec.key, shard] = max(sum(v) for _, _, v in run[5][start:]) - sum(run[2]["at_optimizer"].values())
     return rows, _RISE[spec.key, shard]
