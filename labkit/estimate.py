@@ -5,6 +5,7 @@ One process, or one rank of DDP, ZeRO-1 (corrections of the one-process step) or
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -124,25 +125,36 @@ def _plain_step(model, optimizer: str, cfg, batch_size: int, seq_len: int | None
 
 def _fsdp_step(cfg, batch_size: int, seq_len: int | None, optimizer: str, world_size: int, reshard: bool):
     """Run rank 0 of an FSDP2 step on fake tensors with a fake process group; return fake_step's tuple."""
+    with torch.device("meta"):  # shard on meta tensors: FSDP2 splits every parameter N ways, cheap only here
+        model = build_model(cfg)
+    with fake_sharded(model, blocks_of(model), world_size, reshard):
+        def build():
+            model.to_empty(device="cpu")  # the meta shards become fake cpu ones: FSDP2's meta init
+            return _plain_step(model, optimizer, cfg, batch_size, seq_len)
+        return fake_step(None, build)
+
+
+@contextlib.contextmanager
+def fake_sharded(model: torch.nn.Module, blocks, world_size: int, reshard: bool):
+    """Shard a meta-built `model` with FSDP2 (each of `blocks`, then the whole) over a fake group of `world_size`.
+
+    This process is rank 0 of the fake group (collectives move nothing) while the block runs; fake_step then runs the
+    sharded model once `model.to_empty(device="cpu")` has made its meta shards fake cpu ones, inside its build().
+    """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
+    check_int("world_size", world_size, 2)
     if dist.is_initialized():
         raise RuntimeError("estimating a sharded step needs a process without a process group (it makes a fake one)")
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
         mesh = init_device_mesh("cpu", (world_size,))  # outside fake mode: the mesh reads real rank lists
-        with torch.device("meta"):  # shard on meta tensors: FSDP2 splits every parameter N ways, cheap only here
-            model = build_model(cfg)
-        for block in blocks_of(model):
+        for block in blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-
-        def build():
-            model.to_empty(device="cpu")  # the meta shards become fake cpu ones: FSDP2's meta init
-            return _plain_step(model, optimizer, cfg, batch_size, seq_len)
-        return fake_step(None, build)
+        yield model
     finally:
         dist.destroy_process_group()

@@ -25,13 +25,16 @@ class DeviceProfile:
     memory_bytes_per_s: float  # device memory (HBM/GDDR/DRAM) bandwidth
     host_bytes_per_s: float  # host link, one direction (PCIe)
     peer_bytes_per_s: float  # device-to-device, one direction (NVLink, else PCIe)
+    host_memory_bytes_per_s: float = 100 * GB  # the host's memory bandwidth (an optimizer step on the host): an
+    #   assumed round figure for a GPU server's DRAM, not a datasheet's (one socket of 8-channel DDR4-3200 peaks at
+    #   204.8 GB/s; a CPU Adam reaches a fraction of it); give your own with dataclasses.replace
 
     def __post_init__(self):
         if self.memory_bytes <= 0:
             raise ParameterError(f"memory_bytes must be > 0, got {self.memory_bytes}")
         if "fp32" not in self.flops_per_s or any(v <= 0 for v in self.flops_per_s.values()):
             raise ParameterError(f"flops_per_s must give fp32 and positive rates, got {self.flops_per_s}")
-        for name in ("memory_bytes_per_s", "host_bytes_per_s", "peer_bytes_per_s"):
+        for name in ("memory_bytes_per_s", "host_bytes_per_s", "peer_bytes_per_s", "host_memory_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ParameterError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -88,7 +91,7 @@ def measure_cpu(n: int = 1024, repeats: int = 3) -> DeviceProfile:
     src = torch.empty(64 * 2**20, dtype=torch.uint8)
     bandwidth = copy_bandwidth(torch.empty_like(src), src, repeats)
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return DeviceProfile("cpu", memory, flops, bandwidth, bandwidth, bandwidth)
+    return DeviceProfile("cpu", memory, flops, bandwidth, bandwidth, bandwidth, bandwidth)
 
 
 def device_profile(name: str) -> DeviceProfile:

@@ -13,6 +13,7 @@ import tempfile
 import weakref
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from labkit.device import as_device
 from labkit.meter import MemoryMeter, active_meter
@@ -29,6 +30,8 @@ def host_tier():
 
 def dense_stride(t: torch.Tensor) -> tuple[int, ...]:
     """Return the strides `empty_like(t)` would give (t's own when dense, else contiguous)."""
+    if is_non_overlapping_and_dense_or_false(t):  # no tensor made: under fake mode a meta one is a counted fake one
+        return t.stride()
     return torch.empty_like(t, device="meta").stride()
 
 

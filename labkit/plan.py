@@ -6,6 +6,7 @@ Memory comes from labkit.estimate.fake_step (one step on fake tensors); a step t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -17,11 +18,13 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, Unsuppor
 
 from labkit.accumulation import split_batch
 from labkit.checkpointing import checkpoint_blocks
-from labkit.estimate import estimate_training_memory, example_batch, fake_step
+from labkit.estimate import example_batch, fake_sharded, fake_step
 from labkit.flops import OpCounter
 from labkit.gpus import DeviceProfile, device_profile
+from labkit.hosttier import host_tier
 from labkit.meter import CATEGORIES, active_meter, format_bytes
 from labkit.models import GPTConfig, blocks_of, build_model
+from labkit.offload import OffloadHooks
 from labkit.precision import PRECISIONS, amp_train_step
 from labkit.progress import progress
 from labkit.train import create_optimizer_state, make_optimizer
@@ -32,23 +35,36 @@ RESERVE_FRACTION = 0.10  # share of device memory kept for what tensors do not s
 CHECKPOINTING = ("none", "every", "sqrt", "selective")  # every block; sqrt(n) segments; every block, matmuls kept
 PARALLEL = ("single", "ddp", "zero1", "fsdp2", "fsdp2-reshard")  # one device; DDP (gradient buckets); ZeRO-1 (Adam
 #   sharded); FSDP2 with reshard_after_forward False / True (labkit.estimate's fake process group, rank 0)
+OPTIMIZERS = ("device", "host")  # Adam's state and step on the device; on the host (ZeRO-Offload style, one device)
+OFFLOAD_MIN_BYTES = 0  # activation offload moves every saved tensor but the parameters: a size threshold would make
+#                        the bytes kept jump with the micro-batch, where the plan's rows are exact lines in it
 NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
-    "activation offload on": "no fake-tensor step with offload hooks yet",
-    "fsdp2 with accumulation, autocast or checkpointing": "estimate's FSDP2 path runs one plain fp32 micro-batch",
-    "fsdp2 of a model not a GPTConfig": "estimate's FSDP2 path builds labkit GPTs only",
-    "optimizer state on host": "no fake-tensor step with a host optimizer yet",
+    "activation offload with checkpointing": "inside a checkpointed block checkpointing's own saved-tensor hooks "
+                                             "take the tensors, so offload would move only what lies outside the "
+                                             "blocks: planned with checkpointing none only",
+    "activation offload or optimizer on the host with fsdp2": "FSDP2's CPUOffloadPolicy and offload hooks around "
+                                                              "its gathered parameters are not run on the fake step",
+    "optimizer on the host with several ranks": "ZeRO-Offload partitions the host state over the ranks and moves "
+                                                "gradients during backward: planned on one device only",
+    "gradients on the host during backward": "with the optimizer on the host the gradients stay on the device until "
+                                             "the optimizer step (ZeRO-Offload moves them in buckets as they are "
+                                             "reduced, lowering the peak by up to the gradients' bytes)",
 }
 GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step (the same 2-byte casts; the scaler's skip test reads a value, which
 #                        fake tensors lack) plus GradScaler's scale, growth tracker, found_inf and inv_scale (4 B each)
-_AT_OPTIMIZER: dict = {}  # fake_step's key -> bytes by category when the optimizer step started
-_FLOPS: dict = {}  # (model key, depth, micro-batch, seq_len, checkpointing, precision) -> (FLOPs, bytes accessed)
-#                   per micro-batch: forward and backward, recomputation included, the optimizer step left out
-_FITS: dict = {}  # (model key, n_micro, seq_len, checkpointing, precision) -> _fit's figures (None: not affine)
-_RISE: dict = {}  # model key -> bytes the optimizer step adds to what its start holds
+_AT_OPTIMIZER: dict = {}  # fake_step's key -> (bytes by category when the optimizer step started, (peak, split) so far)
+_FLOPS: dict = {}  # (model key, depth, micro-batch, seq_len, checkpointing, precision, offload, shard) -> (FLOPs,
+#                   bytes accessed, bytes offloaded to the host and back) per micro-batch: forward and backward,
+#                   recomputation included, the optimizer step left out
+_FITS: dict = {}  # (model key, n_micro, seq_len, checkpointing, precision, offload, shard) -> _fit's figures (None:
+#                   not affine)
+_RISE: dict = {}  # (model key, shard) -> bytes the optimizer step adds to what its start holds
 DEPTHS = ("fast", "full", "probe")  # fast: beyond FULL_MAX_LAYERS blocks, exact arithmetic over runs at FAST_DEPTHS;
 #                                     full: every block on fake tensors (the reference); probe: the former name of fast
 FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "selective": (2, 3)}  # depth="fast": blocks of the small runs, one
 #   apart (checkpointing leaves the last block unchecked: two more blocks show the checked ones' step)
+SHARDED_DEPTHS = (4, 5)  # the same for FSDP2: its first two and last blocks stand apart (_keyed), two more blocks
+#                         show the others' step
 FULL_MAX_LAYERS = 12  # depth="fast": models up to this many blocks run at full depth (as fast, and exact by itself);
 #                       deeper ones leave out sqrt(n) segments, and plan FSDP2 on the largest rank count only
 
@@ -168,6 +184,8 @@ class Combination:
     accum_steps: int  # micro-batches per optimizer step
     checkpointing: str  # one of CHECKPOINTING
     precision: str  # "fp32", "bf16" (autocast) or "fp16" (autocast + GradScaler)
+    offload: bool = False  # activation offload: every saved tensor but the parameters to the host (OffloadHooks)
+    optimizer: str = "device"  # one of OPTIMIZERS: Adam's state and step on the device, or on the host
 
 
 @dataclass
@@ -181,9 +199,11 @@ class Row:
     flops: int  # FLOPs per optimizer step per device, recomputation included
     compute_s: float  # roofline on the device: max(FLOPs / peak FLOP/s, bytes accessed / memory bandwidth)
     comm_s: float  # communicated bytes / device-to-device bandwidth
-    step_s: float  # compute_s + comm_s: communication not overlapped (one device: the roofline, a lower bound)
-    tokens_per_s: float  # global batch tokens / step_s (one device: an upper bound)
+    step_s: float  # compute_s + comm_s + host_s: nothing overlapped (compute alone: the roofline, a lower bound)
+    tokens_per_s: float  # global batch tokens / step_s (compute alone: an upper bound)
     bytes_accessed: int = 0  # bytes the step's operators read and write (each once: no fusion), optimizer included
+    host_s: float = 0.0  # offloaded activations and (optimizer on the host) gradients and parameters over the host
+    #                      link, plus the host's optimizer step over its memory bandwidth
 
 
 @dataclass
@@ -228,9 +248,13 @@ def _segments(checkpointing: str, n_layer: int) -> dict | None:
     return {"segments": n_layer, "selective": checkpointing == "selective"}
 
 
-def plan_step(model, optimizer, batch, micro_batch: int, precision: str):
-    """Run one optimizer step over `batch` in micro-batches of `micro_batch` rows (labkit.precision.amp_train_step)."""
-    return amp_train_step(model, optimizer, split_batch(batch, micro_batch), precision=precision)
+def plan_step(model, optimizer, batch, micro_batch: int, precision: str, offload: OffloadHooks | None = None):
+    """Run one optimizer step over `batch` in micro-batches of `micro_batch` rows (labkit.precision.amp_train_step).
+
+    offload: activation offload, the step run under these saved-tensor hooks (chapter 04); None: none.
+    """
+    with offload if offload is not None else contextlib.nullcontext():
+        return amp_train_step(model, optimizer, split_batch(batch, micro_batch), precision=precision)
 
 
 class _AtOptimizer(Exception):
@@ -281,25 +305,32 @@ def _tag_blocks(meter, model) -> None:
 
 
 def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str,
-              precision: str, trace: bool = False, whole: bool = True):
-    """Run the step on fake tensors (estimate.fake_step); return peak, split, states, n, FLOPs per micro-batch.
+              precision: str, trace: bool = False, whole: bool = True, offload: bool = False, shard=None):
+    """Run the step on fake tensors (estimate.fake_step); return peak, split, states, n, work per micro-batch.
 
-    trace: the events tagged by block (_tag_blocks) and a sixth item, fake_step's trace; whole=False: stop where the
-    optimizer step starts (states["at_optimizer"] is then what the step held there).
+    work: (FLOPs, bytes accessed, bytes offloaded to the host and back). offload: under OffloadHooks (activation
+    offload); shard: (ranks, reshard_after_forward) for rank 0 of FSDP2 (estimate.fake_sharded: built on meta, the
+    repeated blocks sharded). trace: the events tagged by block (_tag_blocks) and a sixth item, fake_step's trace;
+    whole=False: stop where the optimizer step starts (states["at_optimizer"] is then what the step held there).
     """
     key = None if spec.key is None else ("plan", spec.key, n_layer, micro_batch, n_micro, seq_len, checkpointing,
-                                         precision, trace, whole)
-    flops_key = (spec.key, n_layer, micro_batch, seq_len, checkpointing, precision)
+                                         precision, trace, whole, offload, shard)
+    flops_key = (spec.key, n_layer, micro_batch, seq_len, checkpointing, precision, offload, shard)
     count = spec.key is None or flops_key not in _FLOPS
+    rows = micro_batch * n_micro
 
     def build():
-        model, batch = spec.build(n_layer, micro_batch * n_micro, seq_len)
-        seg = _segments(checkpointing, len(blocks_of(model))) if checkpointing != "none" else None
-        if seg is not None:
-            checkpoint_blocks(model, **seg)
+        if shard is None:
+            model, batch = spec.build(n_layer, rows, seq_len)
+            _checkpoint(model, checkpointing)
+        else:
+            model = meta_model
+            model.to_empty(device="cpu")  # the meta shards become fake cpu ones: FSDP2's meta init
+            batch = tuple(torch.empty_like(t, device="cpu") for t in meta_batch)
         opt = make_optimizer("adam", model.parameters())
         create_optimizer_state(opt)
         counter = OpCounter()
+        hooks = OffloadHooks(model, min_bytes=OFFLOAD_MIN_BYTES) if offload else None
         opt.register_step_pre_hook(lambda *_: setattr(counter, "counting_bytes", False))  # the optimizer: by formula
         opt.register_step_pre_hook(lambda *_: _at_optimizer(key, whole))
 
@@ -310,7 +341,7 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
 
         def step():
             try:
-                plan_step(model, opt, batch, micro_batch, precision)
+                plan_step(model, opt, batch, micro_batch, precision, hooks)
             except _AtOptimizer:
                 pass
 
@@ -318,56 +349,95 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
             if count:
                 with counter:
                     step()
-                _FLOPS[flops_key] = (counter.flops / n_micro, counter.bytes_accessed / n_micro)
+                moved = 0 if hooks is None else hooks.stats()["bytes_to_host"] + hooks.stats()["bytes_to_device"]
+                _FLOPS[flops_key] = (counter.flops / n_micro, counter.bytes_accessed / n_micro, moved / n_micro)
             else:
                 step()
         return model, attach, run
     try:
-        peak, split, states, n, *events = fake_step(key, build, trace)
+        if shard is None:
+            peak, split, states, n, *events = fake_step(key, build, trace)
+        else:
+            with torch.device("meta"):  # FSDP2 splits every parameter N ways: cheap on meta tensors only
+                meta_model, meta_batch = spec.build(n_layer, rows, seq_len)
+            _checkpoint(meta_model, checkpointing)
+            with fake_sharded(meta_model, _repeated_blocks(meta_model), *shard):
+                peak, split, states, n, *events = fake_step(key, build, trace)
     except (DataDependentOutputException, UnsupportedOperatorException) as e:
         raise ParameterError(f"model: {spec.name} cannot run on fake tensors ({type(e).__name__}: {e}); make the "
                              "operation independent of tensor values or pass a callable that builds a model "
                              "without it") from None
-    states["at_optimizer"] = _AT_OPTIMIZER[key]  # bytes by category when the optimizer step starts
+    states["at_optimizer"], states["before_optimizer"] = _AT_OPTIMIZER[key]  # bytes by category when the optimizer
+    #   step starts; (peak, split at it) until then
     return (peak, split, states, n, _FLOPS[flops_key], *events)
 
 
+def _checkpoint(model, checkpointing: str) -> None:
+    """Checkpoint a labkit model's blocks as `checkpointing` says (checkpoint_blocks); "none": leave it."""
+    seg = _segments(checkpointing, len(blocks_of(model))) if checkpointing != "none" else None
+    if seg is not None:
+        checkpoint_blocks(model, **seg)
+
+
 def _at_optimizer(key, whole: bool) -> None:
-    """Keep the bytes by category where the optimizer step starts; raise _AtOptimizer unless the step runs whole."""
-    _AT_OPTIMIZER[key] = active_meter().current_split()
+    """Keep the bytes by category where the optimizer step starts and the peak until then; raise _AtOptimizer unless
+    the step runs whole."""
+    meter = active_meter()
+    _AT_OPTIMIZER[key] = meter.current_split(), (meter.peak_bytes, meter.peak_split())
     if not whole:
         raise _AtOptimizer
 
 
 def _extrapolated(spec: ModelSpec, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str, precision: str,
-                  depth: str = "fast"):
-    """Return (peak, split, param bytes, opt bytes, n, FLOPs per micro-batch) at full depth, exact.
+                  depth: str = "fast", offload: bool = False, shard=None):
+    """Return (peak, split, param bytes, opt bytes, n, work per micro-batch, host peak) at full depth, exact.
 
-    depth="fast" (more than FULL_MAX_LAYERS identical blocks, not sqrt(n) segments): arithmetic over small runs
-    (_fit); a full-depth run where the small runs do not repeat block by block.
+    host peak: (peak, split) with the optimizer state and step in the host tier (_host_optimizer). depth="fast" (more
+    than FULL_MAX_LAYERS identical blocks, not sqrt(n) segments): arithmetic over small runs (_fit); a full-depth run
+    where the small runs do not repeat block by block. offload, shard: as _fake_run.
     """
     full = spec.n_layer
     if depth != "full" and full is not None and full > FULL_MAX_LAYERS and checkpointing in FAST_DEPTHS:
-        fit_key = (spec.key, n_micro, seq_len, checkpointing, precision)
-        if fit_key not in _FITS:
-            _FITS[fit_key] = _fit(spec, n_micro, seq_len, checkpointing, precision)
+        fit_key = (spec.key, n_micro, seq_len, checkpointing, precision, offload, shard)
+        if fit_key not in _FITS or _FITS[fit_key] is not None and min(micro_batch, 2) not in _FITS[fit_key][0]:
+            _FITS[fit_key] = _fit(spec, n_micro, seq_len, checkpointing, precision, offload, shard, micro_batch)
         if _FITS[fit_key] is not None:
             return _at_rows(_FITS[fit_key], micro_batch)
-    peak, split, states, n, fl = _fake_run(spec, full, micro_batch, n_micro, seq_len, checkpointing, precision)
-    return peak, split, states["parameters"], states["optimizer_state"], n, fl
+    peak, split, states, n, work = _fake_run(spec, full, micro_batch, n_micro, seq_len, checkpointing, precision,
+                                             offload=offload, shard=shard)
+    return (peak, split, states["parameters"], states["optimizer_state"], n, work,
+            _host_optimizer(*states["before_optimizer"], states["at_optimizer"]))
 
 
-def _keyed(events, n_layer: int, last_apart: bool) -> list:
+def _host_optimizer(peak_before: int, split_before: dict, at_optimizer: dict) -> tuple:
+    """Return the device's (peak, split) with the optimizer state and its step in the host tier (ZeRO-Offload style).
+
+    Adam's state exists before the step and stays unchanged until it, and the step's temporaries are host memory:
+    the device holds what the step held before its optimizer step, less the state (exact arithmetic on the fake step;
+    tests/test_plan.py checks it against the meter on a step whose optimizer runs in the host tier).
+    """
+    peak, split = max((peak_before, split_before), (sum(at_optimizer.values()), at_optimizer), key=lambda x: x[0])
+    state = split["optimizer_state"]
+    return peak - state, {**split, "optimizer_state": 0}
+
+
+def _keyed(events, n_layer: int, apart: tuple) -> list:
     """Return [(key, block index or None, bytes by category)]: a traced step's rises, keyed alike at every depth.
 
     Only events that raise the bytes can make a peak; frees are left out (autocast frees its weight casts, as many
-    as the blocks, at once). last_apart: the last block is a position of its own (checkpointing leaves it unchecked).
+    as the blocks, at once). apart: (first, last): the first `first` blocks and (last=True) the last are positions of
+    their own (checkpointing leaves the last unchecked; FSDP2 prefetches nothing beyond the first and the last, and
+    the block after the first prefetches it in backward); blocks count from 0 after them.
     """
     out, runs, prev, j, before = [], {}, None, 0, 0
     for phase, tag, split in events:
         micro, pos = (None, "start") if tag is None else tag
-        if last_apart and pos == n_layer - 1:
+        if apart[1] and pos == n_layer - 1:
             pos = "last"
+        elif isinstance(pos, int) and pos < apart[0]:
+            pos = ("first", pos)
+        elif isinstance(pos, int):
+            pos -= apart[0]
         here = (micro, phase, pos)
         if here != prev:
             runs[here] = runs.get(here, -1) + 1
@@ -386,16 +456,16 @@ def _line(lo, hi, steps: int) -> tuple:
     return tuple(a + (b - a) * steps for a, b in zip(lo, hi))
 
 
-def _full_depth_events(small, big, n_layer: int, depths, last_apart: bool) -> list | None:
+def _full_depth_events(small, big, n_layer: int, depths, apart: tuple) -> list | None:
     """Return the full depth's candidate events [(key, bytes by category)] in time order from runs at FAST_DEPTHS.
 
     Bytes at a key are affine in the depth and, inside the blocks, in the block index, so a maximum over the blocks
     sits at the first or the last of them; None when the runs do not repeat block by block (checked, not assumed).
     """
     d0, d1 = depths
-    n0, n1, n = (d0 - 1, d1 - 1, n_layer - 1) if last_apart else (d0, d1, n_layer)  # blocks keyed as blocks
-    keyed = _keyed(big, d1, last_apart)
-    at0 = {(k, i): v for k, i, v in _keyed(small, d0, last_apart)}
+    n0, n1, n = (d - sum(apart) for d in (d0, d1, n_layer))  # blocks keyed as blocks
+    keyed = _keyed(big, d1, apart)
+    at0 = {(k, i): v for k, i, v in _keyed(small, d0, apart)}
     at1 = {(k, i): v for k, i, v in keyed}
     blocks = {k for k, i in at1 if i is not None}
     if ({k for k, i in at0 if i is None} != {k for k, i in at1 if i is None}
@@ -419,23 +489,26 @@ def _full_depth_events(small, big, n_layer: int, depths, last_apart: bool) -> li
     return out
 
 
-def _fit(spec: ModelSpec, n_micro: int, seq_len: int, checkpointing: str, precision: str):
+def _fit(spec: ModelSpec, n_micro: int, seq_len: int, checkpointing: str, precision: str, offload: bool = False,
+         shard=None, micro_batch: int = 2):
     """Return full-depth figures for micro-batches of 1, 2 (and 3) rows from traced runs at FAST_DEPTHS (None: inexact).
+
+    micro_batch 1: for 1 row only (what FSDP2 on many ranks asks for). offload, shard: as _fake_run.
 
     Every tensor's bytes are independent of the rows or proportional to them, so where runs with 1 and 2 rows raise
     the bytes at the same events they are a line in the rows (_at_rows). Where they do not (some operators skip a copy
     when a dimension has size 1), the line goes through 2 and 3 rows, which must match, and 1 row stands apart.
     """
     L = spec.n_layer
-    d0, d1 = depths = FAST_DEPTHS[checkpointing]
+    d0, d1 = depths = FAST_DEPTHS[checkpointing] if shard is None else SHARDED_DEPTHS
     rows = {}
-    for mb in (1, 2, 3):
+    for mb in (1,) if micro_batch == 1 else (1, 2, 3):
         if mb == 3 and [k for k, _ in rows[1][0]] == [k for k, _ in rows[2][0]]:
             break
-        runs = [_fake_run(spec, d, mb, n_micro, seq_len, checkpointing, precision, trace=True, whole=False)
-                for d in depths]
-        events = (_full_depth_events(runs[0][5], runs[1][5], L, depths, False)
-                  or _full_depth_events(runs[0][5], runs[1][5], L, depths, True))
+        runs = [_fake_run(spec, d, mb, n_micro, seq_len, checkpointing, precision, trace=True, whole=False,
+                          offload=offload, shard=shard) for d in depths]
+        events = next((e for apart in ((0, False), (0, True), (2, True))
+                       if (e := _full_depth_events(runs[0][5], runs[1][5], L, depths, apart)) is not None), None)
         if events is None:
             return None
         at_opt = [tuple(r[2]["at_optimizer"][c] for c in CATEGORIES) for r in runs]
@@ -443,30 +516,34 @@ def _fit(spec: ModelSpec, n_micro: int, seq_len: int, checkpointing: str, precis
                     _line((runs[0][3],), (runs[1][3],), L - d0)[0])
     if 3 in rows and [k for k, _ in rows[2][0]] != [k for k, _ in rows[3][0]]:
         return None
-    if spec.key not in _RISE:
-        run = _fake_run(spec, FAST_DEPTHS["none"][0], 1, 1, 1, "none", "fp32", trace=True)
+    if (spec.key, shard) not in _RISE:
+        run = _fake_run(spec, depths[0], 1, 1, 1, "none", "fp32", trace=True, shard=shard)
         start = next(k for k, (phase, _, _) in enumerate(run[5]) if phase == "optimizer")
-        _RISE[spec.key] = max(sum(v) for _, _, v in run[5][start:]) - sum(run[2]["at_optimizer"].values())
-    return rows, _RISE[spec.key]
+        _RISE[spec.key, shard] = max(sum(v) for _, _, v in run[5][start:]) - sum(run[2]["at_optimizer"].values())
+    return rows, _RISE[spec.key, shard]
 
 
 def _at_rows(fit, micro_batch: int):
     """Return _extrapolated's tuple at `micro_batch` rows from _fit's figures (a line in the rows)."""
     rows, rise = fit
-    one, two, steps = rows[1], rows[2], micro_batch - 1
-    if 3 in rows:
-        one, two, steps = (rows[1], rows[1], 0) if micro_batch == 1 else (rows[2], rows[3], micro_batch - 2)
+    if micro_batch == 1:
+        one, two, steps = rows[1], rows[1], 0
+    elif 3 in rows:
+        one, two, steps = rows[2], rows[3], micro_batch - 2
+    else:
+        one, two, steps = rows[1], rows[2], micro_batch - 1
     peak, split = -1, None
     for (_, a), (_, b) in zip(one[0], two[0]):
         v = _line(a, b, steps)
         if sum(v) > peak:
             peak, split = sum(v), v
     at_opt = _line(one[1], two[1], steps)
+    host = _host_optimizer(peak, dict(zip(CATEGORIES, split)), dict(zip(CATEGORIES, at_opt)))
     if sum(at_opt) + rise > peak:
         peak, split = sum(at_opt) + rise, at_opt[:3] + (at_opt[3] + rise,)
-    work = _line(one[2], two[2], steps)  # (FLOPs, bytes accessed) per micro-batch
+    work = _line(one[2], two[2], steps)  # (FLOPs, bytes accessed, bytes offloaded) per micro-batch
     split = dict(zip(CATEGORIES, split))
-    return peak, split, at_opt[0], at_opt[2], one[3], work
+    return peak, split, at_opt[0], at_opt[2], one[3], work, host
 
 
 def _data_parallel(peak: int, split: dict, param_bytes: int, opt_bytes: int, parallel: str, ranks: int):
@@ -513,13 +590,23 @@ def _check(spec: ModelSpec, device: DeviceProfile, gpus: int, seq_len: int, batc
 
 
 def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: int = 1024, batch: int = 8,
-         precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "fast") -> Plan:
-    """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s."""
+         precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "fast",
+         offload=(False, True), optimizers=OPTIMIZERS) -> Plan:
+    """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s.
+
+    offload: activation offload off (False) and/or on (True); optimizers: Adam's state on the "device" and/or the
+    "host" (its step too; one device).
+    """
     spec = model_spec(model)
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
     precisions = tuple(p for p in PRECISIONS if p in device.flops_per_s) if precisions is None else tuple(precisions)
     _check(spec, device, gpus, seq_len, batch, reserve_fraction, precisions)
     check_choice("depth", depth, DEPTHS)
+    offload, optimizers = tuple(offload), tuple(optimizers)
+    for o in offload:
+        check_choice("offload", o, (False, True))
+    for o in optimizers:
+        check_choice("optimizers", o, OPTIMIZERS)
     if checkpointing is None:
         checkpointing = CHECKPOINTING if spec.n_layer is not None and spec.checkpointable else ("none",)
     for c in checkpointing:
@@ -527,93 +614,101 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
             raise ParameterError(f"checkpointing {c!r}: {spec.name} has no labkit blocks to checkpoint")
         check_choice("checkpointing", c, CHECKPOINTING)
     left_out = dict(NOT_MODELLED)
+    if spec.n_layer is None:
+        left_out["fsdp2 of a callable model"] = "no repeated blocks known to shard one by one"
     deep = depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS
     if deep and "sqrt" in checkpointing:
         checkpointing = tuple(c for c in checkpointing if c != "sqrt")
         left_out["checkpointing sqrt"] = (f"{spec.n_layer} blocks: sqrt(n) segments change with depth, so only a "
                                           "full-depth fake step is exact (--depth full)")
-    if deep and spec.config is not None and gpus > 2:
+    if deep and gpus > 2:
         left_out["fsdp2 below the largest rank count"] = (f"{spec.n_layer} blocks: FSDP2 is planned on {gpus} ranks "
                                                            "only (--depth full plans every rank count)")
     t0 = time.perf_counter()
     ranks_list = sorted({r for r in (2**k for k in range(gpus.bit_length())) if batch % r == 0} | {gpus})
-    per_rank = [batch // r for r in ranks_list]
-    memory_keys = sorted({(mb, min(rows // mb, 2)) for rows in per_rank for mb in _divisors(rows)})
     row_bytes = _input_bytes_per_row(spec, seq_len)
     out = Plan(spec.name, device.name, gpus, seq_len, batch, 0, int(device.memory_bytes * (1 - reserve_fraction)),
                reserve_fraction, left_out=left_out)
-    fake = {}
     fake_precisions = sorted({"bf16" if p == "fp16" else p for p in precisions})
-    todo = [(mb, n_micro, c, p) for mb, n_micro in memory_keys for c in checkpointing for p in fake_precisions]
-    for mb, n_micro, c, p in progress(todo, desc="fake steps"):
-        fake[mb, n_micro, c, p] = _extrapolated(spec, mb, n_micro, seq_len, c, p, depth)
-    for mb, n_micro, c, p in todo:
-        if p == "bf16" and "fp16" in precisions:
-            peak, split, *rest = fake[mb, n_micro, c, p]
-            scaler_split = {**split, "activations": split["activations"] + GRADSCALER_BYTES}
-            fake[mb, n_micro, c, "fp16"] = (peak + GRADSCALER_BYTES, scaler_split, *rest)
-        if p not in precisions:
-            del fake[mb, n_micro, c, p]
-    out.fake_steps = len(todo)
-    for ranks in ranks_list:
+    sharded = [(r, reshard) for r in ranks_list if r > 1 and spec.n_layer is not None and (not deep or r == gpus)
+               for reshard in (False, True)]
+    todo = []  # (ranks, shard, micro-batch, micro-batches run, checkpointing, precision, offload): each a fake step
+    for ranks, shard in [(r, None) for r in ranks_list] + [(s[0], s) for s in sharded]:
         rows = batch // ranks
-        for (mb, n_micro, c, p), (peak, split, param_bytes, opt_bytes, n, fl) in fake.items():
-            if rows % mb or min(rows // mb, 2) != n_micro:
-                continue
-            out.n_params = n
-            peak += (rows - mb * n_micro) * row_bytes  # the whole per-rank batch is held; the fake step held n_micro
-            split = {**split, "activations": split["activations"] + (rows - mb * n_micro) * row_bytes}
-            for parallel in (("single",) if ranks == 1 else ("ddp", "zero1")):
-                rank_peak, rank_split = _data_parallel(peak, split, param_bytes, opt_bytes, parallel, ranks)
-                rank_opt = opt_bytes // ranks if parallel == "zero1" else opt_bytes  # ZeRO-1 steps 1/N of Adam
-                out.rows.append(_row(Combination(ranks, parallel, mb, rows // mb, c, p), rank_peak, rank_split,
-                                     out.budget_bytes, fl, param_bytes, rank_opt, param_bytes, device,
-                                     seq_len * batch))
-    if spec.config is not None and "fp32" in precisions and "none" in checkpointing:
-        out.rows += _fsdp_rows(spec.config, ranks_list, batch, seq_len, device, out.budget_bytes, depth, deep)
+        todo += [(ranks, shard, mb, min(rows // mb, 2), c, p, o) for mb in _divisors(rows) for c in checkpointing
+                 for p in fake_precisions for o in (offload if shard is None and c == "none" else (False,))]
+    todo = list(dict.fromkeys((None if s is None else r, s, *rest) for r, s, *rest in todo))  # one-device steps once
+    fake = {}
+    for key in progress(todo, desc="fake steps"):
+        _, shard, mb, n_micro, c, p, o = key
+        fake[key] = _extrapolated(spec, mb, n_micro, seq_len, c, p, depth, o, shard)
+    out.fake_steps = len(todo)
+    for (_, shard, mb, n_micro, c, p, o), (peak, split, param_bytes, opt_bytes, n, work, host) in fake.items():
+        for prec in [q for q in precisions if q == p or (q, p) == ("fp16", "bf16")]:
+            scaler = GRADSCALER_BYTES if prec == "fp16" else 0  # fp16: bf16's step and GradScaler's four scalars
+            for ranks in ranks_list if shard is None else [shard[0]]:
+                rows = batch // ranks
+                if rows % mb or min(rows // mb, 2) != n_micro:
+                    continue
+                out.n_params = n
+                extra = (rows - mb * n_micro) * row_bytes + scaler  # the whole per-rank batch is held; the fake step
+                #                                                    held n_micro micro-batches
+                comb = Combination(ranks, "single", mb, rows // mb, c, prec, o)
+                if shard is not None:
+                    comb = replace(comb, parallel="fsdp2-reshard" if shard[1] else "fsdp2")
+                    out.rows.append(_row(comb, *_plus(peak, split, extra), out.budget_bytes, work, param_bytes,
+                                         opt_bytes, 4 * n, device, seq_len * batch))
+                    continue
+                for parallel in (("single",) if ranks == 1 else ("ddp", "zero1")):
+                    rank_peak, rank_split = _data_parallel(*_plus(peak, split, extra), param_bytes, opt_bytes,
+                                                           parallel, ranks)
+                    rank_opt = opt_bytes // ranks if parallel == "zero1" else opt_bytes  # ZeRO-1 steps 1/N of Adam
+                    out.rows.append(_row(replace(comb, parallel=parallel), rank_peak, rank_split, out.budget_bytes,
+                                         work, param_bytes, rank_opt, param_bytes, device, seq_len * batch))
+                if ranks == 1 and "host" in optimizers:
+                    out.rows.append(_row(replace(comb, optimizer="host"), *_plus(*host, extra), out.budget_bytes,
+                                         work, param_bytes, opt_bytes, param_bytes, device, seq_len * batch))
+    if "device" not in optimizers:
+        out.rows = [r for r in out.rows if r.combination.optimizer != "device"]
     out.elapsed_s = time.perf_counter() - t0
     return out
 
 
-def _fsdp_rows(cfg: GPTConfig, ranks_list, batch: int, seq_len: int, device: DeviceProfile, budget: int,
-               depth: str, deep: bool) -> list:
-    """Return FSDP2 rows (fp32, no accumulation, no checkpointing): rank 0's step from labkit.estimate's fake group.
-
-    deep (depth="fast" beyond FULL_MAX_LAYERS blocks): the largest rank count only (each row a full-depth sharded step).
-    """
-    rows = []
-    for ranks in (r for r in ranks_list if r > 1 and (not deep or r == max(ranks_list))):
-        mb = batch // ranks
-        work = _extrapolated(gpt_spec(cfg), mb, 1, seq_len, "none", "fp32", depth)[5]
-        for parallel, stage in (("fsdp2", 2), ("fsdp2-reshard", 3)):
-            est = estimate_training_memory(cfg, mb, seq_len, "adam", ranks, stage)
-            param_bytes = 4 * est.n_params  # the full fp32 parameters: what all-gathers and reduce-scatters move
-            rows.append(_row(Combination(ranks, parallel, mb, 1, "none", "fp32"), est.peak_bytes, est.split, budget,
-                             work, param_bytes // ranks, est.states["optimizer_state"], param_bytes, device,
-                             seq_len * batch))
-    return rows
+def _plus(peak: int, split: dict, extra: int) -> tuple:
+    """Return (peak, split) with `extra` bytes more of activations (the rest of the batch, GradScaler's scalars)."""
+    return peak + extra, {**split, "activations": split["activations"] + extra}
 
 
 COMM_UNITS = {"single": 0, "ddp": 2, "zero1": 3, "fsdp2": 2, "fsdp2-reshard": 3}  # parameter-sized ring passes per
 #   step (chapter 07, measured): all-reduce = reduce-scatter + all-gather; ZeRO-1 all-gathers the updated
-#   parameters too; FSDP2 all-gathers in forward, again in backward when resharded, and reduce-scatters
+#   parameters too; FSDP2 all-gathers in forward, again in backward when resharded, and reduce-scatters: once per
+#   micro-batch (plan_step syncs every backward), where DDP's passes are counted once per step
 
 
 def _row(comb: Combination, peak: int, split: dict, budget: int, work: tuple, param_bytes: int, opt_bytes: int,
          whole_param_bytes: int, device: DeviceProfile, tokens: int) -> Row:
-    """Return a combination's row: the roofline time on the device plus the communication, not overlapped.
+    """Return a combination's row: the roofline time on the device plus communication and host transfers, added.
 
-    work: (FLOPs, bytes accessed) per micro-batch; the optimizer step reads the parameters, their gradients and its
-    state and writes the parameters and the state (3 x param_bytes + 2 x opt_bytes).
+    work: (FLOPs, bytes accessed, bytes offloaded to the host and back) per micro-batch. The optimizer step reads the
+    parameters, their gradients and its state and writes the parameters and the state (3 x param_bytes +
+    2 x opt_bytes): on the device, or with the optimizer on the host over the host's memory bandwidth, after the
+    gradients go to the host and before the parameters come back (2 x param_bytes over the host link). Offloaded
+    activations cross the host link too. Nothing is overlapped: communication and host transfers add to the roofline.
     """
-    flops_per_micro, bytes_per_micro = work
+    flops_per_micro, bytes_per_micro, offloaded_per_micro = work
     flops = int(flops_per_micro * comb.accum_steps)
-    accessed = int(bytes_per_micro * comb.accum_steps) + 3 * param_bytes + 2 * opt_bytes
+    optimizer_bytes = 3 * param_bytes + 2 * opt_bytes
+    on_host = comb.optimizer == "host"
+    accessed = int(bytes_per_micro * comb.accum_steps) + (0 if on_host else optimizer_bytes)
     compute_s = max(flops / device.flops_per_s[comb.precision], accessed / device.memory_bytes_per_s)
     ring = (comb.ranks - 1) / comb.ranks
-    comm_s = COMM_UNITS[comb.parallel] * ring * whole_param_bytes / device.peer_bytes_per_s
-    step_s = compute_s + comm_s
-    return Row(comb, peak, split, peak <= budget, flops, compute_s, comm_s, step_s, tokens / step_s, accessed)
+    passes = COMM_UNITS[comb.parallel] * (comb.accum_steps if comb.parallel.startswith("fsdp2") else 1)
+    comm_s = passes * ring * whole_param_bytes / device.peer_bytes_per_s
+    host_s = offloaded_per_micro * comb.accum_steps / device.host_bytes_per_s
+    if on_host:
+        host_s += 2 * param_bytes / device.host_bytes_per_s + optimizer_bytes / device.host_memory_bytes_per_s
+    step_s = compute_s + comm_s + host_s
+    return Row(comb, peak, split, peak <= budget, flops, compute_s, comm_s, step_s, tokens / step_s, accessed, host_s)
 
 
 def format_plan(p: Plan, all_rows: bool = False) -> str:
@@ -621,8 +716,8 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
     head = (f"{p.model} ({format_count(p.n_params)} parameters) on {p.gpus} × {p.device}, seq_len {p.seq_len}, "
             f"batch {p.batch}: budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s")
-    cols = (f"{'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'peak':>10} {'fits':>4} "
-            f"{'step (ms)':>10} {'comm (ms)':>10} {'tokens/s':>10}")
+    cols = (f"{'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'offl':>4} {'opt':>6} "
+            f"{'peak':>10} {'fits':>4} {'step (ms)':>10} {'comm (ms)':>10} {'host (ms)':>10} {'tokens/s':>10}")
     shown, title = p.rows, "all combinations:"
     if not all_rows:
         shown, title = p.pareto, "Pareto front (memory against predicted step time):"
@@ -632,15 +727,17 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
     for r in shown:
         c = r.combination
         lines.append(f"{c.ranks:>5} {c.parallel:>13} {c.micro_batch:>5} {c.accum_steps:>5} {c.checkpointing:>9} "
-                     f"{c.precision:>4} {format_bytes(r.peak_bytes):>10} {'yes' if r.fits else 'no':>4} "
-                     f"{r.step_s * 1e3:>10,.2f} {r.comm_s * 1e3:>10,.2f} {r.tokens_per_s:>10,.0f}")
+                     f"{c.precision:>4} {'on' if c.offload else 'off':>4} {c.optimizer:>6} "
+                     f"{format_bytes(r.peak_bytes):>10} {'yes' if r.fits else 'no':>4} {r.step_s * 1e3:>10,.2f} "
+                     f"{r.comm_s * 1e3:>10,.2f} {r.host_s * 1e3:>10,.2f} {r.tokens_per_s:>10,.0f}")
     best = p.fastest
     lines.append("")
     lines.append("fastest that fits: " + ("none" if best is None else ", ".join(
         f"{k} {v}" for k, v in asdict(best.combination).items()) + f" ({format_bytes(best.peak_bytes)}, "
         f"{best.step_s * 1e3:,.2f} ms/step, {best.tokens_per_s:,.0f} tokens/s, " + (
-            "a roofline bound: real steps are slower)" if best.combination.ranks == 1 else
-            f"an estimate: roofline + {best.comm_s * 1e3:,.2f} ms of communication, not overlapped)")))
+            "a roofline bound: real steps are slower)" if best.comm_s + best.host_s == 0 else
+            "an estimate: roofline + " + " + ".join(f"{t * 1e3:,.2f} ms of {what}" for t, what in (
+                (best.comm_s, "communication"), (best.host_s, "host transfers")) if t > 0) + ", not overlapped)")))
     lines.append("left out: " + "; ".join(f"{k} ({v})" for k, v in p.left_out.items()))
     return "\n".join(lines)
 
@@ -676,17 +773,28 @@ def main(argv=None) -> int:
 
 
 def combination_step(cfg: GPTConfig, combination: Combination, seed: int = 0, device="cpu"):
-    """Return (model, optimizer, step_fn) running a one-device combination for real: what the meter checks a row by."""
+    """Return (model, optimizer, step_fn) running a one-device combination for real: what the meter checks a row by.
+
+    With the optimizer on the host its step runs in the meter's host tier and creates Adam's state there in its
+    first step: measure it without a warm-up (labkit.measure_step(..., warmup=False)), its first step's device peak
+    being every step's.
+    """
     from labkit.train import seeded_model
 
     model = seeded_model(cfg, seed, device)
-    segments = _segments(combination.checkpointing, cfg.n_layer)
-    if segments is not None:
-        checkpoint_blocks(model, **segments)
+    _checkpoint(model, combination.checkpointing)
     optimizer = make_optimizer("adam", model.parameters())
+    if combination.optimizer == "host":
+        device_step = optimizer.step
+
+        def host_step(*args, **kwargs):
+            with host_tier():  # the state and the step's temporaries: host memory
+                return device_step(*args, **kwargs)
+        optimizer.step = host_step
+    hooks = OffloadHooks(model, min_bytes=OFFLOAD_MIN_BYTES) if combination.offload else None
 
     def step_fn(model, optimizer, batch):
-        return plan_step(model, optimizer, batch, combination.micro_batch, combination.precision)
+        return plan_step(model, optimizer, batch, combination.micro_batch, combination.precision, hooks)
     return model, optimizer, step_fn
 
 

@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from labkit import plan as P
-from labkit.checkpointing import checkpoint_blocks
 from labkit.estimate import example_batch
 from labkit.example import running_example
 from labkit.gpus import GPUS, DeviceProfile
 from labkit.models import GPTConfig
-from labkit.train import make_optimizer, measure_step, seeded_model
+from labkit.train import measure_step
 from labkit.validate import ParameterError
 
 SMALL = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=32, vocab_size=128)
@@ -28,28 +27,48 @@ def cpu_profile(memory_bytes: int) -> DeviceProfile:
 def test_cpu_peaks_match_the_meter_within_one_percent():
     ex = running_example()
     cfg = ex.config
-    p = P.plan(cfg, cpu_profile(ex.budget_bytes), 1, ex.seq_len, ex.batch_size, reserve_fraction=0.0)
+    p = P.plan(cfg, cpu_profile(ex.budget_bytes), 1, ex.seq_len, ex.batch_size, reserve_fraction=0.0,
+               offload=(False,), optimizers=("device",))  # (the new rows: the next test, on a smaller model)
     combos = {(r.combination.micro_batch, r.combination.checkpointing, r.combination.precision) for r in p.rows}
     assert {c for _, c, _ in combos} == set(P.CHECKPOINTING)
     assert {q for _, _, q in combos} == {"fp32", "bf16"}
     assert {m for m, _, _ in combos} == {1, 2, 4, 8, 16}
+    _check_against_the_meter(p.rows, ex)
+    assert any(r.fits for r in p.rows) and not all(r.fits for r in p.rows)  # the budget decides
+
+
+def _check_against_the_meter(rows, ex):
+    """Run every row's combination for real (plan.combination_step) under the meter: peak within 1%, same verdict."""
     errors = []
-    for r in p.rows:
+    for r in rows:
         c = r.combination
-        model = seeded_model(cfg, 0)
-        seg = P._segments(c.checkpointing, cfg.n_layer)
-        if seg is not None:
-            checkpoint_blocks(model, **seg)
-        opt = make_optimizer("adam", model.parameters())
-        batch = example_batch(cfg, ex.batch_size, ex.seq_len)
-        measured = measure_step(model, opt, batch, lambda m, o, b: P.plan_step(m, o, b, c.micro_batch, c.precision))
+        model, opt, step_fn = P.combination_step(ex.config, c, 0)
+        batch = example_batch(ex.config, ex.batch_size, ex.seq_len)
+        measured = measure_step(model, opt, batch, step_fn, warmup=c.optimizer == "device")
         errors.append((abs(r.peak_bytes - measured.peak_bytes) / measured.peak_bytes, c))
         near_budget = abs(measured.peak_bytes - ex.budget_bytes) < 0.01 * ex.budget_bytes
         assert r.fits == (measured.peak_bytes <= ex.budget_bytes) or near_budget
     worst = max(errors, key=lambda e: e[0])
     print(f"largest error {worst[0]:.4%} at {worst[1]}")
     assert worst[0] <= 0.01, f"predicted peak off by {worst[0]:.2%} at {worst[1]}"
-    assert any(r.fits for r in p.rows) and not all(r.fits for r in p.rows)  # the budget decides
+
+
+def test_offload_and_host_optimizer_rows_match_the_meter():
+    """Activation offload (hooks on the fake step) and Adam on the host (arithmetic on it): the meter's host tier."""
+    ex = running_example(n_layer=1, batch_size=4, seq_len=32)
+    p = P.plan(ex.config, cpu_profile(ex.budget_bytes), 1, ex.seq_len, ex.batch_size, checkpointing=("none", "every"),
+               reserve_fraction=0.0)
+    rows = {dataclasses.astuple(r.combination): r for r in p.rows}
+    new = [r for r in p.rows if r.combination.offload or r.combination.optimizer == "host"]
+    assert {(r.combination.offload, r.combination.optimizer) for r in new} == {(True, "device"), (False, "host"),
+                                                                               (True, "host")}
+    assert all(r.combination.checkpointing == "none" for r in new if r.combination.offload)
+    for r in new:  # each lowers the device peak below its plain row's, and pays for it over the host link
+        c = r.combination
+        plain = rows[dataclasses.astuple(dataclasses.replace(c, offload=False, optimizer="device"))]
+        assert r.peak_bytes < plain.peak_bytes and r.host_s > 0 and r.step_s == r.compute_s + r.host_s
+        assert c.optimizer == "device" or r.split["optimizer_state"] == 0
+    _check_against_the_meter(new, ex)
 
 
 @pytest.mark.parametrize("cfg", [DEEP, DEEP_LLAMA], ids=["gpt2-style", "llama-style"])
@@ -61,7 +80,7 @@ def test_fast_depth_equals_a_full_depth_run(cfg, monkeypatch):
         for precision in ("fp32", "bf16"):
             for micro_batch in (1, 3):
                 fast = P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "fast")
-                assert P._FITS[repr(cfg), 2, 16, checkpointing, precision] is not None  # no full-depth fallback
+                assert P._FITS[repr(cfg), 2, 16, checkpointing, precision, False, None] is not None  # no fallback
                 assert fast == P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "full")
 
 
@@ -104,8 +123,10 @@ def test_meter_tags_events_and_splits_every_point():
 
 
 def test_data_parallel_rows_are_exact_arithmetic():
-    p = P.plan(SMALL, "a100-80gb", gpus=2, seq_len=16, batch=4, checkpointing=("none",), precisions=("fp32",))
-    rows = {(r.combination.ranks, r.combination.parallel, r.combination.micro_batch): r for r in p.rows}
+    p = P.plan(SMALL, "a100-80gb", gpus=2, seq_len=16, batch=4, checkpointing=("none",), precisions=("fp32",),
+               offload=(False,))
+    rows = {(r.combination.ranks, r.combination.parallel, r.combination.micro_batch): r for r in p.rows
+            if r.combination.optimizer == "device"}
     single, ddp, zero1 = rows[2, "single"] if (2, "single") in rows else None, rows[2, "ddp", 2], rows[2, "zero1", 2]
     assert single is None
     adam = ddp.split["optimizer_state"]
@@ -188,7 +209,7 @@ def test_a_transformers_model_takes_the_fast_depth_exactly(monkeypatch):
     for precision in ("fp32", "bf16"):
         for micro_batch in (1, 3):
             fast = P._extrapolated(spec, micro_batch, 2, 16, "none", precision, "fast")
-            assert P._FITS[spec.key, 2, 16, "none", precision] is not None  # no full-depth fallback
+            assert P._FITS[spec.key, 2, 16, "none", precision, False, None] is not None  # no full-depth fallback
             assert fast == P._extrapolated(spec, micro_batch, 2, 16, "none", precision, "full")
 
 
@@ -198,8 +219,8 @@ def test_gpu_table_is_complete():
 
 
 def test_command_prints_the_table_and_json(monkeypatch, capsys):
-    monkeypatch.setitem(P.PRESETS, "tiny", dataclasses.replace(SMALL, n_layer=2))
-    assert P.main(["--model", "tiny", "--gpu", "h100", "--gpus", "2", "--seq-len", "16", "--batch", "4"]) == 0
+    monkeypatch.setitem(P.PRESETS, "tiny", dataclasses.replace(SMALL, n_layer=1))
+    assert P.main(["--model", "tiny", "--gpu", "h100", "--gpus", "1", "--seq-len", "16", "--batch", "2"]) == 0
     text = capsys.readouterr().out
     assert "fastest that fits: ranks" in text and "left out:" in text
     P.main(["--model", "tiny", "--gpu", "h100", "--seq-len", "16", "--batch", "2", "--json"])
@@ -221,20 +242,70 @@ def test_make_plan_passes_the_settings():
         assert part in recipe, part
 
 
-def test_fsdp2_rows_come_from_the_estimators_sharded_step():
+def test_fsdp2_rows_run_the_sharded_step_with_autocast_and_checkpointing():
     from labkit.estimate import estimate_training_memory
-    p = P.plan(SMALL, "h100", gpus=2, seq_len=16, batch=4, checkpointing=("none",), precisions=("fp32",))
-    fsdp = {r.combination.parallel: r for r in p.rows if r.combination.parallel.startswith("fsdp2")}
-    assert set(fsdp) == {"fsdp2", "fsdp2-reshard"}
-    assert fsdp["fsdp2-reshard"].peak_bytes == estimate_training_memory(SMALL, 2, 16, "adam", 2, 3).peak_bytes
-    assert fsdp["fsdp2-reshard"].peak_bytes <= fsdp["fsdp2"].peak_bytes
-    ddp = next(r for r in p.rows if r.combination.parallel == "ddp" and r.combination.micro_batch == 2)
-    assert fsdp["fsdp2-reshard"].peak_bytes < ddp.peak_bytes and fsdp["fsdp2-reshard"].comm_s > ddp.comm_s
+    cfg = dataclasses.replace(SMALL, n_layer=2)
+    p = P.plan(cfg, "h100", gpus=2, seq_len=16, batch=2, checkpointing=("none", "every"), offload=(False,),
+               optimizers=("device",))
+    fsdp = {(c.parallel, c.checkpointing, c.precision): r for r in p.rows
+            if (c := r.combination).parallel.startswith("fsdp2")}
+    assert set(fsdp) == {(k, ck, pr) for k in ("fsdp2", "fsdp2-reshard") for ck in ("none", "every")
+                         for pr in ("fp32", "bf16", "fp16")}
+    plain = fsdp["fsdp2-reshard", "none", "fp32"]
+    assert plain.peak_bytes == estimate_training_memory(cfg, 1, 16, "adam", 2, 3).peak_bytes  # estimate's own step
+    for (kind, ck, pr), r in fsdp.items():
+        assert fsdp["fsdp2-reshard", ck, pr].peak_bytes <= fsdp["fsdp2", ck, pr].peak_bytes
+        assert ck == "none" or r.peak_bytes < fsdp[kind, "none", pr].peak_bytes  # checkpointing helps sharded too
+        assert r.split["optimizer_state"] < estimate_training_memory(cfg, 1, 16).split["optimizer_state"]  # sharded
+    ddp = next(r for r in p.rows if r.combination.parallel == "ddp" and r.combination.precision == "fp32"
+               and r.combination.checkpointing == "none")
+    assert plain.peak_bytes < ddp.peak_bytes and plain.comm_s > ddp.comm_s
+
+
+def test_sharded_fast_depth_equals_a_full_depth_run(monkeypatch):
+    """FSDP2 at the fast depth (first two and last blocks apart), with accumulation: byte for byte the full depth."""
+    monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)
+    spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=7))
+    for checkpointing, precision, shard, micro_batch in (("none", "bf16", (2, True), 3), ("every", "fp32", (2, False), 1)):
+        fast = P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "fast", shard=shard)
+        assert P._FITS[spec.key, 2, 16, checkpointing, precision, False, shard] is not None  # no full-depth fallback
+        assert fast == P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "full", shard=shard)
+
+
+def test_offload_fast_depth_equals_a_full_depth_run(monkeypatch):
+    monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)
+    spec = P.gpt_spec(DEEP)
+    for precision, micro_batch in (("bf16", 3), ("fp32", 1)):
+        fast = P._extrapolated(spec, micro_batch, 2, 16, "none", precision, "fast", offload=True)
+        assert P._FITS[spec.key, 2, 16, "none", precision, True, None] is not None
+        assert fast == P._extrapolated(spec, micro_batch, 2, 16, "none", precision, "full", offload=True)
+        assert fast[5][2] > 0  # bytes offloaded, to the host and back
+
+
+def test_fsdp2_rows_of_a_transformers_config():
+    transformers = pytest.importorskip("transformers", reason="transformers (optional extra) is not installed")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128)
+    p = P.plan(cfg, "a100-80gb", 2, 16, 2, offload=(False,), optimizers=("device",))
+    fsdp = {(r.combination.parallel, r.combination.precision): r for r in p.rows
+            if r.combination.parallel.startswith("fsdp2")}
+    assert set(fsdp) == {(k, pr) for k in ("fsdp2", "fsdp2-reshard") for pr in ("fp32", "bf16", "fp16")}
+    single = next(r for r in p.rows if r.combination.ranks == 1 and r.combination.precision == "fp32"
+                  and r.combination.accum_steps == 1)
+    assert fsdp["fsdp2-reshard", "fp32"].split["parameters"] < single.split["parameters"]  # sharded weights
+    assert "fsdp2 of a model not a GPTConfig" not in p.left_out
+
+
+def test_bad_offload_and_optimizer_choices_are_refused():
+    with pytest.raises(ParameterError, match="offload"):
+        P.plan(SMALL, "h100", 1, 16, 2, offload=("yes",))
+    with pytest.raises(ParameterError, match="optimizers"):
+        P.plan(SMALL, "h100", 1, 16, 2, optimizers=("cpu",))
 
 
 def test_roofline_counts_recomputation_and_the_bytes_it_moves():
     """Checkpointing never makes a step faster: more FLOPs and more bytes accessed, the same micro-batch and precision."""
-    p = P.plan(SMALL, "t4", gpus=1, seq_len=32, batch=2, reserve_fraction=0.0)
+    p = P.plan(SMALL, "t4", gpus=1, seq_len=32, batch=2, reserve_fraction=0.0, offload=(False,), optimizers=("device",))
     rows = {(r.combination.micro_batch, r.combination.checkpointing, r.combination.precision): r for r in p.rows}
     for (mb, ckpt, prec), r in rows.items():
         plain = rows[mb, "none", prec]
