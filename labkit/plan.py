@@ -723,6 +723,9 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
         shown, title = p.pareto, "Pareto front (memory against predicted step time):"
     if not shown:
         shown, title = sorted(p.rows, key=lambda r: r.peak_bytes)[:5], "nothing fits; the smallest peaks:"
+    legend = ("peak: per device; step = roofline + comm + host, each in ms per optimizer step; comm: between GPUs; "
+              "host: offloaded activations, and with opt host Adam's gradients, parameters and update, over the host "
+              "link; offl: activation offload; opt: where Adam's state and update live; tokens/s: the global batch's")
     lines = [head, "", title, cols]
     for r in shown:
         c = r.combination
@@ -738,6 +741,7 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
             "a roofline bound: real steps are slower)" if best.comm_s + best.host_s == 0 else
             "an estimate: roofline + " + " + ".join(f"{t * 1e3:,.2f} ms of {what}" for t, what in (
                 (best.comm_s, "communication"), (best.host_s, "host transfers")) if t > 0) + ", not overlapped)")))
+    lines.append(legend)
     lines.append("left out: " + "; ".join(f"{k} ({v})" for k, v in p.left_out.items()))
     return "\n".join(lines)
 
