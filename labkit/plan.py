@@ -103,7 +103,8 @@ class ModelSpec:
     key: str | None  # identifies the model in fake_step's cache (None: not cached)
     max_seq_len: int | None = None  # longest sequence the model takes (a learned position table), None: any
     config: GPTConfig | None = None  # a labkit GPT's config (FSDP2 rows need it)
-    checkpointable: bool = True  # labkit blocks that checkpoint_blocks can wrap (a transformers model's cannot)
+    checkpointing: tuple = CHECKPOINTING  # the choices it takes: labkit blocks all of them, a transformers model
+    #                                       "every" (its gradient_checkpointing_enable), any other model none
 
 
 def gpt_spec(cfg: GPTConfig, name: str = "GPTConfig") -> ModelSpec:
@@ -118,7 +119,7 @@ def gpt_spec(cfg: GPTConfig, name: str = "GPTConfig") -> ModelSpec:
 
 def callable_spec(fn: Callable, name: str = "model") -> ModelSpec:
     """Return the spec of fn(rows, seq_len) -> (nn.Module, batch): any model, run at full depth."""
-    return ModelSpec(name, lambda n_layer, rows, seq_len: fn(rows, seq_len), None, None)
+    return ModelSpec(name, lambda n_layer, rows, seq_len: fn(rows, seq_len), None, None, checkpointing=("none",))
 
 
 class _CausalLM(torch.nn.Module):
@@ -148,7 +149,7 @@ def hf_spec(config, name: str = "transformers") -> ModelSpec:
         x = torch.randint(config.vocab_size, (rows, seq_len))
         return _CausalLM(AutoModelForCausalLM.from_config(c)), (x, x.clone())
     return ModelSpec(name, build, config.num_hidden_layers, "transformers:" + config.to_json_string(),
-                     checkpointable=False)
+                     checkpointing=("none", "every"))
 
 
 def replace_hf_layers(config, n_layer: int):
@@ -373,7 +374,16 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
 
 
 def _checkpoint(model, checkpointing: str) -> None:
-    """Checkpoint a labkit model's blocks as `checkpointing` says (checkpoint_blocks); "none": leave it."""
+    """Checkpoint a model's blocks as `checkpointing` says: a labkit model's with checkpoint_blocks, a transformers
+    model's every layer with its own gradient_checkpointing_enable (non-reentrant); "none": leave it."""
+    if isinstance(model, _CausalLM):
+        if checkpointing == "every":
+            enable = getattr(model.model, "activation_checkpointing_enable", None)  # transformers 5.x's name
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
     seg = _segments(checkpointing, len(blocks_of(model))) if checkpointing != "none" else None
     if seg is not None:
         checkpoint_blocks(model, **seg)
@@ -608,12 +618,16 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     for o in optimizers:
         check_choice("optimizers", o, OPTIMIZERS)
     if checkpointing is None:
-        checkpointing = CHECKPOINTING if spec.n_layer is not None and spec.checkpointable else ("none",)
+        checkpointing = spec.checkpointing
     for c in checkpointing:
-        if c != "none" and (spec.n_layer is None or not spec.checkpointable):
-            raise ParameterError(f"checkpointing {c!r}: {spec.name} has no labkit blocks to checkpoint")
         check_choice("checkpointing", c, CHECKPOINTING)
+        if c not in spec.checkpointing:
+            raise ParameterError(f"checkpointing {c!r}: {spec.name} takes {spec.checkpointing} only")
     left_out = dict(NOT_MODELLED)
+    if spec.checkpointing != CHECKPOINTING:
+        left_out["checkpointing " + " and ".join(c for c in CHECKPOINTING if c not in spec.checkpointing)] = (
+            "a transformers model checkpoints every layer (gradient_checkpointing_enable) and nothing finer" if
+            "every" in spec.checkpointing else "a callable model has no blocks known to checkpoint")
     if spec.n_layer is None:
         left_out["fsdp2 of a callable model"] = "no repeated blocks known to shard one by one"
     deep = depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS

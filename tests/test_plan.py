@@ -11,7 +11,7 @@ from labkit.estimate import example_batch
 from labkit.example import running_example
 from labkit.gpus import GPUS, DeviceProfile
 from labkit.models import GPTConfig
-from labkit.train import measure_step
+from labkit.train import make_optimizer, measure_step
 from labkit.validate import ParameterError
 
 SMALL = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=32, vocab_size=128)
@@ -206,11 +206,34 @@ def test_a_transformers_model_takes_the_fast_depth_exactly(monkeypatch):
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=2,
                                    num_key_value_heads=1, vocab_size=128)  # grouped-query attention
     spec = P.hf_spec(cfg)
-    for precision in ("fp32", "bf16"):
+    for precision, checkpointing in (("fp32", "none"), ("bf16", "none"), ("fp32", "every")):
         for micro_batch in (1, 3):
-            fast = P._extrapolated(spec, micro_batch, 2, 16, "none", precision, "fast")
-            assert P._FITS[spec.key, 2, 16, "none", precision, False, None] is not None  # no full-depth fallback
-            assert fast == P._extrapolated(spec, micro_batch, 2, 16, "none", precision, "full")
+            fast = P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "fast")
+            assert P._FITS[spec.key, 2, 16, checkpointing, precision, False, None] is not None  # no full-depth fallback
+            assert fast == P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "full")
+
+
+def test_a_transformers_model_checkpointed_by_its_own_switch_matches_the_meter():
+    """checkpointing "every" of a transformers model is its gradient checkpointing: the meter agrees within 1%."""
+    transformers = pytest.importorskip("transformers", reason="transformers (optional extra) is not installed")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=128)
+    spec = P.hf_spec(cfg)
+    peaks = {}
+    for checkpointing in ("none", "every"):
+        torch.manual_seed(0)
+        model, batch = spec.build(None, 4, 16)
+        P._checkpoint(model, checkpointing)
+        opt = make_optimizer("adam", model.parameters())
+        measured = measure_step(model, opt, batch, lambda m, o, b: P.plan_step(m, o, b, 2, "fp32")).peak_bytes
+        peaks[checkpointing] = P._extrapolated(spec, 2, 2, 16, checkpointing, "fp32", "full")[0]
+        assert abs(peaks[checkpointing] - measured) <= 0.01 * measured, (checkpointing, peaks[checkpointing], measured)
+    assert peaks["every"] < peaks["none"]
+    p = P.plan(cfg, "a100-80gb", 1, 16, 2, offload=(False,), optimizers=("device",))
+    assert {r.combination.checkpointing for r in p.rows} == {"none", "every"}
+    assert "checkpointing sqrt and selective" in p.left_out
+    with pytest.raises(ParameterError, match="selective"):
+        P.plan(cfg, "a100-80gb", 1, 16, 2, checkpointing=("selective",))
 
 
 def test_gpu_table_is_complete():
