@@ -26,11 +26,10 @@ pytestmark = pytest.mark.notebook
 
 
 @pytest.fixture(scope="module")
-def course(tmp_path_factory):
-    """Build every chapter's student copy once; return (course folder, student copies folder)."""
-    base = tmp_path_factory.mktemp("classroom")
-    classroom.build_student_copies(NOTEBOOKS, base / "course", base / "student")
-    return base / "course", base / "student"
+def course(student_copies):
+    """Every chapter's student copy, built once per test process (conftest's `student_copies`, which the
+    whole-chapter tests run); return (course folder, student copies folder)."""
+    return student_copies.parent / "course", student_copies
 
 
 def _solution_lines(nb: dict) -> list[str]:
