@@ -28,16 +28,16 @@ KNOWN_FIGURE_PROBLEMS: dict[str, set[str]] = {  # chapters 00-07 and 09 pass eve
     "08_memory_aware_search": {"legend over data", "cut off"},  # the trial timeline (its x label at small sizes); one legend
 }
 NOTEBOOK_FIXTURES = {"execute_notebook", "validate_parameters"}
-SLOWEST_FIRST = ["tests/test_nb08.py", "07_sharded_data_parallel.ipynb", "tests/test_hosted.py", "tests/test_nb06.py",
-                 "tests/test_plan.py", "tests/test_search_study.py", "08_memory_aware_search.ipynb",
-                 "tests/test_search_engines.py", "02_activation_checkpointing.ipynb", "tests/test_browser.py",
-                 "tests/test_nb07.py", "tests/test_dist.py", "06_model_and_pipeline_parallel.ipynb",
-                 "tests/test_search_workers.py", "tests/test_nb09.py", "09_will_it_fit.ipynb", "tests/test_nb00.py",
-                 "tests/test_nb02.py", "tests/test_nb03.py", "tests/test_runner.py", "tests/test_search_storage.py",
-                 "tests/test_search_trial.py", "tests/test_estimate.py", "03_mixed_precision.ipynb",
-                 "tests/test_classroom.py", "tests/test_l2l.py", "tests/test_nb05.py", "tests/test_nb04.py",
-                 "tests/test_nb01.py"]  # files of 30 s or more (make test's --durations), longest first: the Makefile
-#                                 passes --no-loadscope-reorder, or xdist would order files by their test count
+SLOWEST_FIRST = ["tests/test_nb08.py", "tests/test_nb06.py", "07_sharded_data_parallel.ipynb", "tests/test_nb07.py",
+                 "tests/test_plan.py", "08_memory_aware_search.ipynb", "tests/test_search_workers.py", "tests/test_dist.py",
+                 "tests/test_browser.py", "tests/test_search_study.py", "02_activation_checkpointing.ipynb",
+                 "tests/test_search_engines.py", "06_model_and_pipeline_parallel.ipynb", "tests/test_nb09.py",
+                 "09_will_it_fit.ipynb", "tests/test_runner.py", "tests/test_nb00.py", "tests/test_nb02.py",
+                 "tests/test_classroom.py", "tests/test_nb04.py", "tests/test_nb03.py", "tests/test_nb01.py",
+                 "tests/test_search_trial.py", "tests/test_nb05.py", "tests/test_hosted.py", "tests/test_search_storage.py",
+                 "tests/test_estimate.py", "tests/test_closing.py", "tests/test_l2l.py"]  # files of 10 s or more (make test's
+#                                 --durations), longest first: the Makefile passes --no-loadscope-reorder, or xdist
+#                                 would order files by their test count
 SESSION_TAG = "LABKIT_TEST_SESSION"  # inherited by every process the session starts
 
 

@@ -1,7 +1,9 @@
 """Student copies (nbgrader) build for every chapter, hide every solution, and autograde: the teacher's
 notebook to full marks, a blank copy to zero, a half-solved copy to exactly what it solved. That a
 student copy runs with only the exercises' checks failing is checked by every whole-chapter test
-(conftest's `execute_notebook` runs the student copy)."""
+(conftest's `execute_notebook` runs the student copy), and that the teacher's solutions pass their checks
+by nbval: the autograder is run on a two-exercise chapter written here, built and graded as a chapter is,
+so that no chapter runs more than twice per `make test`."""
 
 from __future__ import annotations
 
@@ -18,17 +20,16 @@ from workbook import classroom
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 CHAPTERS = [p.stem for p in classroom.chapters(NOTEBOOKS)]
-GRADED = "10_what_to_use_when"  # the chapter that runs fastest (seconds): autograded three times below
+GRADED = "01_two_exercises"  # a chapter of two exercises in the chapters' nbgrader form, written below and autograded three times
 
 pytestmark = pytest.mark.notebook
 
 
 @pytest.fixture(scope="module")
-def course(tmp_path_factory):
-    """Build every chapter's student copy once; return (course folder, student copies folder)."""
-    base = tmp_path_factory.mktemp("classroom")
-    classroom.build_student_copies(NOTEBOOKS, base / "course", base / "student")
-    return base / "course", base / "student"
+def course(student_copies):
+    """Every chapter's student copy, built once per test process (conftest's `student_copies`, which the
+    whole-chapter tests run); return (course folder, student copies folder)."""
+    return student_copies.parent / "course", student_copies
 
 
 def _solution_lines(nb: dict) -> list[str]:
@@ -78,10 +79,36 @@ def test_student_copies_build_for_every_chapter_without_solutions(course):
         assert "make lab STUDENT=1" not in text, stem  # the teacher's pointer to the student copies is not in them
 
 
+def _graded_chapter(notebooks: Path) -> None:
+    """Write GRADED: a setup cell, a teacher-only note and two exercises (solution, locked check), as the chapters do."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_markdown_cell
+
+    def graded(grade_id: str, source: str, points: int = 0):
+        meta = {"grade": bool(points), "grade_id": grade_id, "locked": bool(points), "schema_version": 3,
+                "solution": not points, "task": False, **({"points": points} if points else {})}
+        return new_code_cell(source, metadata={"nbgrader": meta})
+
+    cells = [new_markdown_cell("# 01 · Two exercises"), new_code_cell("import math"),
+             new_markdown_cell("Each exercise's solution sits right below it.",
+                               metadata={"tags": [classroom.TEACHER_ONLY]})]
+    for n, (name, body, check) in enumerate([("double", "return 2 * x", "double(3) == 6"),
+                                             ("root", "return math.sqrt(x)", "root(9) == 3")], 1):
+        cells += [new_markdown_cell(f"## Exercise {n}"),
+                  graded(f"exercise-{n}", f"def {name}(x):\n    ### BEGIN SOLUTION\n    {body}\n    ### END SOLUTION"),
+                  graded(f"exercise-{n}-check", f"assert {check}, 'FAIL: {name}'\nprint('PASS: {name}')", points=1)]
+    nb = nbformat.v4.new_notebook(cells=cells)
+    nb.metadata.kernelspec = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    notebooks.mkdir(parents=True)
+    nbformat.write(nb, notebooks / f"{GRADED}.ipynb")
+
+
 @pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")  # nbgrader's own gradebook code
-def test_autograding_gives_what_was_earned(course, tmp_path, monkeypatch):
-    course_dir, student = course
-    teacher = json.loads((NOTEBOOKS / f"{GRADED}.ipynb").read_text())
+def test_autograding_gives_what_was_earned(tmp_path, monkeypatch):
+    notebooks, course_dir, student = tmp_path / "notebooks", tmp_path / "course", tmp_path / "student"
+    _graded_chapter(notebooks)
+    classroom.build_student_copies(notebooks, course_dir, student)
+    teacher = json.loads((notebooks / f"{GRADED}.ipynb").read_text())
     blank = json.loads((student / f"{GRADED}.ipynb").read_text())
     half = json.loads(json.dumps(blank))  # exercise 1 solved as the teacher did, exercise 2 left blank
     answer = {c["metadata"]["nbgrader"]["grade_id"]: c["source"] for c in teacher["cells"] if "nbgrader" in c["metadata"]}
@@ -95,7 +122,7 @@ def test_autograding_gives_what_was_earned(course, tmp_path, monkeypatch):
     (submissions / "half" / GRADED).mkdir(parents=True)  # nbgrader collect's layout works too
     (submissions / "half" / GRADED / f"{GRADED}.ipynb").write_text(json.dumps(half))
     monkeypatch.chdir(tmp_path)
-    assert classroom.main(["--course", str(course_dir), "grade", "--submissions", str(submissions),
+    assert classroom.main(["--notebooks", str(notebooks), "--course", str(course_dir), "grade", "--submissions", str(submissions),
                            "--out", str(tmp_path / "grades"), "--student-copies", str(student)]) == 0
     with open(tmp_path / "grades" / "scores.csv") as f:
         rows = list(csv.DictReader(f))

@@ -29,7 +29,7 @@ from workbook import hosted
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 README = ROOT / "README.md"
-HOSTED_CHAPTER = "01_gradient_accumulation.ipynb"  # the faster of the first two chapters (~20 s here)
+HOSTED_CHAPTER = "01_gradient_accumulation.ipynb"  # the chapter whose opening runs in the fresh environment
 
 
 # -- the cells every chapter carries --------------------------------------------------------------------------
@@ -249,14 +249,37 @@ def test_a_torch_outside_the_range_is_refused_and_kept(tmp_path):
 
 
 # -- the hosted-notebook path, end to end --------------------------------------------------------------------
+def _opening(nb: dict) -> dict:
+    """Return the chapter cut after its validation cell: the install cell, hardware, setup, parameters, validation."""
+    code = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"]
+    tagged = [i for i in code if "parameters" in nb["cells"][i]["metadata"].get("tags", [])]
+    assert len(tagged) == 1, tagged
+    validation = next(i for i in code if i > tagged[0])
+    return {**nb, "cells": nb["cells"][:validation + 1]}
+
+
+# every module of the package, imported; the files pip installed, listed (no __pycache__)
+INSTALLED = ("import importlib, pathlib, pkgutil, labkit; root = pathlib.Path(labkit.__file__).parent; "
+             "[importlib.import_module(m.name) for m in pkgutil.walk_packages(labkit.__path__, 'labkit.')]; "
+             "print('\\n'.join(sorted(p.relative_to(root).as_posix() for p in root.rglob('*') "
+             "if p.is_file() and '__pycache__' not in p.parts)))")
+
+
 @pytest.mark.notebook
 def test_a_chapter_runs_from_an_empty_folder_in_a_fresh_environment(tmp_path):
-    """An empty folder, one chapter, a venv with Jupyter and torch but no labkit: the first cell installs it."""
+    """An empty folder, one chapter, a venv with Jupyter and torch but no labkit: the first cell installs it.
+
+    The chapter runs under papermill through its validation cell: the install cell, the hardware report, every
+    import of its setup, its parameters checked. The rest of it runs twice per `make test` already (nbval, and
+    tests/test_nb01.py in the browser) with labkit from this checkout; what the fresh environment could lack
+    beyond that, a module or file pip left out of the installed package, is checked on the whole package: every
+    module imports there and the installed modules are the checkout's.
+    """
     env = _environment(tmp_path, keep_torch=True)
     python = env / "bin" / "python"
     folder = tmp_path / "colab"
     folder.mkdir()
-    shutil.copy(NOTEBOOKS / HOSTED_CHAPTER, folder / HOSTED_CHAPTER)
+    (folder / HOSTED_CHAPTER).write_text(json.dumps(_opening(json.loads((NOTEBOOKS / HOSTED_CHAPTER).read_text()))))
     probe = "import torch, importlib.util; print(torch.__version__, torch.__file__, importlib.util.find_spec('labkit'))"
 
     def torch_here() -> str:
@@ -285,9 +308,14 @@ def test_a_chapter_runs_from_an_empty_folder_in_a_fresh_environment(tmp_path):
     where = subprocess.run([python, "-c", "import labkit; print(labkit.__file__)"], capture_output=True, text=True,
                            check=True, cwd=folder).stdout
     assert where.startswith(str(env)), where  # installed into the fresh environment, not this checkout's
+    installed = subprocess.run([python, "-c", INSTALLED], capture_output=True, text=True, cwd=folder, env=environ)
+    assert installed.returncode == 0, installed.stderr[-3000:]  # every module imports in the fresh environment
+    ours = sorted(p.relative_to(ROOT / "labkit").as_posix() for p in (ROOT / "labkit").rglob("*.py")
+                  if "__pycache__" not in p.parts)
+    assert installed.stdout.split() == ours  # pip installed every module of the package (it has no other files)
     made = subprocess.run([python, "-c", "from labkit.search.study import default_build_dir; print(default_build_dir())"],
                           capture_output=True, text=True, check=True, cwd=folder, env=environ).stdout.strip()
     assert made == str(folder / "build" / "search"), made  # the chapters write beside the notebook
     check = subprocess.run([python, "-m", "labkit.tools.gpucheck"], capture_output=True, text=True, cwd=folder, env=environ)
     assert check.returncode == 2 and check.stdout.startswith("make gpu-check needs CUDA:"), check.stdout + check.stderr
-    print(f"hosted path: chapter {HOSTED_CHAPTER[:2]} with the install in {seconds:.1f} s")
+    print(f"hosted path: chapter {HOSTED_CHAPTER[:2]}'s opening with the install in {seconds:.1f} s")
