@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, UnsupportedOperatorException
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                          UnsupportedOperatorException)
 
 from labkit.accumulation import split_batch
 from labkit.checkpointing import checkpoint_blocks
@@ -364,7 +365,7 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
             _checkpoint(meta_model, checkpointing)
             with fake_sharded(meta_model, _repeated_blocks(meta_model), *shard):
                 peak, split, states, n, *events = fake_step(key, build, trace)
-    except (DataDependentOutputException, UnsupportedOperatorException) as e:
+    except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as e:
         raise ParameterError(f"model: {spec.name} cannot run on fake tensors ({type(e).__name__}: {e}); make the "
                              "operation independent of tensor values or pass a callable that builds a model "
                              "without it") from None

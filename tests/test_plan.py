@@ -170,6 +170,31 @@ def test_a_callable_model_runs_at_full_depth():
         P.plan(P.callable_spec(build, "mlp"), "l4", 1, 1, 4, checkpointing=("every",))
 
 
+class _ValueDependent(torch.nn.Module):
+    """A classifier whose step reads a tensor's value ("item") or keeps the rows a mask selects ("mask")."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.linear, self.mode = torch.nn.Linear(8, 2), mode
+
+    def forward(self, x, y):
+        h = self.linear(x)
+        if self.mode == "item":
+            h = h * float(h.sum().item() > 0)
+        else:
+            keep = h.sum(1) > 0
+            h, y = h[keep], y[keep]
+        return h, torch.nn.functional.cross_entropy(h, y)
+
+
+@pytest.mark.parametrize("mode, operation", [("item", "_local_scalar_dense"), ("mask", "nonzero")])
+def test_a_model_the_fake_step_cannot_run_names_the_operation(mode, operation):
+    spec = P.callable_spec(lambda rows, seq_len: (_ValueDependent(mode), (torch.randn(rows, 8),
+                                                                          torch.randint(2, (rows,)))), "value-reader")
+    with pytest.raises(ParameterError, match=f"model: value-reader cannot run on fake tensors.*{operation}"):
+        P.plan(spec, "l4", 1, 1, 4)
+
+
 class _WithLoss(torch.nn.Module):
     """A classifier called as model(x, y) -> (logits, loss)."""
 
