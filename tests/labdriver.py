@@ -245,7 +245,10 @@ def exercise_panel(page, stem: str) -> None:
     PRESETS first sets a chapter's costly sliders (chapter 08's trial count) to a cheap value: the same code runs.
     """
     panel = page.locator(".widget-vbox:has(> .widget-hbox > button:has-text('Run'))").last
-    panel.scroll_into_view_if_needed()
+    try:
+        panel.scroll_into_view_if_needed()
+    except Exception as e:  # no panel on the page: say what the run left (errors, cells not run), not only a timeout
+        raise AssertionError(f"{stem}: no widget panel to run after Run All: {page.evaluate(STATE_JS)}") from e
     output = panel.locator(".widget-output").first
     for index, keys in PRESETS.get(stem, []):
         handle = panel.locator(".noUi-handle").nth(index)
