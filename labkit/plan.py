@@ -753,7 +753,7 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
     lines.append("fastest that fits: " + ("none" if best is None else ", ".join(
         f"{k} {v}" for k, v in asdict(best.combination).items()) + f" ({format_bytes(best.peak_bytes)}, "
         f"{best.step_s * 1e3:,.2f} ms/step, {best.tokens_per_s:,.0f} tokens/s, " + (
-            "a roofline bound: real steps are slower)" if best.comm_s + best.host_s == 0 else
+            "a roofline bound for eager, unfused PyTorch)" if best.comm_s + best.host_s == 0 else
             "an estimate: roofline + " + " + ".join(f"{t * 1e3:,.2f} ms of {what}" for t, what in (
                 (best.comm_s, "communication"), (best.host_s, "host transfers")) if t > 0) + ", not overlapped)")))
     lines.append(legend)

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from labkit.meter import format_bytes
+from labkit.plan import RESERVE_FRACTION
 from labkit.results import build_dir
 from labkit.trend import describe_trend
 
@@ -268,11 +269,13 @@ def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
         then = ("none fits the budget alone on this run: combine them in this order (chapter 08 searches the "
                 "combinations)")
     else:
-        spare = (f", leaving {format_bytes(fit['headroom'])} ({fit['headroom'] / (fit['after'] + fit['headroom']):.0%} "
-                 "of the budget) for what the tensors do not show; on a GPU check that this covers your reserve "
-                 "(chapter 08's recipe, step 2)")
+        share = fit["headroom"] / (fit["after"] + fit["headroom"])
+        covers = share >= RESERVE_FRACTION
+        spare = (f", leaving {format_bytes(fit['headroom'])} ({share:.0%} of the budget) for what the tensors do not "
+                 f"show, {'at least' if covers else 'less than'} the {RESERVE_FRACTION:.0%} chapter 09's planner holds "
+                 "back on a GPU" + ("" if covers else ": there, add the next technique in the order too"))
         if fit is first:
-            then = "and it fits the budget alone" + spare + ": stop there"
+            then = "and it fits the budget alone" + spare + (": stop there" if covers else "")
         else:
             place = order.index(fit) + 1
             then = (f"the first in the order that fits the budget alone is {fit['technique']} (place {place}, "
