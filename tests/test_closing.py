@@ -163,11 +163,17 @@ def test_close_costs_are_tied_and_time_savers_go_first_by_time_saved(results):
     assert [r["chapter"] for r in rows[:2]] == ["03", "04"]
 
 
-def test_the_fit_sentence_states_the_headroom_left_for_a_reserve(results):
+def test_the_fit_sentence_stops_only_where_the_headroom_covers_the_planners_reserve(results, monkeypatch):
     order = closing.cost_order(closing.one_device_rows(results))
     fit = next(r for r in order if r["fits"])
-    sentence = closing.order_sentence(order)
-    assert format_bytes(fit["headroom"]) in sentence and "reserve" in sentence
+    share = fit["headroom"] / (fit["after"] + fit["headroom"])
+    for reserve in (share / 2, share * 2):  # the headroom covers the reserve, then it does not
+        monkeypatch.setattr(closing, "RESERVE_FRACTION", reserve)
+        sentence = closing.order_sentence(order)
+        assert format_bytes(fit["headroom"]) in sentence and f"the {reserve:.0%} chapter 09's planner" in sentence
+        covers = reserve <= share
+        assert ("at least the" in sentence) == covers and ("add the next technique" in sentence) == (not covers)
+        assert ("stop there" in sentence) == (covers and fit is order[0])
 
 
 def test_the_search_lines_call_a_chapter_with_the_chosen_setting_the_same_setting(results):
