@@ -103,9 +103,8 @@ class ModelSpec:
     n_layer: int | None  # identical blocks: their number (depth="fast" past FULL_MAX_LAYERS); None: always full depth
     key: str | None  # identifies the model in fake_step's cache (None: not cached)
     max_seq_len: int | None = None  # longest sequence the model takes (a learned position table), None: any
-    config: GPTConfig | None = None  # a labkit GPT's config (FSDP2 rows need it)
     checkpointing: tuple = CHECKPOINTING  # the choices it takes: labkit blocks all of them, a transformers model
-    #                                       "every" (its gradient_checkpointing_enable), any other model none
+    #                                       "every" (its own checkpointing switch), any other model none
 
 
 def gpt_spec(cfg: GPTConfig, name: str = "GPTConfig") -> ModelSpec:
@@ -115,7 +114,7 @@ def gpt_spec(cfg: GPTConfig, name: str = "GPTConfig") -> ModelSpec:
         if c.pos == "rope":
             c = replace(c, block_size=seq_len)  # rotary positions: no table, any length
         return build_model(c), example_batch(c, rows, seq_len)
-    return ModelSpec(name, build, cfg.n_layer, repr(cfg), cfg.block_size if cfg.pos == "learned" else None, cfg)
+    return ModelSpec(name, build, cfg.n_layer, repr(cfg), cfg.block_size if cfg.pos == "learned" else None)
 
 
 def callable_spec(fn: Callable, name: str = "model") -> ModelSpec:
@@ -376,7 +375,7 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
 
 def _checkpoint(model, checkpointing: str) -> None:
     """Checkpoint a model's blocks as `checkpointing` says: a labkit model's with checkpoint_blocks, a transformers
-    model's every layer with its own gradient_checkpointing_enable (non-reentrant); "none": leave it."""
+    model's every layer with its own switch (non-reentrant); "none": leave it."""
     if isinstance(model, _CausalLM):
         if checkpointing == "every":
             enable = getattr(model.model, "activation_checkpointing_enable", None)  # transformers 5.x's name
@@ -627,7 +626,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     left_out = dict(NOT_MODELLED)
     if spec.checkpointing != CHECKPOINTING:
         left_out["checkpointing " + " and ".join(c for c in CHECKPOINTING if c not in spec.checkpointing)] = (
-            "a transformers model checkpoints every layer (gradient_checkpointing_enable) and nothing finer" if
+            "a transformers model checkpoints every layer (its own switch) and nothing finer" if
             "every" in spec.checkpointing else "a callable model has no blocks known to checkpoint")
     if spec.n_layer is None:
         left_out["fsdp2 of a callable model"] = "no repeated blocks known to shard one by one"
