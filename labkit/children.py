@@ -1,7 +1,4 @@
-"""Child processes that never outlive the cell that started them, and whether a recorded process still lives.
-
-A child that calls `die_with_parent()` first thing dies with its parent, even one killed outright.
-"""
+"""Child processes that never outlive the cell that started them, and whether a recorded process still lives."""
 
 from __future__ import annotations
 
@@ -91,10 +88,7 @@ class ChildProcesses:
 # -- liveness -----------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def machine_id() -> str | None:
-    """Return an id shared by exactly the processes whose pids this one can check (None on Windows).
-
-    Linux: the boot id and the pid namespace; other POSIX systems: hostname and MAC address.
-    """
+    """Return an id shared by exactly the processes whose pids this one can check (None on Windows)."""
     if os.name == "nt":
         return None
     try:

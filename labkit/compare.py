@@ -1,7 +1,4 @@
-"""Compare two trainings' gradients and parameters: largest absolute and norm-wise relative differences.
-
-A tensor that is None on one side only (no gradient) makes the difference infinite.
-"""
+"""Compare two trainings' gradients and parameters: largest absolute and norm-wise relative differences."""
 
 from __future__ import annotations
 

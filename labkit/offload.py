@@ -1,8 +1,4 @@
-"""Activation offload: saved-tensor hooks that move what autograd saves to a `labkit.hosttier.HostPool` and back.
-
-Parameters and tensors under `min_bytes` stay; on CUDA the copies run on a side stream and, with prefetch and
-`track_layers`, backward of layer i starts the copy back of layer i-1.
-"""
+"""Activation offload: saved-tensor hooks that move what autograd saves to a `labkit.hosttier.HostPool` and back."""
 
 from __future__ import annotations
 

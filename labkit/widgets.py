@@ -1,7 +1,4 @@
-"""Widget panels: controls and a Run button around an ordinary experiment function.
-
-A panel refuses to build when its function's leading checks refuse a position its controls offer.
-"""
+"""Widget panels: controls and a Run button around an ordinary experiment function."""
 
 from __future__ import annotations
 
@@ -188,10 +185,7 @@ class ControlPanel(W.VBox):
         return {name: w.value for name, w in self.controls.items()}
 
     def refusals(self, limit: int | None = None) -> list[tuple[dict, str]]:
-        """Return (setting, why) for each combination of the checked controls' positions that `run_fn`'s checks refuse.
-
-        The other controls keep their values; nothing of the experiment itself runs.
-        """
+        """Return (setting, why) for each combination of the checked controls' positions `run_fn`'s checks refuse."""
         checks, names = validation_of(self.run_fn)
         names = [n for n in self.controls if n in names]
         if checks is None or not names:
