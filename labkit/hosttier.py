@@ -38,8 +38,7 @@ def dense_stride(t: torch.Tensor) -> tuple[int, ...]:
 class HostPool:
     """Allocate host-tier buffers (pinned, accounted RAM or disk memmap), counted on the meter's host tier."""
 
-    def __init__(self, device: str | torch.device = "cpu", kind: str = "auto", spill_dir: str | None = None,
-                 meter: MemoryMeter | None = None):
+    def __init__(self, device: str | torch.device = "cpu", kind: str = "auto", spill_dir: str | None = None):
         self.device = as_device(device)
         check_choice("kind", kind, HOST_KINDS)
         if kind == "auto":
@@ -48,7 +47,6 @@ class HostPool:
             raise ValueError("kind='pinned' needs CUDA; use 'memory' or 'disk' on a CPU-only machine")
         self.kind = kind
         self.pinned = kind == "pinned"  # page-locked buffers: copies to and from CUDA are asynchronous
-        self.meter = meter  # None: the meter active in the calling thread
         self._spill_parent = spill_dir
         self.spill_dir: str | None = None  # the folder of spill files ("disk" kind, once a buffer was allocated)
         self._counter = 0
@@ -69,7 +67,7 @@ class HostPool:
         """Return an uninitialised host buffer, counted on the meter's host tier."""
         shape = tuple(shape)
         stride = tuple(stride) if stride is not None else torch.empty(shape, dtype=dtype, device="meta").stride()
-        meter = self.meter if self.meter is not None else active_meter()
+        meter = active_meter()
         with meter.host_tier() if meter is not None else contextlib.nullcontext():
             if self.kind == "disk":
                 numel = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))  # spanned

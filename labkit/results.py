@@ -51,19 +51,13 @@ def recorded() -> dict[str, object]:
     return dict(_RECORDS)
 
 
-def records_table(records: dict[str, object] | None = None) -> list[str]:
-    """Return one line per record, `name  value`, the values shortened; this process's records by default."""
-    records = recorded() if records is None else records
-    width = max((len(n) for n in records), default=0)
-    return [f"{name:<{width}}  {_short(value)}" for name, value in records.items()]
-
-
 def show_records(records: dict[str, object] | None = None) -> None:
     """Show this run's records (or `records`) as one table, folded: one line per name, in recording order."""
     import html
 
     records = recorded() if records is None else records
-    lines = records_table(records)
+    width = max((len(n) for n in records), default=0)
+    lines = [f"{name:<{width}}  {_short(value)}" for name, value in records.items()]
     if not lines:
         print("no measurement recorded")
         return
