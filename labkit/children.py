@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -45,12 +46,8 @@ class ChildProcesses:
         """Start one child (stdout and stderr to `log_path`, else discarded); return its Popen."""
         full_env = dict(os.environ if env is None else env)
         full_env[PARENT_ENV] = str(os.getpid())
-        out = open(log_path, "w") if log_path is not None else subprocess.DEVNULL
-        try:
+        with open(log_path, "w") if log_path is not None else contextlib.nullcontext(subprocess.DEVNULL) as out:
             proc = subprocess.Popen(argv, env=full_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        finally:
-            if log_path is not None:
-                out.close()  # the child has its own copy
         self.procs.append(proc)
         return proc
 

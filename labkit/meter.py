@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack,
                                           is_traceable_wrapper_subclass)
 
-from labkit.validate import check_budget
+from labkit.validate import check_budget, check_choice
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 """Categories of `peak_split`; "activations" holds activations and everything else (inputs, temporaries)."""
@@ -271,8 +271,7 @@ class MemoryMeter(TorchDispatchMode):
     @contextlib.contextmanager
     def phase(self, name: str):
         """Label the allocations in this block with a phase (overrides the automatic label)."""
-        if name not in PHASES:
-            raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
+        check_choice("phase", name, PHASES)
         old, self._phase_override = self._phase_override, name
         try:
             yield self
@@ -422,8 +421,7 @@ class MemoryMeter(TorchDispatchMode):
 
     def label(self, t: torch.Tensor, category: str) -> torch.Tensor:
         """Count a live tensor's storage under `category` (one of CATEGORIES) from now on; return it."""
-        if category not in CATEGORIES:
-            raise ValueError(f"category must be one of {CATEGORIES}, got {category!r}")
+        check_choice("category", category, CATEGORIES)
         self._see(t, check_budget=False)
         self._set_category(t, category, force=True)
         return t
