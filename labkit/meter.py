@@ -511,10 +511,9 @@ class MemoryMeter(TorchDispatchMode):
 
     def _refusal(self, requested_bytes: int, in_use_bytes: int) -> OutOfMemory:
         """Return the budget error for an allocation, with the CUDA allocator's figures on a GPU."""
-        if self.device.type != "cuda":
-            return OutOfMemory(requested_bytes, in_use_bytes, self.budget_bytes)
-        return OutOfMemory(requested_bytes, in_use_bytes, self.budget_bytes,
-                           torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
+        cuda = self.device.type == "cuda"
+        figures = (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)) if cuda else ()
+        return OutOfMemory(requested_bytes, in_use_bytes, self.budget_bytes, *figures)
 
     def _release(self, rec: _Record) -> None:
         if rec.host:

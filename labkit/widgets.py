@@ -57,9 +57,8 @@ def _widget_for(name: str, spec):
     if isinstance(spec, tuple) and len(spec) in (3, 4) and _numbers(spec):
         lo, hi, step = spec[:3]
         value = spec[3] if len(spec) == 4 else lo
-        if all(isinstance(v, int) for v in spec):
-            return W.IntSlider(value=value, min=lo, max=hi, step=step, description=name)
-        return W.FloatSlider(value=value, min=lo, max=hi, step=step, description=name)
+        kind = W.IntSlider if all(isinstance(v, int) for v in spec) else W.FloatSlider
+        return kind(value=value, min=lo, max=hi, step=step, description=name)
     if isinstance(spec, tuple) and spec:
         return W.Dropdown(options=list(spec), value=spec[0], description=name)
     raise TypeError(f"control {name!r}: give a widget, a bool, a list of valid values, choices(values, value) or "
