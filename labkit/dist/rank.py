@@ -1,8 +1,4 @@
-"""Inside a rank: join the process group from the environment, run the rank's code, report what it produced.
-
-A rank script ends with `labkit.dist.run(main)`, under `labkit.dist.launch` and under `torchrun` alike. The
-report (main's value, records, meter summaries, spans) goes to the launcher as JSON, or one stdout line.
-"""
+"""Inside a rank: join the process group from the environment, run the rank's code, report what it produced."""
 
 from __future__ import annotations
 
