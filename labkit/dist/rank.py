@@ -65,8 +65,7 @@ def span(label: str):
 
     Also notes how long the rank waited for a CPU core inside the block (RankResult.core_waits).
     """
-    dev = device()
-    cuda = dev.type == "cuda" and _state["t0_event"] is not None
+    cuda = device().type == "cuda" and _state["t0_event"] is not None
     start, wait0 = now_s(), core_wait_s()
     if cuda:
         begin = torch.cuda.Event(enable_timing=True)
