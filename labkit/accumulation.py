@@ -6,6 +6,7 @@ tokens, "naive" divides each mean loss by k (the transformers #24725 bug, kept t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -86,10 +87,7 @@ def make_accumulation_step(micro_batch_size: int, normalise: str = "mean") -> Ca
     """Return step_fn(model, optimizer, batch) that accumulates over micro-batches (for measure_step)."""
     check_int("micro_batch_size", micro_batch_size, 1)
     check_choice("normalise", normalise, NORMALISATIONS)
-
-    def step(model, optimizer, batch):
-        return accumulation_step(model, optimizer, batch, micro_batch_size, normalise=normalise)
-    return step
+    return functools.partial(accumulation_step, micro_batch_size=micro_batch_size, normalise=normalise)
 
 
 def accumulation_steps(batch_size: int, micro_batch_size: int) -> int:
