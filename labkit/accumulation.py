@@ -6,6 +6,7 @@ tokens, "naive" divides each mean loss by k (the transformers #24725 bug, kept t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -15,19 +16,6 @@ from labkit.models import IGNORE_INDEX, count_tokens
 from labkit.validate import check_choice, check_int
 
 NORMALISATIONS = ("mean", "tokens", "naive")
-
-
-def _batch_rows(batch: Sequence[torch.Tensor]) -> int:
-    """Return the rows the batch's tensors share; raise ValueError when they differ or there are none."""
-    if not isinstance(batch, (tuple, list)) or not batch:
-        raise ValueError("batch must be a non-empty tuple of tensors (inputs, targets)")
-    rows = {t.shape[0] for t in batch if isinstance(t, torch.Tensor)}
-    if len(rows) != 1:
-        raise ValueError(f"the batch's tensors must share their first dimension, got sizes {sorted(rows)}")
-    (n,) = rows
-    if n < 1:
-        raise ValueError("batch has no rows")
-    return n
 
 
 def split_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
@@ -41,36 +29,22 @@ def split_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
 def split_batch(batch: Sequence[torch.Tensor], micro_batch_size: int) -> list[tuple]:
     """Split every tensor of a batch along dim 0 into micro-batches (the last may be shorter)."""
     check_int("micro_batch_size", micro_batch_size, 1)
-    _batch_rows(batch)
+    if not isinstance(batch, (tuple, list)) or not batch:
+        raise ValueError("batch must be a non-empty tuple of tensors (inputs, targets)")
+    rows = {t.shape[0] for t in batch if isinstance(t, torch.Tensor)}
+    if len(rows) != 1:
+        raise ValueError(f"the batch's tensors must share their first dimension, got sizes {sorted(rows)}")
+    if rows == {0}:
+        raise ValueError("batch has no rows")
     parts = [t.split(micro_batch_size) if isinstance(t, torch.Tensor) else None for t in batch]
     n = len(next(p for p in parts if p is not None))
     return [tuple(t if p is None else p[i] for t, p in zip(batch, parts)) for i in range(n)]
-
-
-def micro_batch_loss(model: torch.nn.Module, micro_batch: Sequence[torch.Tensor], *, normalise: str, batch_rows: int,
-                     n_micro: int, batch_tokens: int | None = None,
-                     ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Return one micro-batch's loss, normalised so that summing over micro-batches gives the batch's loss."""
-    if normalise == "tokens":
-        *inputs, targets = micro_batch
-        out = model(*inputs)
-        logits = out[0] if isinstance(out, (tuple, list)) else out  # (..., V)
-        summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
-                                 ignore_index=ignore_index, reduction="sum")
-        return summed / batch_tokens
-    _, mean_loss = model(*micro_batch)
-    if normalise == "mean":
-        return mean_loss * (micro_batch[0].shape[0] / batch_rows)
-    if normalise == "naive":
-        return mean_loss / n_micro
-    raise ValueError(f"normalise must be one of {NORMALISATIONS}, got {normalise!r}")
 
 
 def accumulate_gradients(model: torch.nn.Module, batch: Sequence[torch.Tensor], micro_batch_size: int,
                          normalise: str = "mean", ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Add the gradient of batch (inputs..., targets) to .grad, one micro-batch at a time; return the batch loss."""
     check_choice("normalise", normalise, NORMALISATIONS)
-    rows = _batch_rows(batch)
     micro_batches = split_batch(batch, micro_batch_size)
     tokens = None
     if normalise == "tokens":
@@ -78,9 +52,17 @@ def accumulate_gradients(model: torch.nn.Module, batch: Sequence[torch.Tensor], 
         if tokens == 0:
             raise ValueError("normalise='tokens': the batch holds no real tokens (every target is ignore_index)")
     total = torch.zeros((), device=batch[-1].device)
-    for mb in micro_batches:
-        part = micro_batch_loss(model, mb, normalise=normalise, batch_rows=rows, n_micro=len(micro_batches),
-                                batch_tokens=tokens, ignore_index=ignore_index)
+    for mb in micro_batches:  # each part is normalised so that the parts add up to the batch's loss
+        if normalise == "tokens":
+            *inputs, targets = mb
+            out = model(*inputs)
+            logits = out[0] if isinstance(out, (tuple, list)) else out  # (..., V)
+            part = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                   ignore_index=ignore_index, reduction="sum") / tokens
+        else:
+            _, mean_loss = model(*mb)
+            n = len(micro_batches)
+            part = mean_loss * (mb[0].shape[0] / batch[0].shape[0]) if normalise == "mean" else mean_loss / n
         part.backward()
         total += part.detach()
     return total
@@ -105,12 +87,7 @@ def make_accumulation_step(micro_batch_size: int, normalise: str = "mean") -> Ca
     """Return step_fn(model, optimizer, batch) that accumulates over micro-batches (for measure_step)."""
     check_int("micro_batch_size", micro_batch_size, 1)
     check_choice("normalise", normalise, NORMALISATIONS)
-
-    def step(model, optimizer, batch):
-        return accumulation_step(model, optimizer, batch, micro_batch_size, normalise=normalise)
-
-    step.__name__ = f"accumulation_step_m{micro_batch_size}_{normalise}"
-    return step
+    return functools.partial(accumulation_step, micro_batch_size=micro_batch_size, normalise=normalise)
 
 
 def accumulation_steps(batch_size: int, micro_batch_size: int) -> int:

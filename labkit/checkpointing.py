@@ -1,8 +1,4 @@
-"""Activation checkpointing (Chen et al. 2016): keep each segment's input, recompute its inside in backward.
-
-Segment sizes differ by at most one, larger first; the last segment runs unchecked unless asked (its
-activations are needed first in backward). `checkpoint_blocks(model, None)` undoes it.
-"""
+"""Activation checkpointing (Chen et al. 2016): keep each segment's input, recompute its inside in backward."""
 
 from __future__ import annotations
 
@@ -44,11 +40,6 @@ def selective_policy(save_ops=MATMUL_OPS):
     return policy
 
 
-def selective_context_fn(save_ops=MATMUL_OPS):
-    """Return a `context_fn` for `checkpoint(..., use_reentrant=False)` that keeps `save_ops` outputs."""
-    return functools.partial(create_selective_checkpoint_contexts, selective_policy(save_ops))
-
-
 class CheckpointedSequential(nn.Sequential):
     """An nn.Sequential that checkpoints its blocks in `segments` runs (all but the last, by default)."""
 
@@ -61,37 +52,26 @@ class CheckpointedSequential(nn.Sequential):
         self.preserve_rng_state = bool(preserve_rng_state)
         if selective and use_reentrant:
             raise ValueError("selective checkpointing needs use_reentrant=False")
-        self.context_fn = selective_context_fn(save_ops) if selective else None
+        self.context_fn = (functools.partial(create_selective_checkpoint_contexts, selective_policy(save_ops))
+                           if selective else None)
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):  # a slice is a plain nn.Sequential over the same modules
             return nn.Sequential(OrderedDict(list(self._modules.items())[idx]))
         return super().__getitem__(idx)
 
-    @property
-    def segments(self) -> int:
-        """Return the number of segments."""
-        return len(self.sizes)
-
-    def _run(self, start: int, stop: int, x):
-        """Run blocks start .. stop-1 on x, (B, T, C) or (B, F)."""
-        for i in range(start, stop):
-            x = self[i](x)
-        return x
-
     def forward(self, x):
         start = 0
         for j, size in enumerate(self.sizes):
-            stop = start + size
-            last = j == len(self.sizes) - 1
-            if last and not self.checkpoint_last:
-                x = self._run(start, stop, x)  # kept: its backward comes first, recomputing saves nothing
+            segment = self[start:start + size]  # a plain nn.Sequential over blocks start .. start+size-1
+            if j == len(self.sizes) - 1 and not self.checkpoint_last:
+                x = segment(x)  # kept: its backward comes first, recomputing saves nothing
             else:
                 kwargs = {"use_reentrant": self.use_reentrant, "preserve_rng_state": self.preserve_rng_state}
                 if self.context_fn is not None:
                     kwargs["context_fn"] = self.context_fn
-                x = checkpoint(functools.partial(self._run, start, stop), x, **kwargs)
-            start = stop
+                x = checkpoint(segment, x, **kwargs)
+            start += size
         return x
 
     def extra_repr(self) -> str:
@@ -121,7 +101,4 @@ def predicted_activation_bytes(n_blocks: int, segments: int, block_bytes: float,
     sizes = segment_sizes(n_blocks, segments) if sizes is None else list(sizes)
     if sum(sizes) != n_blocks:
         raise ValueError(f"sizes {sizes} do not add up to n_blocks={n_blocks}")
-    worst = 0.0
-    for j, size in enumerate(sizes):
-        worst = max(worst, j * boundary_bytes + size * block_bytes)
-    return rest_bytes + worst
+    return rest_bytes + max((j * boundary_bytes + size * block_bytes for j, size in enumerate(sizes)), default=0.0)

@@ -1,10 +1,8 @@
-"""Child processes that never outlive the cell that started them, and whether a recorded process still lives.
-
-A child that calls `die_with_parent()` first thing dies with its parent, even one killed outright.
-"""
+"""Child processes that never outlive the cell that started them, and whether a recorded process still lives."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -48,12 +46,8 @@ class ChildProcesses:
         """Start one child (stdout and stderr to `log_path`, else discarded); return its Popen."""
         full_env = dict(os.environ if env is None else env)
         full_env[PARENT_ENV] = str(os.getpid())
-        out = open(log_path, "w") if log_path is not None else subprocess.DEVNULL
-        try:
+        with open(log_path, "w") if log_path is not None else contextlib.nullcontext(subprocess.DEVNULL) as out:
             proc = subprocess.Popen(argv, env=full_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        finally:
-            if log_path is not None:
-                out.close()  # the child has its own copy
         self.procs.append(proc)
         return proc
 
@@ -91,10 +85,7 @@ class ChildProcesses:
 # -- liveness -----------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def machine_id() -> str | None:
-    """Return an id shared by exactly the processes whose pids this one can check (None on Windows).
-
-    Linux: the boot id and the pid namespace; other POSIX systems: hostname and MAC address.
-    """
+    """Return an id shared by exactly the processes whose pids this one can check (None on Windows)."""
     if os.name == "nt":
         return None
     try:

@@ -1,7 +1,4 @@
-"""Compare two trainings' gradients and parameters: largest absolute and norm-wise relative differences.
-
-A tensor that is None on one side only (no gradient) makes the difference infinite.
-"""
+"""Compare two trainings' gradients and parameters: largest absolute and norm-wise relative differences."""
 
 from __future__ import annotations
 
@@ -69,14 +66,8 @@ def _worst(a: Tensors, b: Tensors, diff) -> float:
             if (x is None) != (y is None):
                 return math.inf
             continue
-        worst = max(worst, diff(x, y))
+        worst = max(worst, diff(*_checked(x, y)))
     return worst
-
-
-def abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Return the largest elementwise |a - b|, in the tensors' own (promoted) dtype (0 for empty tensors)."""
-    x, y = _checked(a, b)
-    return float((x - y).abs().max()) if x.numel() else 0.0
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor, floor: float = FLOOR) -> float:
@@ -86,8 +77,8 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor, floor: float = FLOOR) -> float:
 
 
 def max_abs_diff(a: Tensors, b: Tensors) -> float:
-    """Return the largest elementwise |a - b| over all matching tensors (inf where one side is None)."""
-    return _worst(a, b, abs_diff)
+    """Return the largest elementwise |a - b| over all matching tensors, in their own (promoted) dtype (inf: one None)."""
+    return _worst(a, b, lambda x, y: float((x - y).abs().max()) if x.numel() else 0.0)
 
 
 def max_rel_diff(a: Tensors, b: Tensors, floor: float = FLOOR) -> float:

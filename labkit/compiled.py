@@ -1,8 +1,4 @@
-"""Measure compiled code where the meter cannot look: the allocator's peak and the profiler's matmul FLOPs.
-
-A dispatch mode (the meter, `labkit.flops.count_flops`) makes Dynamo run the eager frame instead of compiled code,
-and a first call under one keeps the function from compiling until `torch._dynamo.reset()`.
-"""
+"""Measure compiled code where the meter (a dispatch mode) cannot look: the allocator's peak, the matmul FLOPs."""
 
 from __future__ import annotations
 

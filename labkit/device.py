@@ -23,10 +23,7 @@ def as_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_device(name: str | torch.device = "auto", param: str = "device") -> torch.device:
-    """Return the torch device for "auto" | "cpu" | "cuda[:i]" (auto: CUDA, else CPU, saying so over mps/xpu).
-
-    Raises TypeError or ValueError naming `param`.
-    """
+    """Return the torch device for "auto" | "cpu" | "cuda[:i]" (auto: CUDA, else CPU, saying so over mps/xpu)."""
     if not isinstance(name, (str, torch.device)):
         raise TypeError(f"{param} must be one of {DEVICE_CHOICES}, got {name!r}")
     name = str(name)
@@ -158,10 +155,7 @@ class RankPlacement:
 
 
 def rank_placement(nproc: int, device: str = "auto", backend: str = "auto") -> RankPlacement:
-    """Return where `nproc` local ranks run: NCCL with one GPU per rank when there are enough, else gloo on the CPU.
-
-    Raises ParameterError for device "cuda" with too few GPUs, or backend "nccl" on the CPU.
-    """
+    """Return where `nproc` local ranks run: NCCL with one GPU per rank when there are enough, else gloo on the CPU."""
     from labkit.validate import ParameterError, check_choice, check_int
 
     check_int("nproc", nproc, 1)

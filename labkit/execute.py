@@ -29,10 +29,7 @@ def environment(**values: str) -> Iterator[None]:
 
 
 def kernel_manager_class():
-    """Return a kernel manager class that avoids plain TCP where it can (Curve keys, else IPC sockets).
-
-    Plain TCP makes ipykernel warn "Kernel is running over TCP without encryption" on every start.
-    """
+    """Return a kernel manager class that avoids plain TCP (ipykernel's warning) where it can: Curve keys, else IPC."""
     import zmq
     from jupyter_client.manager import AsyncKernelManager
     from traitlets import default

@@ -35,18 +35,10 @@ def dense_stride(t: torch.Tensor) -> tuple[int, ...]:
     return torch.empty_like(t, device="meta").stride()
 
 
-def _storage_numel(shape, stride) -> int:
-    """Return the elements a strided buffer of this shape and stride spans."""
-    if any(s == 0 for s in shape):
-        return 0
-    return 1 + sum((n - 1) * st for n, st in zip(shape, stride))
-
-
 class HostPool:
     """Allocate host-tier buffers (pinned, accounted RAM or disk memmap), counted on the meter's host tier."""
 
-    def __init__(self, device: str | torch.device = "cpu", kind: str = "auto", spill_dir: str | None = None,
-                 meter: MemoryMeter | None = None):
+    def __init__(self, device: str | torch.device = "cpu", kind: str = "auto", spill_dir: str | None = None):
         self.device = as_device(device)
         check_choice("kind", kind, HOST_KINDS)
         if kind == "auto":
@@ -54,9 +46,9 @@ class HostPool:
         if kind == "pinned" and not torch.cuda.is_available():
             raise ValueError("kind='pinned' needs CUDA; use 'memory' or 'disk' on a CPU-only machine")
         self.kind = kind
-        self.meter = meter  # None: the meter active in the calling thread
+        self.pinned = kind == "pinned"  # page-locked buffers: copies to and from CUDA are asynchronous
         self._spill_parent = spill_dir
-        self._spill_dir: str | None = None
+        self.spill_dir: str | None = None  # the folder of spill files ("disk" kind, once a buffer was allocated)
         self._counter = 0
         self.live_bytes = 0  # host bytes of this pool's buffers alive now
         self.peak_bytes = 0  # most host bytes alive at once
@@ -65,34 +57,24 @@ class HostPool:
         self.bytes_to_host = 0  # bytes copied into this pool's buffers by to_host
         self.bytes_to_device = 0  # bytes copied out of this pool's buffers by to_device
 
-    @property
-    def pinned(self) -> bool:
-        """Tell whether the buffers are page-locked (copies to and from CUDA are asynchronous)."""
-        return self.kind == "pinned"
-
-    @property
-    def spill_dir(self) -> str | None:
-        """Return the folder of spill files ("disk" kind, once a buffer was allocated), else None."""
-        return self._spill_dir
-
     def files(self) -> list[str]:
         """Return the spill files on disk now (empty for the in-memory kinds)."""
-        if self._spill_dir is None or not os.path.isdir(self._spill_dir):
+        if self.spill_dir is None or not os.path.isdir(self.spill_dir):
             return []
-        return sorted(os.listdir(self._spill_dir))
+        return sorted(os.listdir(self.spill_dir))
 
     def empty(self, shape, dtype: torch.dtype, stride=None) -> torch.Tensor:
         """Return an uninitialised host buffer, counted on the meter's host tier."""
         shape = tuple(shape)
         stride = tuple(stride) if stride is not None else torch.empty(shape, dtype=dtype, device="meta").stride()
-        meter = self.meter if self.meter is not None else active_meter()
+        meter = active_meter()
         with meter.host_tier() if meter is not None else contextlib.nullcontext():
             if self.kind == "disk":
-                numel = _storage_numel(shape, stride)
-                if self._spill_dir is None:
-                    self._spill_dir = tempfile.mkdtemp(prefix="labkit-offload-", dir=self._spill_parent)
+                numel = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))  # spanned
+                if self.spill_dir is None:
+                    self.spill_dir = tempfile.mkdtemp(prefix="labkit-offload-", dir=self._spill_parent)
                 self._counter += 1
-                path = os.path.join(self._spill_dir, f"t{self._counter:08d}.bin")
+                path = os.path.join(self.spill_dir, f"t{self._counter:08d}.bin")
                 flat = torch.from_file(path, shared=True, size=max(numel, 1), dtype=dtype)  # creates the file
                 buf = flat.as_strided(shape, stride)
                 weakref.finalize(buf.untyped_storage(), _remove_file, path)
@@ -110,9 +92,9 @@ class HostPool:
 
     def close(self) -> None:
         """Remove the spill folder and any file left in it."""
-        if self._spill_dir is not None:
-            shutil.rmtree(self._spill_dir, ignore_errors=True)
-            self._spill_dir = None
+        if self.spill_dir is not None:
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
+            self.spill_dir = None
 
     def __enter__(self) -> "HostPool":
         return self

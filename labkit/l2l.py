@@ -1,8 +1,4 @@
-"""Layer-to-layer (L2L) training: the model and its Adam state live on the host; one stage at a time visits the device.
-
-Pudipeddi et al. 2020 (arXiv 2002.05645), as notebook 05 writes it out; on a CPU-only machine the host is an
-accounted pool (`labkit.hosttier`), so the meter's device count is what a GPU would hold.
-"""
+"""Layer-to-layer (L2L) training (Pudipeddi et al. 2020): model and Adam state on the host, one stage on the device."""
 
 from __future__ import annotations
 
@@ -32,11 +28,6 @@ def _label(t: torch.Tensor, category: str) -> torch.Tensor:
     return t
 
 
-def _has_dropout(module: nn.Module) -> bool:
-    """Tell whether a module holds a dropout layer with p > 0 (its masks must repeat in the recomputation)."""
-    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
-
-
 _Fetch = namedtuple("_Fetch", "weights ready")  # one stage's weights on their way, the event of their arrival (CUDA)
 
 
@@ -64,7 +55,7 @@ class L2LTrainer:
             raise ValueError("prefetch needs a CUDA device (a side stream copies the next layer's weights)")
         self.prefetch = prefetch
         self._copy_stream = torch.cuda.Stream(self.device) if prefetch else None
-        self._dropout = [_has_dropout(s) for s in self.stages]
+        self._dropout = [any(isinstance(m, nn.Dropout) and m.p > 0 for m in s.modules()) for s in self.stages]
         self.moved_bytes = {"host_to_device": 0, "device_to_host": 0}  # by the last step
         self.stage_names = [stage_name(i, s) for i, s in enumerate(self.stages)]
         self.peak_stage: tuple[str, str] | None = None  # (phase, stage) whose visit set the meter's peak

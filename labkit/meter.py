@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack,
                                           is_traceable_wrapper_subclass)
 
-from labkit.validate import check_budget
+from labkit.validate import check_budget, check_choice
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 """Categories of `peak_split`; "activations" holds activations and everything else (inputs, temporaries)."""
@@ -106,17 +106,15 @@ def format_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+@dataclass(eq=False, slots=True)
 class _Record:
     """One storage's life in a meter: size, tier, category and when it was alive."""
 
-    __slots__ = ("nbytes", "host", "category", "alloc_seq", "free_seq")
-
-    def __init__(self, nbytes: int, host: bool, alloc_seq: int):
-        self.nbytes = nbytes
-        self.host = host
-        self.category: str | None = None  # None: activations and other, unless classified later
-        self.alloc_seq = alloc_seq
-        self.free_seq: int | None = None
+    nbytes: int
+    host: bool
+    alloc_seq: int
+    category: str | None = None  # None: activations and other, unless classified later
+    free_seq: int | None = None
 
 
 def _storage(t: torch.Tensor):
@@ -246,38 +244,34 @@ class MemoryMeter(TorchDispatchMode):
         """Count and categorise the parameters, gradients and optimizer state of modules/optimizers."""
         self._quiet = True  # what already exists enters the timeline as one point, not one per tensor
         try:
-            self._track(objs)
+            for obj in objs:
+                if isinstance(obj, torch.Tensor):
+                    self._see(obj, check_budget=False)
+                    continue
+                if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+                    raise TypeError(f"track() takes modules, optimizers or tensors, got {type(obj).__name__}")
+                for t, _ in _categorised(obj):
+                    self._see(t, check_budget=False)  # already allocated: counted, never refused
+                if isinstance(obj, torch.nn.Module):
+                    self._tracked_modules.append(weakref.ref(obj))
+                    self._hooks.append(obj.register_forward_pre_hook(self._enter_forward))
+                    for p in obj.parameters():
+                        if p.requires_grad:
+                            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+                else:
+                    self._tracked_optimizers.append(weakref.ref(obj))
+                    self._hooks.append(obj.register_step_pre_hook(self._enter_optimizer))
+                    self._hooks.append(obj.register_step_post_hook(self._leave_optimizer))
+            self._classify()
         finally:
             self._quiet = False
         self._note()
         return self
 
-    def _track(self, objs) -> None:
-        for obj in objs:
-            if isinstance(obj, torch.Tensor):
-                self._see(obj, check_budget=False)
-                continue
-            if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
-                raise TypeError(f"track() takes modules, optimizers or tensors, got {type(obj).__name__}")
-            for t, _ in _categorised(obj):
-                self._see(t, check_budget=False)  # already allocated: counted, never refused
-            if isinstance(obj, torch.nn.Module):
-                self._tracked_modules.append(weakref.ref(obj))
-                self._hooks.append(obj.register_forward_pre_hook(self._enter_forward))
-                for p in obj.parameters():
-                    if p.requires_grad:
-                        self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
-            else:
-                self._tracked_optimizers.append(weakref.ref(obj))
-                self._hooks.append(obj.register_step_pre_hook(self._enter_optimizer))
-                self._hooks.append(obj.register_step_post_hook(self._leave_optimizer))
-        self._classify()
-
     @contextlib.contextmanager
     def phase(self, name: str):
         """Label the allocations in this block with a phase (overrides the automatic label)."""
-        if name not in PHASES:
-            raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
+        check_choice("phase", name, PHASES)
         old, self._phase_override = self._phase_override, name
         try:
             yield self
@@ -388,10 +382,7 @@ class MemoryMeter(TorchDispatchMode):
                         if st is not None and id(st) not in records:
                             self._see(u, check_budget=False)
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):
-            self._see(out)
-        elif isinstance(out, (list, tuple)):
-            self._see_all(out)
+        self._see_all((out,))
         return out
 
     def _see_all(self, outs) -> None:
@@ -430,8 +421,7 @@ class MemoryMeter(TorchDispatchMode):
 
     def label(self, t: torch.Tensor, category: str) -> torch.Tensor:
         """Count a live tensor's storage under `category` (one of CATEGORIES) from now on; return it."""
-        if category not in CATEGORIES:
-            raise ValueError(f"category must be one of {CATEGORIES}, got {category!r}")
+        check_choice("category", category, CATEGORIES)
         self._see(t, check_budget=False)
         self._set_category(t, category, force=True)
         return t
@@ -465,11 +455,8 @@ class MemoryMeter(TorchDispatchMode):
         st = _storage(t)
         if st is None:
             return
-        rec = self._records.get(id(st))
-        if rec is not None:
-            nbytes = st.nbytes()
-            if nbytes != rec.nbytes:  # storage resized in place
-                self._renew(st, rec, nbytes, host=rec.host, check_budget=check_budget)
+        if id(st) in self._records:
+            self._storage_resized(st, check_budget)  # seen before: counted anew only if resized in place
             return
         host = self._host_depth > 0 or (dev != self.device.type and self.device.type != "cpu")
         if dev == "meta" and self.device.type != "meta":
@@ -478,11 +465,11 @@ class MemoryMeter(TorchDispatchMode):
         self._acquire(rec, check_budget=check_budget)
         self._register(st, rec)
 
-    def _storage_resized(self, st) -> None:
-        """Count a storage that was resized outside any operator at its new size (see _resize_and_count)."""
+    def _storage_resized(self, st, check_budget: bool = True) -> None:
+        """Count a storage resized in place (by an operator, or outside any: see _resize_and_count) at its new size."""
         rec = self._records.get(id(st))
         if rec is not None and st.nbytes() != rec.nbytes:
-            self._renew(st, rec, st.nbytes(), host=rec.host, check_budget=True)
+            self._renew(st, rec, st.nbytes(), host=rec.host, check_budget=check_budget)
 
     def _register(self, st, rec: _Record) -> None:
         """Make `rec` the live record of storage `st`; its weakref releases the bytes when `st` dies."""
@@ -524,10 +511,9 @@ class MemoryMeter(TorchDispatchMode):
 
     def _refusal(self, requested_bytes: int, in_use_bytes: int) -> OutOfMemory:
         """Return the budget error for an allocation, with the CUDA allocator's figures on a GPU."""
-        if self.device.type != "cuda":
-            return OutOfMemory(requested_bytes, in_use_bytes, self.budget_bytes)
-        return OutOfMemory(requested_bytes, in_use_bytes, self.budget_bytes,
-                           torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
+        cuda = self.device.type == "cuda"
+        figures = (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)) if cuda else ()
+        return OutOfMemory(requested_bytes, in_use_bytes, self.budget_bytes, *figures)
 
     def _release(self, rec: _Record) -> None:
         if rec.host:

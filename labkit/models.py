@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-from labkit.validate import check_int
+from labkit.validate import check_choice, check_divides, check_int
 
 IGNORE_INDEX = -100  # a target the loss skips (padding); data.py pads targets with it
 
@@ -41,14 +41,12 @@ class GPTConfig:
     def __post_init__(self):
         for name in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size"):
             check_int(f"GPTConfig.{name}", getattr(self, name), 1)
-        if self.n_embd % self.n_head:
-            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        check_divides("GPTConfig.n_embd", self.n_embd, "n_head", self.n_head)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
         for name, allowed in (("mlp", ("gelu", "swiglu")), ("norm", ("layer", "rms")),
                               ("pos", ("learned", "rope")), ("attn", ("manual", "sdpa"))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+            check_choice(f"GPTConfig.{name}", getattr(self, name), allowed)
         if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError("GPTConfig: rope needs an even head width n_embd // n_head")
 
@@ -63,20 +61,9 @@ class GPTConfig:
         return 256 * ((h + 255) // 256)
 
     def n_params(self) -> int:
-        """Return the parameter count, computed from the shapes (no model built)."""
-        C, V, L = self.n_embd, self.vocab_size, self.n_layer
-        norm = 2 * C if (self.norm == "layer" and self.bias) else C
-        attn = 4 * C * C + (4 * C if self.bias else 0)
-        if self.mlp == "gelu":
-            mlp = 2 * C * self.hidden + ((self.hidden + C) if self.bias else 0)
-        else:
-            mlp = 3 * C * self.hidden + ((2 * self.hidden + C) if self.bias else 0)
-        total = L * (attn + mlp + 2 * norm) + norm + V * C
-        if self.pos == "learned":
-            total += self.block_size * C
-        if not self.tie_weights:
-            total += V * C  # the output head (no bias, as in GPT-2 and llama)
-        return total
+        """Return the parameter count, counted on the model built on the meta device (no memory used)."""
+        with torch.device("meta"):
+            return count_params(GPT(self))
 
 
 GPT2_124M = GPTConfig(n_layer=12, n_embd=768, n_head=12, block_size=1024, vocab_size=50257)

@@ -1,8 +1,4 @@
-"""Activation offload: saved-tensor hooks that move what autograd saves to a `labkit.hosttier.HostPool` and back.
-
-Parameters and tensors under `min_bytes` stay; on CUDA the copies run on a side stream and, with prefetch and
-`track_layers`, backward of layer i starts the copy back of layer i-1.
-"""
+"""Activation offload: saved-tensor hooks that move what autograd saves to a `labkit.hosttier.HostPool` and back."""
 
 from __future__ import annotations
 
@@ -53,12 +49,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self.side_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._param_storages: set[int] = set()
         self._active = False
-        self._layer = 0  # the layer whose forward runs now
-        self._layers: dict[int, list] = {}  # layer -> weakrefs to its Saved
-        self._fetched: set[int] = set()  # layers whose copy back has started
-        self._triggered: set[int] = set()  # layers whose first unpack has started a prefetch
         self._handles: list = []
-        self._timings: list = []
         self.reset_stats()
         super().__init__(self.pack, self.unpack)
 
@@ -74,9 +65,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         if self.time_copies:
             if self.cuda:
                 torch.cuda.synchronize(self.device)
-                copy_s = sum(a.elapsed_time(b) for a, b in self._timings) / 1e3
-            else:
-                copy_s = sum(self._timings)
+            copy_s = sum(a.elapsed_time(b) / 1e3 if self.cuda else b - a for a, b in self._timings)
             out["copy_to_host_s"] = copy_s
             out["copy_to_host_bytes_per_s"] = out["bytes_to_host"] / copy_s if copy_s > 0 else float("nan")
         return out
@@ -102,10 +91,10 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 
     def __enter__(self):
         self.reset_stats()
-        self._layer = 0
-        self._layers = {}
-        self._fetched = set()
-        self._triggered = set()
+        self._layer = 0  # the layer whose forward runs now
+        self._layers: dict[int, list] = {}  # layer -> weakrefs to its Saved
+        self._fetched: set[int] = set()  # layers whose copy back has started
+        self._triggered: set[int] = set()  # layers whose first unpack has started a prefetch
         if self.model is not None:
             self._param_storages = {p.untyped_storage()._cdata for p in self.model.parameters()}  # storages, fake ones too
         self._active = True
@@ -137,18 +126,14 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             #                    breaks; a step that fails before its backward would leak its whole graph
         if self.cuda:
             self.side_stream.wait_stream(torch.cuda.current_stream(self.device))  # t has been computed
-            start = self._event()
-            host = to_host(t, self.pool, stream=self.side_stream)  # also t.record_stream(side)
-            self._stop(start)
-            saved = Saved(host, t.device, self._layer)
+        start = self._clock() if self.time_copies else None
+        host = to_host(t, self.pool, stream=self.side_stream)  # CUDA: also t.record_stream(side)
+        if start is not None:
+            self._timings.append((start, self._clock()))
+        saved = Saved(host, t.device, self._layer)
+        if self.cuda:
             saved.stored = torch.cuda.Event()
             saved.stored.record(self.side_stream)
-        else:
-            t0 = time.perf_counter()
-            host = to_host(t, self.pool)
-            if self.time_copies:
-                self._timings.append(time.perf_counter() - t0)
-            saved = Saved(host, t.device, self._layer)
         self._layers.setdefault(saved.layer, []).append(weakref.ref(saved))
         self._stats["offloaded"] += 1
         self._stats["bytes_to_host"] += t.numel() * t.element_size()
@@ -191,17 +176,10 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
                 saved.on_device = self._load(saved, prefetch=True)
                 self._stats["prefetched"] += 1
 
-    def _event(self):
-        """Return a timing event recorded on the side stream (CUDA with time_copies), else None."""
-        if not (self.cuda and self.time_copies):
-            return None
+    def _clock(self):
+        """Return now: an event recorded on the side stream (CUDA), else perf_counter's seconds."""
+        if not self.cuda:
+            return time.perf_counter()
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(self.side_stream)
         return ev
-
-    def _stop(self, start) -> None:
-        """Record the end of a timed copy that started at event `start`."""
-        if start is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(self.side_stream)
-            self._timings.append((start, end))

@@ -1,8 +1,4 @@
-"""Pipeline stages and schedules: a model cut into stages, ideal and measured timelines, and their bubbles.
-
-Reference for notebooks 05 (stages run one at a time) and 06. K stages, M micro-batches; the bubble is idle
-rank-time over total rank-time within a step, (K - 1)/(V·M + K - 1) for equal stages and V stages per rank.
-"""
+"""Pipeline stages and schedules: a model cut into stages, ideal and measured timelines, and their bubbles."""
 
 from __future__ import annotations
 
@@ -161,8 +157,7 @@ def ideal_schedule(schedule: str, stages: int, micro_batches: int, t_f=1.0,
     """
     check_int("stages", stages, 1)
     check_int("micro_batches", micro_batches, 1)
-    t_f = [float(t_f)] * stages if isinstance(t_f, (int, float)) else [float(t) for t in t_f]
-    t_b = [float(t_b)] * stages if isinstance(t_b, (int, float)) else [float(t) for t in t_b]
+    t_f, t_b = ([float(t)] * stages if isinstance(t, (int, float)) else [float(x) for x in t] for t in (t_f, t_b))
     if len(t_f) != stages or len(t_b) != stages:
         raise ValueError(f"t_f and t_b need one time per stage ({stages}), got {len(t_f)} and {len(t_b)}")
     orders = {s: [(label, s, t_f[s] if label[0] == "F" else t_b[s])

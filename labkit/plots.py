@@ -66,8 +66,7 @@ def plot_timeline(source: MemoryMeter | list[TimelinePoint], ax=None, budget_byt
     points = source.timeline if isinstance(source, MemoryMeter) else list(source)
     if budget_bytes is None and isinstance(source, MemoryMeter):
         budget_bytes = source.budget_bytes
-    if ax is None:
-        fig, ax = new_figure()
+    ax = new_figure()[1] if ax is None else ax
     if not points:
         ax.text(0.5, 0.5, "no allocations recorded", ha="center", transform=ax.transAxes)
         return ax
@@ -83,9 +82,7 @@ def plot_timeline(source: MemoryMeter | list[TimelinePoint], ax=None, budget_byt
     if budget_bytes:
         ax.axhline(budget_bytes / MiB, color="black", ls="--", lw=1, label=f"budget {budget_bytes / MiB:.0f} MiB")
     ax.set_ylim(0, max(max(y), (budget_bytes or 0) / MiB) * 1.15)  # headroom: the peak's label stays inside
-    ax.set_xlabel("allocation/free event")
-    ax.set_ylabel("device memory (MiB)")
-    ax.set_title(title)
+    ax.set(xlabel="allocation/free event", ylabel="device memory (MiB)", title=title)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, markerscale=3)  # beside: on no data
     return ax
 
@@ -98,8 +95,7 @@ def plot_memory_bars(splits: dict[str, dict[str, int]], ax=None, budget_bytes: i
     `names` renames categories in the legend, e.g. {"activations": "other"} for memory at rest.
     """
     names = names or {}
-    if ax is None:
-        fig, ax = new_figure()
+    ax = new_figure()[1] if ax is None else ax
     labels = list(splits)
     bottom = [0.0] * len(labels)
     for cat in CATEGORIES:
@@ -108,8 +104,7 @@ def plot_memory_bars(splits: dict[str, dict[str, int]], ax=None, budget_bytes: i
         bottom = [b + v for b, v in zip(bottom, vals)]
     if budget_bytes:
         ax.axhline(budget_bytes / unit, color="black", ls="--", lw=1, label="budget")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set(ylabel=ylabel, title=title)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the bars, on none
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     return ax
@@ -123,8 +118,7 @@ def plot_grouped_bars(series: dict[str, dict[str, float]], ax=None, title: str =
     A series without a value for a group leaves its slot empty; `colors` and `hatches` style series by label.
     """
     names, colors, hatches = names or {}, colors or {}, hatches or {}
-    if ax is None:
-        fig, ax = new_figure()
+    ax = new_figure()[1] if ax is None else ax
     groups = list(dict.fromkeys(g for values in series.values() for g in values))
     width = 0.8 / max(len(series), 1)
     bars = {}
@@ -213,8 +207,7 @@ def plot_gantt(spans_by_rank: dict, ax=None, title: str = "Timeline by rank", un
 
     A bar is labelled only where its text fits; legend: a colour key under the axes.
     """
-    if ax is None:
-        fig, ax = new_figure()
+    ax = new_figure()[1] if ax is None else ax
     scale = {"s": 1.0, "ms": 1e3}[unit]
     colors = {**ACTION_COLORS, "wait": WAIT_COLOR, "comm": COMM_COLOR}
     starts = [a for spans in spans_by_rank.values() for _, a, _ in spans]

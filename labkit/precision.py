@@ -52,10 +52,7 @@ class AmpStep:
 def amp_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, *,
                    precision: str = "bf16", scaler: torch.amp.GradScaler | None = None,
                    clip_norm: float | None = None) -> AmpStep:
-    """Run one optimizer step over the micro-batches `batches` under autocast, token-weighted; return an AmpStep.
-
-    With a scaler the gradients are unscaled before clipping, and the scaler steps once per optimizer step.
-    """
+    """Run one optimizer step over the micro-batches `batches` under autocast, token-weighted; return an AmpStep."""
     if isinstance(batches, tuple) and batches and isinstance(batches[0], torch.Tensor):
         batches = [batches]  # one (inputs, targets) batch given directly
     batches = list(batches)  # the micro-batches (a count is `micro_batches` elsewhere in labkit)

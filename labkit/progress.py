@@ -11,9 +11,7 @@ def progress(iterable=None, total: int | None = None, desc: str = "", **kwargs):
     """Wrap an iterable in a progress bar suited to where the code runs."""
     if in_kernel() and not is_batch():
         from tqdm.auto import tqdm
-        return tqdm(iterable, total=total, desc=desc, **kwargs)
-    from tqdm.std import tqdm
-    kwargs.setdefault("mininterval", 2.0)
-    kwargs.setdefault("file", sys.stderr)
-    kwargs.setdefault("ascii", True)
+    else:
+        from tqdm.std import tqdm
+        kwargs = {"mininterval": 2.0, "file": sys.stderr, "ascii": True, **kwargs}
     return tqdm(iterable, total=total, desc=desc, **kwargs)

@@ -1,8 +1,4 @@
-"""Record a notebook's key measurements so that batch runs can collect them.
-
-`record(name, value)` keeps the value in this process and, in a Jupyter kernel, displays it as an output of
-MIME type `application/vnd.labkit.record+json` that front ends do not show and `labkit.execute` collects.
-"""
+"""Record a notebook's key measurements so that batch runs can collect them."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ from pathlib import Path
 
 from labkit.runmode import in_kernel
 
-MIME_TYPE = "application/vnd.labkit.record+json"
+MIME_TYPE = "application/vnd.labkit.record+json"  # a record's output in a kernel: hidden, collected by execute
 BUILD_DIR_ENV = "LABKIT_BUILD_DIR"  # where the workbook writes what it builds (studies, logs); overrides the rest
 
 _RECORDS: dict[str, object] = {}
@@ -35,11 +31,6 @@ def jsonable(value):
     raise TypeError(f"record() takes JSON-able values (numbers, strings, lists, dicts), got {type(value).__name__}")
 
 
-def _rank() -> int | None:
-    import torch.distributed as dist
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
-
-
 def record(name: str, value) -> None:
     """Record one named measurement of this notebook (returns None: a cell ending in a record shows nothing)."""
     if not isinstance(name, str) or not name.isidentifier():
@@ -47,9 +38,9 @@ def record(name: str, value) -> None:
     value = jsonable(value)
     _RECORDS[name] = value
     payload = {"name": name, "value": value}
-    rank = _rank()
-    if rank is not None:
-        payload["rank"] = rank
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        payload["rank"] = dist.get_rank()
     if in_kernel():
         from IPython.display import display
         display({MIME_TYPE: payload}, raw=True)  # no text/plain: nothing for a reader to see here
@@ -60,24 +51,18 @@ def recorded() -> dict[str, object]:
     return dict(_RECORDS)
 
 
-def records_table(records: dict[str, object] | None = None) -> list[str]:
-    """Return one line per record, `name  value`, the values shortened; this process's records by default."""
-    records = recorded() if records is None else records
-    width = max((len(n) for n in records), default=0)
-    return [f"{name:<{width}}  {_short(value, VALUE_CHARS)}" for name, value in records.items()]
-
-
 def show_records(records: dict[str, object] | None = None) -> None:
     """Show this run's records (or `records`) as one table, folded: one line per name, in recording order."""
     import html
 
     records = recorded() if records is None else records
-    lines = records_table(records)
+    width = max((len(n) for n in records), default=0)
+    lines = [f"{name:<{width}}  {_short(value)}" for name, value in records.items()]
     if not lines:
         print("no measurement recorded")
         return
     table = "".join(f"<tr><td style='text-align:left'><code>{html.escape(name)}</code></td>"
-                    f"<td style='text-align:left'>{html.escape(_short(value, VALUE_CHARS))}</td></tr>"
+                    f"<td style='text-align:left'>{html.escape(_short(value))}</td></tr>"
                     for name, value in records.items())
     text = "\n".join([f"{len(lines)} measurements recorded (build/results.json keeps them):", *lines])
     if in_kernel():
@@ -142,6 +127,6 @@ def records_from_notebook(nb) -> dict[str, object]:
 VALUE_CHARS = 80  # a record's value in show_records' table, shortened past this
 
 
-def _short(value, chars: int = 120) -> str:
+def _short(value) -> str:
     text = value if isinstance(value, str) else json.dumps(value)
-    return text if len(text) <= chars else text[:chars - 3] + "..."
+    return text if len(text) <= VALUE_CHARS else text[:VALUE_CHARS - 3] + "..."

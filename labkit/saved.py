@@ -1,7 +1,4 @@
-"""A census of what autograd saves for backward: every saved tensor, its bytes, its storage and its kind.
-
-Kinds: "parameter" (a parameter or a view of one), "weight copy" (a cast of one, e.g. autocast's) and "activation".
-"""
+"""A census of what autograd saves for backward: every saved tensor, its bytes, its storage and its kind."""
 
 from __future__ import annotations
 
@@ -12,7 +9,7 @@ import torch
 
 from labkit.validate import check_choice
 
-KINDS = ("parameter", "weight copy", "activation")
+KINDS = ("parameter", "weight copy", "activation")  # a parameter or a view of one; a cast of one (autocast's); the rest
 _PLURAL = {"parameter": "parameters", "weight copy": "weight copies", "activation": "activations"}
 SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
                      torch.int64: "int64", torch.int32: "int32", torch.bool: "bool"}

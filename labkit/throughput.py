@@ -12,7 +12,7 @@ import torch
 
 from labkit.device import as_device, synchronize
 from labkit.meter import active_meter
-from labkit.validate import check_float, check_int
+from labkit.validate import check_int
 
 
 def timed_call(fn: Callable[[], object], *devices) -> float:
@@ -125,13 +125,6 @@ def copy_bandwidth(dst: torch.Tensor, src: torch.Tensor, repeats: int = 3) -> fl
     return nbytes / fastest_s(lambda: dst.copy_(src, non_blocking=True), repeats, *devices)
 
 
-def overlap_fraction(a_s: float, b_s: float, together_s: float) -> float:
-    """Return the share of the shorter of two tasks hidden when they ran together (0: serial, 1: hidden), clipped."""
-    for name, v in (("a_s", a_s), ("b_s", b_s), ("together_s", together_s)):
-        check_float(name, v, 0.0, math.inf, lo_open=True)
-    return min(1.0, max(0.0, (a_s + b_s - together_s) / min(a_s, b_s)))
-
-
 @dataclass(frozen=True)
 class CopyOverlap:
     """Seconds of one host -> device copy from pinned memory and of a compute, alone and together (CUDA)."""
@@ -147,42 +140,39 @@ class CopyOverlap:
 
     @property
     def hidden_fraction(self) -> float:
-        """Return the share of the shorter of copy and compute that the side stream hid."""
-        return overlap_fraction(self.copy_s, self.compute_s, self.overlapped_s)
+        """Return the share of the shorter of copy and compute the side stream hid (0: serial, 1: all), clipped."""
+        hidden = self.copy_s + self.compute_s - self.overlapped_s
+        return min(1.0, max(0.0, hidden / min(self.copy_s, self.compute_s)))
 
 
-def _cuda_device(device, caller: str) -> torch.device:
-    """Return `device` as an indexed CUDA device; raise ValueError naming `caller` if it is not one."""
-    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-        seen = "" if torch.cuda.is_available() else "; torch sees no CUDA device here"
-        raise ValueError(f"{caller} needs a CUDA device (got {str(device)!r}{seen}): on a CPU-only machine there "
-                         "is no host-to-device copy to overlap, and no pinned memory")
-    return as_device(device)
-
-
-def host_to_device_bandwidth(device, nbytes: int = 64 * 2**20, pinned: bool = True, repeats: int = 3) -> float:
-    """Return the best bytes/s of one host -> device copy of `nbytes` from pinned or pageable memory (CUDA only)."""
+def _host_and_device_buffers(caller: str, device, nbytes: int, repeats: int, pinned: bool = True):
+    """Check a CUDA copy benchmark's arguments; return its device, a filled host buffer of `nbytes` and a device one."""
     check_int("nbytes", nbytes, 4, 2**40)
     check_int("repeats", repeats, 1, 1000)
     if not isinstance(pinned, bool):
         raise ValueError(f"pinned must be True or False, got {pinned!r}")
-    dev = _cuda_device(device, "host_to_device_bandwidth")
-    src = torch.empty(nbytes // 4, pin_memory=pinned).fill_(1.0)
-    dst = torch.empty(src.shape, device=dev)
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        seen = "" if torch.cuda.is_available() else "; torch sees no CUDA device here"
+        raise ValueError(f"{caller} needs a CUDA device (got {str(device)!r}{seen}): on a CPU-only machine there "
+                         "is no host-to-device copy to overlap, and no pinned memory")
+    dev = as_device(device)
+    src = torch.empty(nbytes // 4, pin_memory=pinned).fill_(1.0)  # pinned: the copy engine reads it directly
+    return dev, src, torch.empty(src.shape, device=dev)
+
+
+def host_to_device_bandwidth(device, nbytes: int = 64 * 2**20, pinned: bool = True, repeats: int = 3) -> float:
+    """Return the best bytes/s of one host -> device copy of `nbytes` from pinned or pageable memory (CUDA only)."""
+    _, src, dst = _host_and_device_buffers("host_to_device_bandwidth", device, nbytes, repeats, pinned)
     return copy_bandwidth(dst, src, repeats)
 
 
 def copy_compute_overlap(device, nbytes: int = 64 * 2**20, repeats: int = 3, matmul_n: int = 2048) -> CopyOverlap:
     """Time a pinned host -> device copy and a matmul compute as long: alone, serial and overlapped (CUDA only)."""
-    check_int("nbytes", nbytes, 4, 2**40)
-    check_int("repeats", repeats, 1, 1000)
     check_int("matmul_n", matmul_n, 1, 2**15)
-    dev = _cuda_device(device, "copy_compute_overlap")
+    dev, src, dst = _host_and_device_buffers("copy_compute_overlap", device, nbytes, repeats)
     current = torch.cuda.current_stream(dev)
     side = torch.cuda.Stream(dev)
-    src = torch.empty(nbytes // 4, pin_memory=True).fill_(1.0)  # page-locked: the copy engine reads it directly
     pageable = torch.ones(nbytes // 4)
-    dst = torch.empty(src.shape, device=dev)
     a = torch.randn(matmul_n, matmul_n, device=dev)
     c = torch.empty_like(a)
 

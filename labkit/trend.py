@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 
-def _steps(ys, tol: float) -> list[int]:
-    """Return +1, -1 or 0 for each step of ys (0: within tol)."""
-    return [0 if abs(b - a) <= tol else (1 if b > a else -1) for a, b in zip(ys, ys[1:])]
-
-
 def trend_shape(ys, tol: float = 0.0) -> str:
     """Return the shape of a sequence: "flat", "rises", "falls", "dips" (down then up), "peaks" (up then down), "mixed".
 
@@ -16,7 +11,7 @@ def trend_shape(ys, tol: float = 0.0) -> str:
     ys = [float(y) for y in ys]
     if len(ys) < 2:
         raise ValueError(f"a trend needs at least two values, got {len(ys)}")
-    moves = [m for m in _steps(ys, tol) if m != 0]
+    moves = [1 if b > a else -1 for a, b in zip(ys, ys[1:]) if not abs(b - a) <= tol]  # level steps left out
     if not moves:
         return "flat"
     changes = sum(1 for a, b in zip(moves, moves[1:]) if a != b)

@@ -1,7 +1,4 @@
-"""Widget panels: controls and a Run button around an ordinary experiment function.
-
-A panel refuses to build when its function's leading checks refuse a position its controls offer.
-"""
+"""Widget panels: controls and a Run button around an ordinary experiment function."""
 
 from __future__ import annotations
 
@@ -60,9 +57,8 @@ def _widget_for(name: str, spec):
     if isinstance(spec, tuple) and len(spec) in (3, 4) and _numbers(spec):
         lo, hi, step = spec[:3]
         value = spec[3] if len(spec) == 4 else lo
-        if all(isinstance(v, int) for v in spec):
-            return W.IntSlider(value=value, min=lo, max=hi, step=step, description=name)
-        return W.FloatSlider(value=value, min=lo, max=hi, step=step, description=name)
+        kind = W.IntSlider if all(isinstance(v, int) for v in spec) else W.FloatSlider
+        return kind(value=value, min=lo, max=hi, step=step, description=name)
     if isinstance(spec, tuple) and spec:
         return W.Dropdown(options=list(spec), value=spec[0], description=name)
     raise TypeError(f"control {name!r}: give a widget, a bool, a list of valid values, choices(values, value) or "
@@ -188,10 +184,7 @@ class ControlPanel(W.VBox):
         return {name: w.value for name, w in self.controls.items()}
 
     def refusals(self, limit: int | None = None) -> list[tuple[dict, str]]:
-        """Return (setting, why) for each combination of the checked controls' positions that `run_fn`'s checks refuse.
-
-        The other controls keep their values; nothing of the experiment itself runs.
-        """
+        """Return (setting, why) for each combination of the checked controls' positions `run_fn`'s checks refuse."""
         checks, names = validation_of(self.run_fn)
         names = [n for n in self.controls if n in names]
         if checks is None or not names:

@@ -1,8 +1,4 @@
-"""ZeRO on paper (Rajbhandari et al., SC'20): model-state bytes per parameter and rank, traffic, DeepSpeed configs.
-
-Stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters; volumes are per rank and step
-in units of Ψ parameters, for large N (a ring of N ranks sends (N-1)/N of them: `ring_factor`).
-"""
+"""ZeRO on paper (Rajbhandari et al. 2020): model-state bytes per parameter and rank, traffic, DeepSpeed configs."""
 
 from __future__ import annotations
 

@@ -1,31 +1,22 @@
-"""Count what a rank hands to collectives and point-to-point sends: calls and input bytes, by kind.
-
-Only operators that pass PyTorch's dispatcher are seen (DDP's built-in all-reduce is not; its comm hook is).
-"""
+"""Count what a rank hands to collectives and point-to-point sends (via the dispatcher): calls and bytes, by kind."""
 
 from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# operator name -> (its kind, the argument holding this rank's input tensors); every c10d operator of
-# torch 2.13 is here or in NOT_COMMUNICATION: CommCounter refuses one it does not know
-COLLECTIVES = {"allreduce_": ("all_reduce", 0), "all_reduce": ("all_reduce", 0), "all_reduce_": ("all_reduce", 0),
-               "allreduce_coalesced_": ("all_reduce", 0), "all_reduce_coalesced": ("all_reduce", 0),
-               "all_reduce_coalesced_": ("all_reduce", 0),
-               "allgather_": ("all_gather", 1), "_allgather_base_": ("all_gather", 1),
-               "allgather_coalesced_": ("all_gather", 1), "allgather_into_tensor_coalesced_": ("all_gather", 1),
-               "all_gather_into_tensor": ("all_gather", 0), "all_gather_into_tensor_out": ("all_gather", 0),
-               "all_gather_into_tensor_coalesced": ("all_gather", 0),
-               "reduce_scatter_": ("reduce_scatter", 1), "_reduce_scatter_base_": ("reduce_scatter", 1),
-               "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-               "reduce_scatter_tensor": ("reduce_scatter", 0), "reduce_scatter_tensor_out": ("reduce_scatter", 0),
-               "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
-               "broadcast_": ("broadcast", 0), "broadcast": ("broadcast", 0), "reduce_": ("reduce", 0),
-               "send": ("send", 0), "isend": ("send", 0), "recv_": ("recv", 0), "irecv": ("recv", 0),
-               "recv_any_source_": ("recv", 0), "scatter_": ("scatter", 1), "gather_": ("gather", 1),
-               "alltoall_": ("all_to_all", 1), "alltoall_base_": ("all_to_all", 1),
-               "all_to_all_single": ("all_to_all", 0)}
+# (kind, the argument holding this rank's input tensors) -> operator names; every c10d operator of torch 2.13
+# is here or in NOT_COMMUNICATION: CommCounter refuses one it does not know
+_OPERATORS = {("all_reduce", 0): "allreduce_ all_reduce all_reduce_ allreduce_coalesced_ all_reduce_coalesced "
+                                 "all_reduce_coalesced_",
+              ("all_gather", 1): "allgather_ _allgather_base_ allgather_coalesced_ allgather_into_tensor_coalesced_",
+              ("all_gather", 0): "all_gather_into_tensor all_gather_into_tensor_out all_gather_into_tensor_coalesced",
+              ("reduce_scatter", 1): "reduce_scatter_ _reduce_scatter_base_ reduce_scatter_tensor_coalesced_",
+              ("reduce_scatter", 0): "reduce_scatter_tensor reduce_scatter_tensor_out reduce_scatter_tensor_coalesced",
+              ("broadcast", 0): "broadcast_ broadcast", ("reduce", 0): "reduce_", ("send", 0): "send isend",
+              ("recv", 0): "recv_ irecv recv_any_source_", ("scatter", 1): "scatter_", ("gather", 1): "gather_",
+              ("all_to_all", 1): "alltoall_ alltoall_base_", ("all_to_all", 0): "all_to_all_single"}
+COLLECTIVES = {name: kind for kind, names in _OPERATORS.items() for name in names.split()}  # operator -> (kind, arg)
 NOT_COMMUNICATION = {"barrier", "monitored_barrier_", "check_for_nan", "wait_tensor",  # no payload to count
                      "_wrap_tensor_autograd"}
 

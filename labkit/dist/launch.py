@@ -1,7 +1,6 @@
 """Launch a rank script on N local processes from a notebook cell and bring back what each rank produced.
 
-Each rank is `python <script> --name value ...`, started by torch's elastic launcher with a TCPStore on a
-free loopback port. A rank that fails, dies or outlives `timeout_s` stops the others; no rank outlives the call.
+A rank that fails, dies or outlives `timeout_s` stops the others; no rank outlives the call.
 """
 
 from __future__ import annotations
@@ -176,14 +175,6 @@ def _tail(path: str | None) -> str:
         return f.read()[-OUTPUT_CHARS:]
 
 
-def _exitcode(run, r: int) -> int | None:
-    """Return rank r's exit status from the launcher's public result (RunProcsResult.failures; 0 if it is not there)."""
-    if run is None:
-        return None
-    failure = run.failures.get(r)
-    return 0 if failure is None else failure.exitcode
-
-
 def _collect(run, nproc: int, results_dir: str, timed_out: bool, timeout_s: float) -> list[RankResult]:
     """Read each rank's report and exit status into RankResults, naming what happened to each."""
     stdouts, stderrs = (run.stdouts, run.stderrs) if run is not None else ({}, {})
@@ -191,12 +182,11 @@ def _collect(run, nproc: int, results_dir: str, timed_out: bool, timeout_s: floa
     for r in range(nproc):
         path = os.path.join(results_dir, f"rank{r}.json")
         report = json.loads(Path(path).read_text(encoding="utf-8")) if os.path.exists(path) else {}
-        out.append(RankResult(rank=r, value=report.get("value"), records=report.get("records", {}),
-                              meters=report.get("meters", {}), spans=report.get("spans", []),
-                              core_waits=report.get("core_waits", []),
-                              device=report.get("device", ""), stdout=_tail(stdouts.get(r)),
-                              stderr=_tail(stderrs.get(r)), exitcode=_exitcode(run, r),
-                              error=report.get("error") if report else "no report", failed_at=report.get("failed_at")))
+        kept = {k: report[k] for k in ("value", "records", "meters", "spans", "core_waits", "device", "failed_at")
+                if k in report}
+        out.append(RankResult(rank=r, **kept, stdout=_tail(stdouts.get(r)), stderr=_tail(stderrs.get(r)),
+                              exitcode=None if run is None else getattr(run.failures.get(r), "exitcode", 0),
+                              error=report.get("error") if report else "no report"))
     if timed_out:
         for res in out:
             if res.error == "no report":

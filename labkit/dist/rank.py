@@ -1,8 +1,4 @@
-"""Inside a rank: join the process group from the environment, run the rank's code, report what it produced.
-
-A rank script ends with `labkit.dist.run(main)`, under `labkit.dist.launch` and under `torchrun` alike. The
-report (main's value, records, meter summaries, spans) goes to the launcher as JSON, or one stdout line.
-"""
+"""Inside a rank: join the process group from the environment, run the rank's code, report what it produced."""
 
 from __future__ import annotations
 
@@ -69,8 +65,7 @@ def span(label: str):
 
     Also notes how long the rank waited for a CPU core inside the block (RankResult.core_waits).
     """
-    dev = device()
-    cuda = dev.type == "cuda" and _state["t0_event"] is not None
+    cuda = device().type == "cuda" and _state["t0_event"] is not None
     start, wait0 = now_s(), core_wait_s()
     if cuda:
         begin = torch.cuda.Event(enable_timing=True)
