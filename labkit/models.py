@@ -61,9 +61,20 @@ class GPTConfig:
         return 256 * ((h + 255) // 256)
 
     def n_params(self) -> int:
-        """Return the parameter count, counted on the model built on the meta device (no memory used)."""
-        with torch.device("meta"):
-            return count_params(GPT(self))
+        """Return the parameter count, computed from the shapes (no model built)."""
+        C, V, L = self.n_embd, self.vocab_size, self.n_layer
+        norm = 2 * C if (self.norm == "layer" and self.bias) else C
+        attn = 4 * C * C + (4 * C if self.bias else 0)
+        if self.mlp == "gelu":
+            mlp = 2 * C * self.hidden + ((self.hidden + C) if self.bias else 0)
+        else:
+            mlp = 3 * C * self.hidden + ((2 * self.hidden + C) if self.bias else 0)
+        total = L * (attn + mlp + 2 * norm) + norm + V * C
+        if self.pos == "learned":
+            total += self.block_size * C
+        if not self.tie_weights:
+            total += V * C  # the output head (no bias, as in GPT-2 and llama)
+        return total
 
 
 GPT2_124M = GPTConfig(n_layer=12, n_embd=768, n_head=12, block_size=1024, vocab_size=50257)
