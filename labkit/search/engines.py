@@ -75,7 +75,7 @@ def _ray_trial(ray_config: dict) -> None:
     """Ray Tune's function trainable: one trial, reporting each validation (module level: Ray pickles it)."""
     from ray import tune
 
-    config = StudyConfig.from_dict(json.loads(ray_config["study_config"]))
+    config = StudyConfig(**json.loads(ray_config["study_config"]))
     params = active({**json.loads(ray_config["fixed"]),
                      **{k: v for k, v in ray_config.items() if k not in ("study_config", "fixed")}}, config.space())
 

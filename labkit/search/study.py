@@ -50,8 +50,7 @@ class StudyConfig:
     precisions: tuple = ("fp32", "bf16")  # the precisions searched (fp16 only on CUDA; bf16 where the CPU is fast at it)
 
     def __post_init__(self):
-        check_int("budget_bytes", self.budget_bytes, 1)
-        for name in ("n_layer", "n_embd", "n_head", "vocab_size", "batch", "seq_len", "train_steps", "eval_every",
+        for name in ("budget_bytes", "n_layer", "n_embd", "n_head", "vocab_size", "batch", "seq_len", "train_steps", "eval_every",
                      "eval_batch", "metered_steps", "timed_steps"):
             check_int(name, getattr(self, name), 1)
         check_int("seed", self.seed, 0)
@@ -88,11 +87,6 @@ class StudyConfig:
         d = dataclasses.asdict(self)
         d["precisions"] = list(self.precisions)
         return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "StudyConfig":
-        """Rebuild a config from `to_dict`'s output."""
-        return cls(**d)
 
 
 def plain_setting(config: StudyConfig, lr: float = 1e-3) -> dict:
@@ -140,13 +134,12 @@ def make_storage(url: str, heartbeat_s: int = 2, grace_s: int = 6, max_retry: in
     Raises ParameterError naming `name` for a URL no worker could share or a database silent for `connect_timeout_s`.
     """
     parsed = _storage_url(name, url)
-    kwargs = {"engine_kwargs": _engine_kwargs(parsed, connect_timeout_s)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         try:
             return _LockingRDBStorage(url, heartbeat_interval=heartbeat_s, grace_period=grace_s,
                                       heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=max_retry),
-                                      **kwargs)
+                                      engine_kwargs=_engine_kwargs(parsed, connect_timeout_s))
         except sqlalchemy.exc.DBAPIError as e:
             raise ParameterError(_unreachable(name, parsed, connect_timeout_s, e)) from None
 
@@ -230,19 +223,11 @@ class _LockingRDBStorage(RDBStorage):
         # recipe needs the engine, and engine_kwargs cannot carry event listeners
         if self.engine.dialect.name != "sqlite":
             return
-        sqlalchemy.event.listen(self.engine, "connect", _driver_autocommit)
-        sqlalchemy.event.listen(self.engine, "begin", _begin_immediate)
+        # pysqlite would BEGIN at the first write, not the first read: it begins nothing itself, and each
+        # SQLAlchemy transaction begins with SQLite's write lock
+        sqlalchemy.event.listen(self.engine, "connect", lambda dbapi, record: setattr(dbapi, "isolation_level", None))
+        sqlalchemy.event.listen(self.engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
         self.engine.dispose()  # the connections opened so far were set up without the listeners
-
-
-def _driver_autocommit(dbapi_connection, connection_record) -> None:
-    """Stop pysqlite from beginning transactions itself (it would BEGIN at the first write, not the first read)."""
-    dbapi_connection.isolation_level = None
-
-
-def _begin_immediate(connection) -> None:
-    """Begin each SQLAlchemy transaction with SQLite's write lock."""
-    connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 class ReplaySampler(optuna.samplers.BaseSampler):
@@ -351,13 +336,13 @@ def load_study(name: str, storage, worker: int = 0) -> optuna.Study:
     return optuna.load_study(study_name=name, storage=storage,
                              sampler=make_sampler(s["sampler"], s["seed"] + 1000 * worker, s["startup_trials"],
                                                   settings=s["replay"]),
-                             pruner=_pruner_of(s["pruner"], StudyConfig.from_dict(s["config"]), s["startup_trials"]))
+                             pruner=_pruner_of(s["pruner"], StudyConfig(**s["config"]), s["startup_trials"]))
 
 
 def settings_of(study: optuna.Study) -> tuple[StudyConfig, str]:
     """Return the study's StudyConfig and objective name."""
     s = study.user_attrs["settings"]
-    return StudyConfig.from_dict(s["config"]), s["objective"]
+    return StudyConfig(**s["config"]), s["objective"]
 
 
 def objective(study: optuna.Study, on_result=None):

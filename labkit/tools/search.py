@@ -45,7 +45,7 @@ def _trial(args) -> int:
     from labkit.search.study import StudyConfig
     from labkit.search.trial import train
 
-    config = StudyConfig.from_dict(json.loads(args.config))
+    config = StudyConfig(**json.loads(args.config))
     raw = {"technique": args.technique, "segments": args.segments, "precision": args.precision,
            "micro_batch": args.micro_batch, "lr": args.lr}
     params = active({k: v for k, v in raw.items() if v is not None}, config.space())
