@@ -345,7 +345,7 @@ def settings_of(study: optuna.Study) -> tuple[StudyConfig, str]:
     return StudyConfig(**s["config"]), s["objective"]
 
 
-def objective(study: optuna.Study, on_result=None):
+def objective(study: optuna.Study):
     """Return the objective function of the study's stored objective (the worker's and the notebook's).
 
     "speed": speed in units of the plain step's (paired timing), 0 when it does not fit; "loss": the validation loss.
@@ -357,7 +357,7 @@ def objective(study: optuna.Study, on_result=None):
         trial.set_user_attr("live_tensor_bytes_at_start", live_tensor_bytes(collect=False))  # a leak would grow
         params = suggest(trial, config.space(only=MEMORY_KNOBS))
         result = measure_setting({**params, "lr": 1e-3}, config, reference=plain_setting(config))
-        _record(trial, result, config, on_result)
+        _record(trial, result, config)
         return result.relative_speed or 0.0  # a setting that did not fit ran no timed step: speed 0
 
     def loss(trial):
@@ -376,13 +376,13 @@ def objective(study: optuna.Study, on_result=None):
                 raise optuna.TrialPruned(f"pruned after {progress.steps_run} steps at loss {progress.val_loss:.4f}")
 
         result = train(params, config, report=report)
-        _record(trial, result, config, on_result)
+        _record(trial, result, config)
         return result.val_loss
 
     return speed if name == "speed" else loss
 
 
-def _record(trial, result, config: StudyConfig, on_result) -> None:
+def _record(trial, result, config: StudyConfig) -> None:
     """Store a trial's measurements as user attributes and its budget constraint (peak - budget <= 0: fits)."""
     peak = result.peak_bytes if result.peak_bytes is not None else result.predicted_peak_bytes
     trial.set_user_attr("status", result.status)
@@ -391,14 +391,12 @@ def _record(trial, result, config: StudyConfig, on_result) -> None:
     trial.set_user_attr("steps_run", result.steps_run)
     trial.set_user_attr("tokens_per_s", result.tokens_per_s)
     trial.set_constraint("peak_over_budget_bytes", float(peak - config.budget_bytes))
-    if on_result is not None:
-        on_result(trial, result)
 
 
-def optimize(study: optuna.Study, n_trials: int, total_trials: int | None = None, on_result=None,
-             poll_s: float = 0.5, max_wait_s: float = 60.0) -> int:
+def optimize(study: optuna.Study, n_trials: int, total_trials: int | None = None, poll_s: float = 0.5,
+             max_wait_s: float = 60.0) -> int:
     """Run up to `n_trials` trials of the study's objective here (`workers.run_trials`); return the trials run."""
-    return run_trials(study, objective(study, on_result), n_trials, total_trials, poll_s, max_wait_s)
+    return run_trials(study, objective(study), n_trials, total_trials, poll_s, max_wait_s)
 
 
 def lost_trials(study: optuna.Study) -> list[int]:

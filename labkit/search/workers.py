@@ -35,9 +35,7 @@ def worker_argv(storage_url: str, study: str | list[str], trials: int, total: in
 
 def worker_env(threads: int = 1) -> dict:
     """Return the environment of a worker: one OpenMP thread per worker (several workers share the cores)."""
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(threads)
-    return env
+    return {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
 def search_span_s(study: optuna.Study) -> float:
@@ -87,7 +85,8 @@ def run_trials(study: optuna.Study, objective, n_trials: int, total_trials: int 
         except Exception as e:
             # Optuna could not record this trial's end (study.tell raises ValueError on a finished
             # trial): skip it only when the storage says someone else ended it, never the objective's own error
-            if e is this.get("raised") or not _finished_elsewhere(study, this.get("number")):
+            if e is this.get("raised") or not any(t.number == this.get("number") and t.state.is_finished()
+                                                  for t in study.get_trials(deepcopy=False)):
                 raise
             continue
         ran += 1
@@ -135,13 +134,6 @@ def _fail_and_retry(study: optuna.Study, trial) -> bool:
         if callback is not None:
             callback(study, copy.deepcopy(storage.get_trial(trial._trial_id)))
     return True
-
-
-def _finished_elsewhere(study: optuna.Study, number: int | None) -> bool:
-    """Return whether trial `number` is finished in the storage (after this worker's tell failed: someone else ended it)."""
-    if number is None:
-        return False
-    return any(t.number == number and t.state.is_finished() for t in study.get_trials(deepcopy=False))
 
 
 def _heartbeat_interval(study: optuna.Study) -> int | None:
