@@ -22,7 +22,7 @@ from labkit.results import build_dir
 from labkit.search.space import MEMORY_KNOBS, suggest, workbook_space
 from labkit.search.trial import check_setting, measure_setting, predict_peak_bytes, train
 from labkit.search.workers import run_trials, worker_of  # noqa: F401  (worker_of: notebook 08 reads it here)
-from labkit.validate import ParameterError, check_int
+from labkit.validate import ParameterError, check_choice, check_divides, check_int
 
 OBJECTIVES = ("speed", "loss")
 SAMPLERS = ("tpe", "random", "bruteforce", "replay")
@@ -50,16 +50,13 @@ class StudyConfig:
     precisions: tuple = ("fp32", "bf16")  # the precisions searched (fp16 only on CUDA; bf16 where the CPU is fast at it)
 
     def __post_init__(self):
-        for name in ("budget_bytes", "n_layer", "n_embd", "n_head", "vocab_size", "batch", "seq_len", "train_steps", "eval_every",
-                     "eval_batch", "metered_steps", "timed_steps"):
+        for name in ("budget_bytes", "n_layer", "n_embd", "n_head", "vocab_size", "batch", "seq_len", "train_steps",
+                     "eval_every", "eval_batch", "timed_steps"):
             check_int(name, getattr(self, name), 1)
+        check_int("metered_steps", self.metered_steps, 1, self.train_steps)
         check_int("seed", self.seed, 0)
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.metered_steps > self.train_steps:
-            raise ValueError(f"metered_steps ({self.metered_steps}) must be <= train_steps ({self.train_steps})")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        check_divides("n_embd", self.n_embd, "n_head", self.n_head)
+        check_choice("device", self.device, ("cpu", "cuda"))
         object.__setattr__(self, "precisions", tuple(self.precisions))  # (a stored study gives a list)
         if not self.precisions or any(p not in ("fp32", "bf16", "fp16") for p in self.precisions):
             raise ValueError(f"precisions must be a non-empty subset of ('fp32', 'bf16', 'fp16'), got {self.precisions}")
