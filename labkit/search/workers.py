@@ -120,20 +120,19 @@ def fail_dead_trials(study: optuna.Study) -> list[int]:
     return sorted({t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))} - before)
 
 
-def _fail_and_retry(study: optuna.Study, trial) -> bool:
-    """Fail a running trial and run the retry callback, unless another process ended it first; return whether this one did."""
+def _fail_and_retry(study: optuna.Study, trial) -> None:
+    """Fail a running trial and run the retry callback, unless another process ended it first."""
     storage = study._storage  # private attribute: Optuna's own fail_stale_trials fails trials through it the same way
     try:
         # trial._trial_id: private, the storage's key (Optuna's fail_stale_trials uses the same ids)
         if not storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
-            return False
+            return
     except optuna.exceptions.UpdateFinishedTrialError:
-        return False  # another process failed (or finished) it first: it queued the retry, if any
-    if _heartbeat_interval(study) is not None:
-        callback = storage.get_heartbeat_stale_trial_callback()  # private attribute, as in fail_stale_trials
-        if callback is not None:
-            callback(study, copy.deepcopy(storage.get_trial(trial._trial_id)))
-    return True
+        return  # another process failed (or finished) it first: it queued the retry, if any
+    # the callback: a private attribute of the storage, as in fail_stale_trials
+    callback = storage.get_heartbeat_stale_trial_callback() if _heartbeat_interval(study) is not None else None
+    if callback is not None:
+        callback(study, copy.deepcopy(storage.get_trial(trial._trial_id)))
 
 
 def _heartbeat_interval(study: optuna.Study) -> int | None:
