@@ -134,14 +134,11 @@ def run_ray(config: StudyConfig, n_trials: int, seed: int = 0, num_cpus: int = 2
         grid = tuner.fit()
     finally:
         ray.shutdown()
-    run = EngineRun("ray", [], [], [], time.perf_counter() - start, [])
-    rows = sorted((r for r in grid if r.metrics), key=lambda r: r.metrics.get("trial_id", ""))
-    for r in rows:  # each trial's last report: where it finished or where ASHA stopped it
-        run.values.append(float(r.metrics["val_loss"]))
-        run.fits.append(bool(r.metrics["fits"]))
-        run.params.append(json.loads(r.metrics["params_json"]))
-        run.steps_run.append(int(r.metrics["steps_run"]))
-    return run
+    # each trial's last report: where it finished or where ASHA stopped it
+    m = [r.metrics for r in sorted((r for r in grid if r.metrics), key=lambda r: r.metrics.get("trial_id", ""))]
+    return EngineRun("ray", [float(x["val_loss"]) for x in m], [bool(x["fits"]) for x in m],
+                     [json.loads(x["params_json"]) for x in m], time.perf_counter() - start,
+                     [int(x["steps_run"]) for x in m])
 
 
 def katib_experiment(config: StudyConfig, image: str = "fit-the-model:latest", name: str = "fit-the-model",
