@@ -198,7 +198,7 @@ def test_bad_study_configs_are_refused(kwargs, words):
 
 
 def test_config_round_trips_through_plain_data(tiny):
-    assert search.StudyConfig.from_dict(tiny.to_dict()) == tiny
+    assert search.StudyConfig(**tiny.to_dict()) == tiny
     assert tiny.to_dict()["precisions"] == ["fp32", "bf16"]  # JSON-ready
 
 

@@ -34,8 +34,10 @@ class EngineRun:
         return min((v for v, ok in zip(self.values, self.fits) if ok), default=math.nan)
 
 
-def _searched(config: StudyConfig, fixed: dict | None):
+def _searched(config: StudyConfig, fixed: dict | None, n_trials: int, startup_trials: int):
     """Return the parameters an engine draws: the whole space, or the learning rate of a fixed setting."""
+    check_int("n_trials", n_trials, 2)
+    check_int("startup_trials", startup_trials, 1, n_trials - 1)  # else TPE never runs: random search
     fixed = {k: v for k, v in (fixed or {}).items() if k != "lr"}
     return fixed, [p for p in config.space() if p.name not in fixed]
 
@@ -49,9 +51,7 @@ def run_hyperopt(config: StudyConfig, n_trials: int, seed: int = 0, fixed: dict 
     import numpy as np
     from hyperopt import STATUS_FAIL, STATUS_OK, Trials, fmin, tpe
 
-    check_int("n_trials", n_trials, 2)
-    check_int("startup_trials", startup_trials, 1, n_trials - 1)  # else TPE never runs: random search
-    fixed, space = _searched(config, fixed)
+    fixed, space = _searched(config, fixed, n_trials, startup_trials)
     run = EngineRun("hyperopt", [], [], [], 0.0, [])
 
     def objective(sample):
@@ -75,18 +75,17 @@ def _ray_trial(ray_config: dict) -> None:
     """Ray Tune's function trainable: one trial, reporting each validation (module level: Ray pickles it)."""
     from ray import tune
 
-    config = StudyConfig.from_dict(json.loads(ray_config["study_config"]))
+    config = StudyConfig(**json.loads(ray_config["study_config"]))
     params = active({**json.loads(ray_config["fixed"]),
                      **{k: v for k, v in ray_config.items() if k not in ("study_config", "fixed")}}, config.space())
 
-    def report(progress):  # ASHA compares trials at these reports and stops the laggards
-        tune.report({"val_loss": progress.val_loss, "fits": True, "steps_run": progress.steps_run,
+    def report(progress, fits=True):  # ASHA compares trials at these reports and stops the laggards
+        tune.report({"val_loss": progress.val_loss, "fits": fits, "steps_run": progress.steps_run,
                      "params_json": json.dumps(params)})
 
     result = train(params, config, report=report)
     if not result.fits:  # nothing was reported: report the outcome once
-        tune.report({"val_loss": result.val_loss, "fits": False, "steps_run": result.steps_run,
-                     "params_json": json.dumps(params)})
+        report(result, fits=False)
 
 
 class _DefineByRun:
@@ -112,9 +111,7 @@ def run_ray(config: StudyConfig, n_trials: int, seed: int = 0, num_cpus: int = 2
     from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search.optuna import OptunaSearch
 
-    check_int("n_trials", n_trials, 2)
-    check_int("startup_trials", startup_trials, 1, n_trials - 1)
-    fixed, space = _searched(config, fixed)
+    fixed, space = _searched(config, fixed, n_trials, startup_trials)
     constants = {"study_config": json.dumps(config.to_dict()), "fixed": json.dumps(fixed)}
 
     validations = config.train_steps // config.eval_every
@@ -137,29 +134,20 @@ def run_ray(config: StudyConfig, n_trials: int, seed: int = 0, num_cpus: int = 2
         grid = tuner.fit()
     finally:
         ray.shutdown()
-    run = EngineRun("ray", [], [], [], time.perf_counter() - start, [])
-    rows = sorted((r for r in grid if r.metrics), key=lambda r: r.metrics.get("trial_id", ""))
-    for r in rows:  # each trial's last report: where it finished or where ASHA stopped it
-        run.values.append(float(r.metrics["val_loss"]))
-        run.fits.append(bool(r.metrics["fits"]))
-        run.params.append(json.loads(r.metrics["params_json"]))
-        run.steps_run.append(int(r.metrics["steps_run"]))
-    return run
-
-
-KATIB_ALGORITHMS = ("random", "tpe", "grid", "hyperband", "bayesianoptimization", "cmaes", "sobol", "multivariate-tpe")
+    # each trial's last report: where it finished or where ASHA stopped it
+    m = [r.metrics for r in sorted((r for r in grid if r.metrics), key=lambda r: r.metrics.get("trial_id", ""))]
+    return EngineRun("ray", [float(x["val_loss"]) for x in m], [bool(x["fits"]) for x in m],
+                     [json.loads(x["params_json"]) for x in m], time.perf_counter() - start,
+                     [int(x["steps_run"]) for x in m])
 
 
 def katib_experiment(config: StudyConfig, image: str = "fit-the-model:latest", name: str = "fit-the-model",
-                     namespace: str = "kubeflow", algorithm: str = "tpe", max_trials: int = 24,
-                     parallel: int = 2) -> dict:
+                     namespace: str = "kubeflow", max_trials: int = 24, parallel: int = 2) -> dict:
     """Return Katib's Experiment for the workbook's search: same space, each trial runs `labkit.tools.search trial`.
 
     Katib has no conditional parameters (it draws every one; the trial command drops the inactive
     ones) and no constraints (a setting that does not fit reports the untrained loss and fits=0).
     """
-    if algorithm not in KATIB_ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {KATIB_ALGORITHMS}, got {algorithm!r}")
     check_int("max_trials", max_trials, 1)
     check_int("parallel", parallel, 1)
     space = config.space()  # fp16 is in config.precisions only on CUDA, where each pod asks for a GPU
@@ -178,7 +166,7 @@ def katib_experiment(config: StudyConfig, image: str = "fit-the-model:latest", n
             "objective": {"type": "minimize", "objectiveMetricName": "val_loss",
                           "additionalMetricNames": ["peak_bytes", "fits"],
                           "metricStrategies": [{"name": "val_loss", "value": "latest"}]},
-            "algorithm": {"algorithmName": algorithm},
+            "algorithm": {"algorithmName": "tpe"},
             "parallelTrialCount": parallel,
             "maxTrialCount": max_trials,
             "maxFailedTrialCount": max(1, max_trials // 8),

@@ -173,10 +173,7 @@ def from_hyperopt(sample: dict, space: list[Param]) -> dict:
     """Flatten a Hyperopt sample of `to_hyperopt`'s space into a params dict (ints as int, numbers as Python's)."""
     flat = {}
     for k, v in sample.items():
-        if isinstance(v, dict):
-            flat.update(v)
-        else:
-            flat[k] = v
+        flat.update(v if isinstance(v, dict) else {k: v})
     kinds = {p.name: p.kind for p in space}
     out = {}
     for k, v in flat.items():
@@ -195,8 +192,7 @@ def katib_parameters(space: list[Param]) -> list[dict]:
     out = []
     for p in space:
         if p.kind == "categorical":
-            feasible = {"list": [str(c) for c in p.choices]}
-            kind = "categorical"
+            kind, feasible = "categorical", {"list": [str(c) for c in p.choices]}
         else:
             kind = "int" if p.kind == "int" else "double"
             fmt = (lambda v: str(int(v))) if p.kind == "int" else repr

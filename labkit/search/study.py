@@ -22,7 +22,7 @@ from labkit.results import build_dir
 from labkit.search.space import MEMORY_KNOBS, suggest, workbook_space
 from labkit.search.trial import check_setting, measure_setting, predict_peak_bytes, train
 from labkit.search.workers import run_trials, worker_of  # noqa: F401  (worker_of: notebook 08 reads it here)
-from labkit.validate import ParameterError, check_int
+from labkit.validate import ParameterError, check_choice, check_divides, check_int
 
 OBJECTIVES = ("speed", "loss")
 SAMPLERS = ("tpe", "random", "bruteforce", "replay")
@@ -50,17 +50,13 @@ class StudyConfig:
     precisions: tuple = ("fp32", "bf16")  # the precisions searched (fp16 only on CUDA; bf16 where the CPU is fast at it)
 
     def __post_init__(self):
-        check_int("budget_bytes", self.budget_bytes, 1)
-        for name in ("n_layer", "n_embd", "n_head", "vocab_size", "batch", "seq_len", "train_steps", "eval_every",
-                     "eval_batch", "metered_steps", "timed_steps"):
+        for name in ("budget_bytes", "n_layer", "n_embd", "n_head", "vocab_size", "batch", "seq_len", "train_steps",
+                     "eval_every", "eval_batch", "timed_steps"):
             check_int(name, getattr(self, name), 1)
+        check_int("metered_steps", self.metered_steps, 1, self.train_steps)
         check_int("seed", self.seed, 0)
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.metered_steps > self.train_steps:
-            raise ValueError(f"metered_steps ({self.metered_steps}) must be <= train_steps ({self.train_steps})")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        check_divides("n_embd", self.n_embd, "n_head", self.n_head)
+        check_choice("device", self.device, ("cpu", "cuda"))
         object.__setattr__(self, "precisions", tuple(self.precisions))  # (a stored study gives a list)
         if not self.precisions or any(p not in ("fp32", "bf16", "fp16") for p in self.precisions):
             raise ValueError(f"precisions must be a non-empty subset of ('fp32', 'bf16', 'fp16'), got {self.precisions}")
@@ -88,11 +84,6 @@ class StudyConfig:
         d = dataclasses.asdict(self)
         d["precisions"] = list(self.precisions)
         return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "StudyConfig":
-        """Rebuild a config from `to_dict`'s output."""
-        return cls(**d)
 
 
 def plain_setting(config: StudyConfig, lr: float = 1e-3) -> dict:
@@ -140,13 +131,12 @@ def make_storage(url: str, heartbeat_s: int = 2, grace_s: int = 6, max_retry: in
     Raises ParameterError naming `name` for a URL no worker could share or a database silent for `connect_timeout_s`.
     """
     parsed = _storage_url(name, url)
-    kwargs = {"engine_kwargs": _engine_kwargs(parsed, connect_timeout_s)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         try:
             return _LockingRDBStorage(url, heartbeat_interval=heartbeat_s, grace_period=grace_s,
                                       heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=max_retry),
-                                      **kwargs)
+                                      engine_kwargs=_engine_kwargs(parsed, connect_timeout_s))
         except sqlalchemy.exc.DBAPIError as e:
             raise ParameterError(_unreachable(name, parsed, connect_timeout_s, e)) from None
 
@@ -230,19 +220,11 @@ class _LockingRDBStorage(RDBStorage):
         # recipe needs the engine, and engine_kwargs cannot carry event listeners
         if self.engine.dialect.name != "sqlite":
             return
-        sqlalchemy.event.listen(self.engine, "connect", _driver_autocommit)
-        sqlalchemy.event.listen(self.engine, "begin", _begin_immediate)
+        # pysqlite would BEGIN at the first write, not the first read: it begins nothing itself, and each
+        # SQLAlchemy transaction begins with SQLite's write lock
+        sqlalchemy.event.listen(self.engine, "connect", lambda dbapi, record: setattr(dbapi, "isolation_level", None))
+        sqlalchemy.event.listen(self.engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
         self.engine.dispose()  # the connections opened so far were set up without the listeners
-
-
-def _driver_autocommit(dbapi_connection, connection_record) -> None:
-    """Stop pysqlite from beginning transactions itself (it would BEGIN at the first write, not the first read)."""
-    dbapi_connection.isolation_level = None
-
-
-def _begin_immediate(connection) -> None:
-    """Begin each SQLAlchemy transaction with SQLite's write lock."""
-    connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 class ReplaySampler(optuna.samplers.BaseSampler):
@@ -351,16 +333,16 @@ def load_study(name: str, storage, worker: int = 0) -> optuna.Study:
     return optuna.load_study(study_name=name, storage=storage,
                              sampler=make_sampler(s["sampler"], s["seed"] + 1000 * worker, s["startup_trials"],
                                                   settings=s["replay"]),
-                             pruner=_pruner_of(s["pruner"], StudyConfig.from_dict(s["config"]), s["startup_trials"]))
+                             pruner=_pruner_of(s["pruner"], StudyConfig(**s["config"]), s["startup_trials"]))
 
 
 def settings_of(study: optuna.Study) -> tuple[StudyConfig, str]:
     """Return the study's StudyConfig and objective name."""
     s = study.user_attrs["settings"]
-    return StudyConfig.from_dict(s["config"]), s["objective"]
+    return StudyConfig(**s["config"]), s["objective"]
 
 
-def objective(study: optuna.Study, on_result=None):
+def objective(study: optuna.Study):
     """Return the objective function of the study's stored objective (the worker's and the notebook's).
 
     "speed": speed in units of the plain step's (paired timing), 0 when it does not fit; "loss": the validation loss.
@@ -372,7 +354,7 @@ def objective(study: optuna.Study, on_result=None):
         trial.set_user_attr("live_tensor_bytes_at_start", live_tensor_bytes(collect=False))  # a leak would grow
         params = suggest(trial, config.space(only=MEMORY_KNOBS))
         result = measure_setting({**params, "lr": 1e-3}, config, reference=plain_setting(config))
-        _record(trial, result, config, on_result)
+        _record(trial, result, config)
         return result.relative_speed or 0.0  # a setting that did not fit ran no timed step: speed 0
 
     def loss(trial):
@@ -391,13 +373,13 @@ def objective(study: optuna.Study, on_result=None):
                 raise optuna.TrialPruned(f"pruned after {progress.steps_run} steps at loss {progress.val_loss:.4f}")
 
         result = train(params, config, report=report)
-        _record(trial, result, config, on_result)
+        _record(trial, result, config)
         return result.val_loss
 
     return speed if name == "speed" else loss
 
 
-def _record(trial, result, config: StudyConfig, on_result) -> None:
+def _record(trial, result, config: StudyConfig) -> None:
     """Store a trial's measurements as user attributes and its budget constraint (peak - budget <= 0: fits)."""
     peak = result.peak_bytes if result.peak_bytes is not None else result.predicted_peak_bytes
     trial.set_user_attr("status", result.status)
@@ -406,14 +388,12 @@ def _record(trial, result, config: StudyConfig, on_result) -> None:
     trial.set_user_attr("steps_run", result.steps_run)
     trial.set_user_attr("tokens_per_s", result.tokens_per_s)
     trial.set_constraint("peak_over_budget_bytes", float(peak - config.budget_bytes))
-    if on_result is not None:
-        on_result(trial, result)
 
 
-def optimize(study: optuna.Study, n_trials: int, total_trials: int | None = None, on_result=None,
-             poll_s: float = 0.5, max_wait_s: float = 60.0) -> int:
+def optimize(study: optuna.Study, n_trials: int, total_trials: int | None = None, poll_s: float = 0.5,
+             max_wait_s: float = 60.0) -> int:
     """Run up to `n_trials` trials of the study's objective here (`workers.run_trials`); return the trials run."""
-    return run_trials(study, objective(study, on_result), n_trials, total_trials, poll_s, max_wait_s)
+    return run_trials(study, objective(study), n_trials, total_trials, poll_s, max_wait_s)
 
 
 def lost_trials(study: optuna.Study) -> list[int]:

@@ -4,7 +4,7 @@ metered under the budget, trained and timed."""
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -137,14 +137,11 @@ def predict_peak_bytes(params: dict, config: StudyConfig) -> int:
 
 
 def _batches(config: StudyConfig, device):
-    """Return an endless iterator over the training batches every trial sees, in the same order."""
-    data = MarkovTokens(config.vocab_size, seed=config.seed)  # now: its transition tables are not the step's bytes
+    """Yield the training batches every trial sees, in the same order, endlessly (drawn outside any meter)."""
+    data = MarkovTokens(config.vocab_size, seed=config.seed)
     gen = torch.Generator().manual_seed(config.seed)
-
-    def batches():
-        while True:
-            yield tuple(t.to(device) for t in data.batch(config.batch, config.seq_len, generator=gen))
-    return batches()
+    while True:
+        yield tuple(t.to(device) for t in data.batch(config.batch, config.seq_len, generator=gen))
 
 
 def validation_batch(config: StudyConfig, device="cpu"):
@@ -154,17 +151,12 @@ def validation_batch(config: StudyConfig, device="cpu"):
     return tuple(t.to(device) for t in data.batch(config.eval_batch, config.seq_len, generator=gen))
 
 
-_UNTRAINED: dict = {}
-
-
+@functools.cache
 def untrained_loss(config: StudyConfig) -> float:
     """Return the validation loss of the untrained model: the value of a setting that trained nothing."""
-    key = json.dumps(config.to_dict(), sort_keys=True)
-    if key not in _UNTRAINED:
-        torch.manual_seed(config.seed)
-        with torch.no_grad():
-            _UNTRAINED[key] = float(GPT(config.gpt)(*validation_batch(config))[1])
-    return _UNTRAINED[key]
+    torch.manual_seed(config.seed)
+    with torch.no_grad():
+        return float(GPT(config.gpt)(*validation_batch(config))[1])
 
 
 def train(params: dict, config: StudyConfig, report=None) -> TrialResult:

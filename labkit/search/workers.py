@@ -35,9 +35,7 @@ def worker_argv(storage_url: str, study: str | list[str], trials: int, total: in
 
 def worker_env(threads: int = 1) -> dict:
     """Return the environment of a worker: one OpenMP thread per worker (several workers share the cores)."""
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(threads)
-    return env
+    return {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
 def search_span_s(study: optuna.Study) -> float:
@@ -87,7 +85,8 @@ def run_trials(study: optuna.Study, objective, n_trials: int, total_trials: int 
         except Exception as e:
             # Optuna could not record this trial's end (study.tell raises ValueError on a finished
             # trial): skip it only when the storage says someone else ended it, never the objective's own error
-            if e is this.get("raised") or not _finished_elsewhere(study, this.get("number")):
+            if e is this.get("raised") or not any(t.number == this.get("number") and t.state.is_finished()
+                                                  for t in study.get_trials(deepcopy=False)):
                 raise
             continue
         ran += 1
@@ -121,27 +120,19 @@ def fail_dead_trials(study: optuna.Study) -> list[int]:
     return sorted({t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))} - before)
 
 
-def _fail_and_retry(study: optuna.Study, trial) -> bool:
-    """Fail a running trial and run the retry callback, unless another process ended it first; return whether this one did."""
+def _fail_and_retry(study: optuna.Study, trial) -> None:
+    """Fail a running trial and run the retry callback, unless another process ended it first."""
     storage = study._storage  # private attribute: Optuna's own fail_stale_trials fails trials through it the same way
     try:
         # trial._trial_id: private, the storage's key (Optuna's fail_stale_trials uses the same ids)
         if not storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
-            return False
+            return
     except optuna.exceptions.UpdateFinishedTrialError:
-        return False  # another process failed (or finished) it first: it queued the retry, if any
-    if _heartbeat_interval(study) is not None:
-        callback = storage.get_heartbeat_stale_trial_callback()  # private attribute, as in fail_stale_trials
-        if callback is not None:
-            callback(study, copy.deepcopy(storage.get_trial(trial._trial_id)))
-    return True
-
-
-def _finished_elsewhere(study: optuna.Study, number: int | None) -> bool:
-    """Return whether trial `number` is finished in the storage (after this worker's tell failed: someone else ended it)."""
-    if number is None:
-        return False
-    return any(t.number == number and t.state.is_finished() for t in study.get_trials(deepcopy=False))
+        return  # another process failed (or finished) it first: it queued the retry, if any
+    # the callback: a private attribute of the storage, as in fail_stale_trials
+    callback = storage.get_heartbeat_stale_trial_callback() if _heartbeat_interval(study) is not None else None
+    if callback is not None:
+        callback(study, copy.deepcopy(storage.get_trial(trial._trial_id)))
 
 
 def _heartbeat_interval(study: optuna.Study) -> int | None:

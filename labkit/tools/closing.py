@@ -42,11 +42,7 @@ SOURCES = {
 
 def results_path(path: str | Path | None = None) -> Path:
     """Return the results.json to read: `path`, else $LABKIT_RESULTS, else the workbook's build/results.json."""
-    if path:
-        return Path(path)
-    if os.environ.get(RESULTS_ENV):
-        return Path(os.environ[RESULTS_ENV])
-    return build_dir() / "results.json"
+    return Path(path or os.environ.get(RESULTS_ENV) or build_dir() / "results.json")
 
 
 def load(path: str | Path | None = None) -> dict | None:

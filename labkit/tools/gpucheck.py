@@ -27,13 +27,13 @@ from labkit.checkpointing import checkpoint_blocks
 from labkit.data import MarkovTokens
 from labkit.device import as_device, half_precision, hardware_report, synchronize
 from labkit.l2l import L2LTrainer, measure_l2l_step
-from labkit.meter import MemoryMeter, OutOfMemory, format_bytes, try_fit
+from labkit.meter import OutOfMemory, format_bytes, try_fit
 from labkit.models import GPT, GPTConfig, count_params
 from labkit.offload import OffloadHooks
 from labkit.precision import amp_train_step, forward_activation_bytes
 from labkit.results import build_dir, checkout_root
 from labkit.throughput import copy_bandwidth, measure_throughputs
-from labkit.train import make_optimizer, measure_step, train_step
+from labkit.train import make_optimizer, measure_step, seeded_model, train_step
 
 CHECKS = ("meter", "budget", "offload", "l2l", "precision", "checkpoint", "plan", "tests", "notebooks")
 METER_TOLERANCE = 0.05  # the meter's peak within 5% of max_memory_allocated
@@ -66,8 +66,7 @@ class Setup:
 
     def model(self, seed: int = 0) -> GPT:
         """Return a freshly initialised model on the device (same weights for the same seed)."""
-        torch.manual_seed(seed)
-        return GPT(self.cfg).to(self.device)
+        return seeded_model(self.cfg, seed, self.device)
 
     def data(self, seed: int = 0):
         """Return one (inputs, targets) batch from a learnable source, on the device."""
@@ -82,6 +81,12 @@ def _cuda(setup: Setup) -> bool:
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
+
+
+def _step_s(setup: Setup, fns: dict) -> dict[str, float]:
+    """Return each function's median seconds per call, timed in interleaved rounds."""
+    times = measure_throughputs(fns, samples_per_step=setup.batch, device=setup.device, steps=setup.steps)
+    return {k: t.step_s for k, t in times.items()}
 
 
 # -- the checks ----------------------------------------------------------------------------------
@@ -131,12 +136,15 @@ def check_budget(setup: Setup) -> Row:
                str(err).split("; ")[-1] if err else "no refusal", figures)
 
 
-def _offload_step(model, opt, batch, hooks):
-    with hooks:
-        _, loss = model(*batch)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+def _under(hooks):
+    """Return a step_fn(model, optimizer, batch) whose forward runs under the saved-tensor `hooks`."""
+    def step(model, opt, batch):
+        with hooks:
+            _, loss = model(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
 
 
 def check_offload(setup: Setup) -> Row:
@@ -146,27 +154,18 @@ def check_offload(setup: Setup) -> Row:
     train_step(model, opt, batch)
     cuda = _cuda(setup)
     kw = {"min_bytes": setup.min_offload_bytes}
-    prefetch = OffloadHooks(model, prefetch=cuda, **kw).track_layers(model.blocks)
-    plain_hooks = OffloadHooks(model, prefetch=False, **kw)
     timed = OffloadHooks(model, prefetch=cuda, time_copies=True, **kw).track_layers(model.blocks)
-    steps = {
-        "plain": lambda: train_step(model, opt, batch),
-        "offload+prefetch": lambda: _offload_step(model, opt, batch, prefetch),
-        "offload": lambda: _offload_step(model, opt, batch, plain_hooks),
-        "save_on_cpu": lambda: _offload_step(model, opt, batch,
-                                             torch.autograd.graph.save_on_cpu(pin_memory=cuda)),
-    }
-    times = measure_throughputs(steps, samples_per_step=setup.batch, device=setup.device, steps=setup.steps)
-    ratios = {k: _ratio(t.step_s, times["plain"].step_s) for k, t in times.items() if k != "plain"}
-    peaks = {}
-    for name in ("plain", "offload+prefetch"):
-        with MemoryMeter(setup.device) as m:
-            m.track(model, opt, *batch)
-            steps[name]()
-        peaks[name] = m.peak_bytes
-    _offload_step(model, opt, batch, timed)
+    steps = {"plain": train_step,
+             "offload+prefetch": _under(OffloadHooks(model, prefetch=cuda, **kw).track_layers(model.blocks)),
+             "offload": _under(OffloadHooks(model, prefetch=False, **kw)),
+             "save_on_cpu": _under(torch.autograd.graph.save_on_cpu(pin_memory=cuda))}
+    times = _step_s(setup, {k: (lambda f=f: f(model, opt, batch)) for k, f in steps.items()})
+    ratios = {k: _ratio(t, times["plain"]) for k, t in times.items() if k != "plain"}
+    peaks = {k: measure_step(model, opt, batch, steps[k], warmup=False).peak_bytes
+             for k in ("plain", "offload+prefetch")}
+    _under(timed)(model, opt, batch)
     stats = timed.stats()
-    figures = {"step_s": {k: t.step_s for k, t in times.items()}, "ratio_to_plain": ratios, "peak_bytes": peaks,
+    figures = {"step_s": times, "ratio_to_plain": ratios, "peak_bytes": peaks,
                "bytes_to_host": stats["bytes_to_host"], "copy_to_host_bytes_per_s": stats["copy_to_host_bytes_per_s"]}
     measured = ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
     measured += f"; peak {format_bytes(peaks['offload+prefetch'])} vs {format_bytes(peaks['plain'])}"
@@ -192,14 +191,12 @@ def check_l2l(setup: Setup) -> Row:
     cuda = _cuda(setup)
     trainers = {"l2l+prefetch": L2LTrainer(copy.deepcopy(base), setup.device, prefetch=cuda),
                 "l2l": L2LTrainer(copy.deepcopy(base), setup.device, prefetch=False)}
-    times = measure_throughputs({k: (lambda t=t: t.step(batch)) for k, t in trainers.items()},
-                                samples_per_step=setup.batch, device=setup.device, steps=setup.steps)
+    times = _step_s(setup, {k: (lambda t=t: t.step(batch)) for k, t in trainers.items()})
     peaks = {k: measure_l2l_step(t, batch, timeline=False).peak_bytes for k, t in trainers.items()}
     plain = base.to(setup.device)
     plain_peak = measure_step(plain, make_optimizer("adam", plain.parameters()), batch).peak_bytes
-    ratio = _ratio(times["l2l+prefetch"].step_s, times["l2l"].step_s)
-    figures = {"step_s": {k: t.step_s for k, t in times.items()}, "peak_bytes": peaks, "plain_peak_bytes": plain_peak,
-               "prefetch_over_none": ratio}
+    ratio = _ratio(times["l2l+prefetch"], times["l2l"])
+    figures = {"step_s": times, "peak_bytes": peaks, "plain_peak_bytes": plain_peak, "prefetch_over_none": ratio}
     ok = max(peaks.values()) < plain_peak and (not cuda or ratio <= 1.05)
     return Row("l2l", f"prefetch/none step time {ratio:.2f}; device peak {format_bytes(peaks['l2l+prefetch'])} "
                f"vs plain {format_bytes(plain_peak)}", "peak below plain; prefetch not slower", ok,
@@ -229,11 +226,11 @@ def check_precision(setup: Setup) -> Row:
     steps = {p: (lambda p=p: amp_train_step(models[p], opts[p], [batch], precision=p,
                                             scaler=scaler if p == "fp16" else None))  # the trained scale
              for p in precisions}
-    times = measure_throughputs(steps, samples_per_step=setup.batch, device=setup.device, steps=setup.steps)
+    times = _step_s(setup, steps)
     act = {p: forward_activation_bytes(models[p], batch, precision=p) for p in precisions}
-    speedup = {p: _ratio(times["fp32"].step_s, times[p].step_s) for p in precisions if p != "fp32"}
+    speedup = {p: _ratio(times["fp32"], times[p]) for p in precisions if p != "fp32"}
     act_ratio = {p: _ratio(act[p], act["fp32"]) for p in precisions if p != "fp32"}
-    figures.update(step_s={p: t.step_s for p, t in times.items()}, speedup_over_fp32=speedup,
+    figures.update(step_s=times, speedup_over_fp32=speedup,
                    activation_bytes=act, activation_ratio_to_fp32=act_ratio)
     choice = half_precision(setup.device)  # what the chapters train in here: bf16, or fp16 + GradScaler before Ampere
     figures["chosen"] = {"precision": choice.precision, "needs_scaler": choice.needs_scaler, "reason": choice.reason}
@@ -264,13 +261,11 @@ def check_checkpoint(setup: Setup) -> Row:
         with torch.no_grad():
             plain(*batch)
 
-    times = measure_throughputs({"plain": lambda: train_step(plain, opts[plain], batch),
-                                 "checkpointed": lambda: train_step(ckpt, opts[ckpt], batch),
-                                 "forward": forward_only},
-                                samples_per_step=setup.batch, device=setup.device, steps=setup.steps)
-    ratio = _ratio(times["checkpointed"].step_s, times["plain"].step_s)
-    bound = 1 + _ratio(times["forward"].step_s, times["plain"].step_s)
-    figures = {"step_s": {k: t.step_s for k, t in times.items()}, "ratio": ratio, "one_extra_forward_bound": bound}
+    times = _step_s(setup, {"plain": lambda: train_step(plain, opts[plain], batch),
+                            "checkpointed": lambda: train_step(ckpt, opts[ckpt], batch), "forward": forward_only})
+    ratio = _ratio(times["checkpointed"], times["plain"])
+    bound = 1 + _ratio(times["forward"], times["plain"])
+    figures = {"step_s": times, "ratio": ratio, "one_extra_forward_bound": bound}
     ok = 1.0 <= ratio * 1.02 and ratio <= bound * 1.05 if _cuda(setup) else None  # 2% and 5% for timing noise
     return Row("checkpoint", f"step time {ratio:.2f}x plain", f"1 <= ratio <= 1 + forward/step = {bound:.2f}", ok,
                "the bound counts the whole forward (embedding and head are not recomputed, so the ratio may "
@@ -318,12 +313,16 @@ NO_CHECKOUT = "labkit is installed without its repository (a hosted notebook): t
 ROWS_TEST = "tests/test_cuda.py::test_gpu_check_rows_hold"  # this tool's own rows: run above, not again
 
 
+def _not_run(check: str, expected: str, setup: Setup, repo: Path | None) -> Row | None:
+    """Return the row of a check that needs CUDA and the repository where either is missing, else None."""
+    why = "rehearsal on cpu" if not _cuda(setup) else NO_CHECKOUT.format(check) if repo is None else None
+    return Row(check, "not run", expected, None, why) if why else None
+
+
 def check_tests(setup: Setup, repo: Path | None) -> Row:
     """Run the tests marked `cuda` but this tool's own rows (repo None: no repository, not run, said so)."""
-    if not _cuda(setup):
-        return Row("tests", "not run", "pytest -m cuda passes", None, "rehearsal on cpu")
-    if repo is None:
-        return Row("tests", "not run", "pytest -m cuda passes", None, NO_CHECKOUT.format("tests"))
+    if row := _not_run("tests", "pytest -m cuda passes", setup, repo):
+        return row
     proc = subprocess.run([sys.executable, "-m", "pytest", "tests", "-m", "cuda", "-q", "-p", "no:cacheprovider",
                            "--deselect", ROWS_TEST], cwd=repo, capture_output=True, text=True)
     last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
@@ -333,10 +332,8 @@ def check_tests(setup: Setup, repo: Path | None) -> Row:
 
 def check_notebooks(setup: Setup, repo: Path | None, out: Path) -> Row:
     """Execute every notebook with DEVICE="cuda" (the multi-rank chapters: "auto" with fewer GPUs than ranks)."""
-    if not _cuda(setup):
-        return Row("notebooks", "not run", "every notebook ok with DEVICE='cuda'", None, "rehearsal on cpu")
-    if repo is None:
-        return Row("notebooks", "not run", "every notebook ok with DEVICE='cuda'", None, NO_CHECKOUT.format("notebooks"))
+    if row := _not_run("notebooks", "every notebook ok with DEVICE='cuda'", setup, repo):
+        return row
     gpus = torch.cuda.device_count()
     status, seconds = {}, {}
     for nb in sorted((repo / "notebooks").glob("[0-9][0-9]_*.ipynb")):
@@ -415,13 +412,12 @@ def main(argv=None) -> int:
         device = torch.device("cpu")
         cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
         args.batch, args.seq_len, args.steps, args.train_steps = 2, 16, 1, 2
-        min_offload_bytes = 0
     else:
         device = as_device("cuda")
-        min_offload_bytes = 65536
         cfg = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq_len,
                         vocab_size=args.vocab_size, attn="sdpa")
-    setup = Setup(device, cfg, args.batch, args.seq_len, args.steps, args.train_steps, min_offload_bytes)
+    setup = Setup(device, cfg, args.batch, args.seq_len, args.steps, args.train_steps,
+                  min_offload_bytes=0 if args.rehearse_on_cpu else 65536)
     out = Path(args.out) if args.out else build_dir()
     repo = checkout_root()
     header = (f"{hardware_report(device)}\nmodel: {count_params(GPT(cfg)) / 1e6:.1f}M parameters "

@@ -45,10 +45,8 @@ def _trial(args) -> int:
     from labkit.search.study import StudyConfig
     from labkit.search.trial import train
 
-    config = StudyConfig.from_dict(json.loads(args.config))
-    raw = {"technique": args.technique, "segments": args.segments, "precision": args.precision,
-           "micro_batch": args.micro_batch, "lr": args.lr}
-    params = active({k: v for k, v in raw.items() if v is not None}, config.space())
+    config = StudyConfig(**json.loads(args.config))
+    params = active({k: v for k, v in vars(args).items() if v is not None}, config.space())  # the space's names only
     result = train(params, config, report=lambda r: print(f"step={r.steps_run} val_loss={r.val_loss:.6f}", flush=True))
     peak = result.peak_bytes if result.peak_bytes is not None else result.predicted_peak_bytes
     print(f"status={result.status}")
