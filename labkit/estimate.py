@@ -56,9 +56,8 @@ _FAKE_STEPS: dict = {}  # key -> (peak, split, states, n): a sweep or a study as
 def fake_step(key, build, trace: bool = False) -> tuple:
     """Meter one step of `build()` on fake tensors; return its peak bytes, split at the peak, split after it, n.
 
-    `build()` runs in fake mode and returns (model, attach, run): `attach(meter)` tracks the step's tensors,
-    `run()` runs one step whose optimizer state exists already. Cached by `key` (None: not cached).
-    With `trace`, a fifth item: (phase, tag, bytes by category) at every event of the meter's timeline.
+    `build()` returns (model, attach, run): `attach(meter)` tracks the step's tensors, `run()` runs one step. Cached by
+    `key` (None: not cached). With `trace`, a fifth item: (phase, tag, bytes by category) at every timeline event.
     """
     if key is not None and key in _FAKE_STEPS:
         return copy.deepcopy(_FAKE_STEPS[key])
@@ -91,8 +90,12 @@ def estimate_training_memory(cfg: GPTConfig | MLPConfig, batch_size: int, seq_le
         if world_size == 1:
             raise ValueError("zero_stage needs world_size > 1: one process has nothing to shard")
     T = (cfg.block_size if seq_len is None else seq_len) if isinstance(cfg, GPTConfig) else None
-    if zero_stage in (2, 3):
-        peak, split, states, n = _fsdp_step(cfg, batch_size, seq_len, optimizer, world_size, zero_stage == 3)
+    if zero_stage in (2, 3):  # rank 0 of FSDP2 on a fake group, sharded on meta tensors (cheap only there)
+        with torch.device("meta"):
+            model = build_model(cfg)
+        with fake_sharded(model, blocks_of(model), world_size, zero_stage == 3):  # to_empty: FSDP2's meta init
+            peak, split, states, n = fake_step(None, lambda: _plain_step(model.to_empty(device="cpu"), optimizer, cfg,
+                                                                         batch_size, seq_len))
     else:
         peak, split, states, n = fake_step(("model", repr(cfg), batch_size, seq_len, optimizer),
                                            lambda: _plain_step(build_model(cfg), optimizer, cfg, batch_size, seq_len))
@@ -123,24 +126,10 @@ def _plain_step(model, optimizer: str, cfg, batch_size: int, seq_len: int | None
     return model, lambda meter: meter.track(model, opt, *batch), run
 
 
-def _fsdp_step(cfg, batch_size: int, seq_len: int | None, optimizer: str, world_size: int, reshard: bool):
-    """Run rank 0 of an FSDP2 step on fake tensors with a fake process group; return fake_step's tuple."""
-    with torch.device("meta"):  # shard on meta tensors: FSDP2 splits every parameter N ways, cheap only here
-        model = build_model(cfg)
-    with fake_sharded(model, blocks_of(model), world_size, reshard):
-        def build():
-            model.to_empty(device="cpu")  # the meta shards become fake cpu ones: FSDP2's meta init
-            return _plain_step(model, optimizer, cfg, batch_size, seq_len)
-        return fake_step(None, build)
-
-
 @contextlib.contextmanager
 def fake_sharded(model: torch.nn.Module, blocks, world_size: int, reshard: bool):
-    """Shard a meta-built `model` with FSDP2 (each of `blocks`, then the whole) over a fake group of `world_size`.
-
-    This process is rank 0 of the fake group (collectives move nothing) while the block runs; fake_step then runs the
-    sharded model once `model.to_empty(device="cpu")` has made its meta shards fake cpu ones, inside its build().
-    """
+    """Shard a meta-built `model` with FSDP2 (each of `blocks`, then the whole) over a fake group of `world_size`,
+    this process its rank 0 while the block runs."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

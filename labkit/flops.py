@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 
 def _tensor_bytes(values) -> int:
-    """Return the bytes of the tensors among `values`, and in lists or tuples among them (an operator's arguments)."""
-    total = 0
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            total += v.numel() * v.element_size()
-        elif isinstance(v, (list, tuple)):
-            total += _tensor_bytes(v)
-    return total
+    """Return the bytes of the tensors among `values`, nested lists and tuples included (an operator's arguments)."""
+    return sum(v.numel() * v.element_size() for v in tree_leaves(list(values)) if isinstance(v, torch.Tensor))
 
 
 class OpCounter(TorchDispatchMode):

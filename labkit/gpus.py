@@ -30,18 +30,12 @@ class DeviceProfile:
     #   204.8 GB/s; a CPU Adam reaches a fraction of it); give your own with dataclasses.replace
 
     def __post_init__(self):
-        if self.memory_bytes <= 0:
-            raise ParameterError(f"memory_bytes must be > 0, got {self.memory_bytes}")
         if "fp32" not in self.flops_per_s or any(v <= 0 for v in self.flops_per_s.values()):
             raise ParameterError(f"flops_per_s must give fp32 and positive rates, got {self.flops_per_s}")
-        for name in ("memory_bytes_per_s", "host_bytes_per_s", "peer_bytes_per_s", "host_memory_bytes_per_s"):
+        for name in ("memory_bytes", "memory_bytes_per_s", "host_bytes_per_s", "peer_bytes_per_s",
+                     "host_memory_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ParameterError(f"{name} must be > 0, got {getattr(self, name)}")
-
-    @property
-    def has_bf16(self) -> bool:
-        """Return whether the device computes in bf16."""
-        return "bf16" in self.flops_per_s
 
 
 PCIE3 = 16 * GB  # PCIe 3.0 x16, one direction
@@ -79,7 +73,6 @@ GPUS = {
     "h200": DeviceProfile("h200", 141 * GB, {"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
                           4800 * GB, PCIE5, 450 * GB),
 }
-DEVICE_NAMES = (*GPUS, "cpu")
 
 
 def measure_cpu(n: int = 1024, repeats: int = 3) -> DeviceProfile:
@@ -96,5 +89,5 @@ def measure_cpu(n: int = 1024, repeats: int = 3) -> DeviceProfile:
 
 def device_profile(name: str) -> DeviceProfile:
     """Return the named GPU's datasheet profile, or this CPU's measured one for "cpu"."""
-    check_choice("gpu", name, DEVICE_NAMES)
+    check_choice("gpu", name, (*GPUS, "cpu"))
     return measure_cpu() if name == "cpu" else GPUS[name]

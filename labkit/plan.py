@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import time
@@ -28,17 +29,13 @@ from labkit.models import GPTConfig, blocks_of, build_model
 from labkit.offload import OffloadHooks
 from labkit.precision import PRECISIONS, amp_train_step
 from labkit.progress import progress
-from labkit.train import create_optimizer_state, make_optimizer
-from labkit.validate import ParameterError, check_choice, check_float, check_int
+from labkit.train import create_optimizer_state, make_optimizer, seeded_model
+from labkit.validate import ParameterError, check_choice, check_divides, check_float, check_int
 
-RESERVE_FRACTION = 0.10  # share of device memory kept for what tensors do not show: CUDA context, allocator
-#                          rounding and fragmentation, communication buffers
+RESERVE_FRACTION = 0.10  # share of device memory kept for what tensors do not show (CUDA context, fragmentation)
 CHECKPOINTING = ("none", "every", "sqrt", "selective")  # every block; sqrt(n) segments; every block, matmuls kept
-PARALLEL = ("single", "ddp", "zero1", "fsdp2", "fsdp2-reshard")  # one device; DDP (gradient buckets); ZeRO-1 (Adam
-#   sharded); FSDP2 with reshard_after_forward False / True (labkit.estimate's fake process group, rank 0)
 OPTIMIZERS = ("device", "host")  # Adam's state and step on the device; on the host (ZeRO-Offload style, one device)
-OFFLOAD_MIN_BYTES = 0  # activation offload moves every saved tensor but the parameters: a size threshold would make
-#                        the bytes kept jump with the micro-batch, where the plan's rows are exact lines in it
+OFFLOAD_MIN_BYTES = 0  # activation offload moves every saved tensor but the parameters: rows stay exact lines
 NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
     "activation offload with checkpointing": "inside a checkpointed block checkpointing's own saved-tensor hooks "
                                              "take the tensors, so offload would move only what lies outside the "
@@ -51,23 +48,17 @@ NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
                                              "the optimizer step (ZeRO-Offload moves them in buckets as they are "
                                              "reduced, lowering the peak by up to the gradients' bytes)",
 }
-GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step (the same 2-byte casts; the scaler's skip test reads a value, which
-#                        fake tensors lack) plus GradScaler's scale, growth tracker, found_inf and inv_scale (4 B each)
+GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step plus GradScaler's four 4-byte scalars
+COMM_UNITS = {"single": 0, "ddp": 2, "zero1": 3, "fsdp2": 2, "fsdp2-reshard": 3}  # parameter-sized ring passes:
+#   per step for DDP and ZeRO-1 (which all-gathers the updated parameters too), per micro-batch for FSDP2 (chapter 07)
 _AT_OPTIMIZER: dict = {}  # fake_step's key -> (bytes by category when the optimizer step started, (peak, split) so far)
-_FLOPS: dict = {}  # (model key, depth, micro-batch, seq_len, checkpointing, precision, offload, shard) -> (FLOPs,
-#                   bytes accessed, bytes offloaded to the host and back) per micro-batch: forward and backward,
-#                   recomputation included, the optimizer step left out
-_FITS: dict = {}  # (model key, n_micro, seq_len, checkpointing, precision, offload, shard) -> _fit's figures (None:
-#                   not affine)
+_FLOPS: dict = {}  # fake run's key -> (FLOPs, bytes accessed, bytes offloaded) per micro-batch, optimizer left out
+_FITS: dict = {}  # (model key, n_micro, seq_len, checkpointing, precision, offload, shard) -> _fit's figures or None
 _RISE: dict = {}  # (model key, shard) -> bytes the optimizer step adds to what its start holds
-DEPTHS = ("fast", "full", "probe")  # fast: beyond FULL_MAX_LAYERS blocks, exact arithmetic over runs at FAST_DEPTHS;
-#                                     full: every block on fake tensors (the reference); probe: the former name of fast
-FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "selective": (2, 3)}  # depth="fast": blocks of the small runs, one
-#   apart (checkpointing leaves the last block unchecked: two more blocks show the checked ones' step)
-SHARDED_DEPTHS = (4, 5)  # the same for FSDP2: its first two and last blocks stand apart (_keyed), two more blocks
-#                         show the others' step
-FULL_MAX_LAYERS = 12  # depth="fast": models up to this many blocks run at full depth (as fast, and exact by itself);
-#                       deeper ones leave out sqrt(n) segments, and plan FSDP2 on the largest rank count only
+DEPTHS = ("fast", "full")  # fast: exact arithmetic over runs at FAST_DEPTHS; full: every block (the reference)
+FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "selective": (2, 3)}  # blocks of the small runs, one apart
+SHARDED_DEPTHS = (4, 5)  # the same for FSDP2 (its first two and last blocks stand apart)
+FULL_MAX_LAYERS = 12  # depth="fast" runs models up to this many blocks at full depth
 
 
 def _gpt2(n_layer: int, n_embd: int, n_head: int) -> GPTConfig:
@@ -103,8 +94,7 @@ class ModelSpec:
     n_layer: int | None  # identical blocks: their number (depth="fast" past FULL_MAX_LAYERS); None: always full depth
     key: str | None  # identifies the model in fake_step's cache (None: not cached)
     max_seq_len: int | None = None  # longest sequence the model takes (a learned position table), None: any
-    checkpointing: tuple = CHECKPOINTING  # the choices it takes: labkit blocks all of them, a transformers model
-    #                                       "every" (its own checkpointing switch), any other model none
+    checkpointing: tuple = CHECKPOINTING  # the choices it takes (a transformers model: none, every)
 
 
 def gpt_spec(cfg: GPTConfig, name: str = "GPTConfig") -> ModelSpec:
@@ -145,18 +135,14 @@ def hf_spec(config, name: str = "transformers") -> ModelSpec:
         config = AutoConfig.from_pretrained(config)  # a local config.json: no weights, no hub
 
     def build(n_layer, rows, seq_len):
-        c = config if n_layer is None else replace_hf_layers(config, n_layer)
+        c = config
+        if n_layer is not None:
+            c = config.__class__.from_dict(config.to_dict())
+            c.num_hidden_layers = n_layer
         x = torch.randint(config.vocab_size, (rows, seq_len))
         return _CausalLM(AutoModelForCausalLM.from_config(c)), (x, x.clone())
     return ModelSpec(name, build, config.num_hidden_layers, "transformers:" + config.to_json_string(),
                      checkpointing=("none", "every"))
-
-
-def replace_hf_layers(config, n_layer: int):
-    """Return a copy of a transformers config with `n_layer` hidden layers."""
-    out = config.__class__.from_dict(config.to_dict())
-    out.num_hidden_layers = n_layer
-    return out
 
 
 def model_spec(model) -> ModelSpec:
@@ -180,7 +166,7 @@ class Combination:
     """One way to run the training step."""
 
     ranks: int  # data-parallel devices
-    parallel: str  # one of PARALLEL
+    parallel: str  # a key of COMM_UNITS; fsdp2-reshard: FSDP2 with reshard_after_forward
     micro_batch: int  # rows per micro-batch (per rank)
     accum_steps: int  # micro-batches per optimizer step
     checkpointing: str  # one of CHECKPOINTING
@@ -203,8 +189,7 @@ class Row:
     step_s: float  # compute_s + comm_s + host_s: nothing overlapped (compute alone: the roofline, a lower bound)
     tokens_per_s: float  # global batch tokens / step_s (compute alone: an upper bound)
     bytes_accessed: int = 0  # bytes the step's operators read and write (each once: no fusion), optimizer included
-    host_s: float = 0.0  # offloaded activations and (optimizer on the host) gradients and parameters over the host
-    #                      link, plus the host's optimizer step over its memory bandwidth
+    host_s: float = 0.0  # host link transfers (offload; with Adam on the host its traffic and its step)
 
 
 @dataclass
@@ -227,8 +212,7 @@ class Plan:
     @property
     def fastest(self) -> Row | None:
         """Return the fastest row that fits (None: nothing fits)."""
-        fitting = [r for r in self.rows if r.fits]
-        return min(fitting, key=lambda r: (r.step_s, r.peak_bytes)) if fitting else None
+        return next(iter(self.pareto), None)
 
     @property
     def pareto(self) -> list:
@@ -240,20 +224,8 @@ class Plan:
         return front
 
 
-def _segments(checkpointing: str, n_layer: int) -> dict | None:
-    """Return checkpoint_blocks' arguments for a checkpointing choice at a depth (None: none)."""
-    if checkpointing == "none":
-        return None
-    if checkpointing == "sqrt":
-        return {"segments": max(1, round(math.sqrt(n_layer)))}
-    return {"segments": n_layer, "selective": checkpointing == "selective"}
-
-
 def plan_step(model, optimizer, batch, micro_batch: int, precision: str, offload: OffloadHooks | None = None):
-    """Run one optimizer step over `batch` in micro-batches of `micro_batch` rows (labkit.precision.amp_train_step).
-
-    offload: activation offload, the step run under these saved-tensor hooks (chapter 04); None: none.
-    """
+    """Run one optimizer step over `batch` in micro-batches of `micro_batch` rows, under `offload`'s hooks if given."""
     with offload if offload is not None else contextlib.nullcontext():
         return amp_train_step(model, optimizer, split_batch(batch, micro_batch), precision=precision)
 
@@ -283,36 +255,30 @@ def _tag_blocks(meter, model) -> None:
             micro[0] += 1
             tag("pre")
 
-    def block_pre(i):
-        def hook(module, args):
-            if torch._C._current_graph_task_id() == -1:  # (not a checkpoint's recomputation in backward)
-                tag(i)
-                if i == 0 and args[0].requires_grad:
-                    args[0].register_hook(lambda grad: tag("pre"))  # backward leaves the blocks
-        return hook
+    def block_pre(i, module, args):
+        if torch._C._current_graph_task_id() == -1:  # (not a checkpoint's recomputation in backward)
+            tag(i)
+            if i == 0 and args[0].requires_grad:
+                args[0].register_hook(lambda grad: tag("pre"))  # backward leaves the blocks
 
-    def block_post(i):
-        def hook(module, args, out):
-            if torch._C._current_graph_task_id() == -1:
-                if out.requires_grad:
-                    out.register_hook(lambda grad: tag(i))  # backward reaches block i
-                if i == len(blocks) - 1:
-                    tag("post")
-        return hook
+    def block_post(i, module, args, out):
+        if torch._C._current_graph_task_id() == -1:
+            if out.requires_grad:
+                out.register_hook(lambda grad: tag(i))  # backward reaches block i
+            if i == len(blocks) - 1:
+                tag("post")
     model.register_forward_pre_hook(model_pre)
     for i, block in enumerate(blocks):
-        block.register_forward_pre_hook(block_pre(i))
-        block.register_forward_hook(block_post(i))
+        block.register_forward_pre_hook(functools.partial(block_pre, i))
+        block.register_forward_hook(functools.partial(block_post, i))
 
 
 def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str,
               precision: str, trace: bool = False, whole: bool = True, offload: bool = False, shard=None):
     """Run the step on fake tensors (estimate.fake_step); return peak, split, states, n, work per micro-batch.
 
-    work: (FLOPs, bytes accessed, bytes offloaded to the host and back). offload: under OffloadHooks (activation
-    offload); shard: (ranks, reshard_after_forward) for rank 0 of FSDP2 (estimate.fake_sharded: built on meta, the
-    repeated blocks sharded). trace: the events tagged by block (_tag_blocks) and a sixth item, fake_step's trace;
-    whole=False: stop where the optimizer step starts (states["at_optimizer"] is then what the step held there).
+    shard: (ranks, reshard_after_forward), rank 0 of FSDP2; trace: a sixth item, the events tagged by block;
+    whole=False: stop where the optimizer step starts.
     """
     key = None if spec.key is None else ("plan", spec.key, n_layer, micro_batch, n_micro, seq_len, checkpointing,
                                          precision, trace, whole, offload, shard)
@@ -332,28 +298,26 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
         create_optimizer_state(opt)
         counter = OpCounter()
         hooks = OffloadHooks(model, min_bytes=OFFLOAD_MIN_BYTES) if offload else None
-        opt.register_step_pre_hook(lambda *_: setattr(counter, "counting_bytes", False))  # the optimizer: by formula
-        opt.register_step_pre_hook(lambda *_: _at_optimizer(key, whole))
+
+        def at_optimizer(*_):  # keep what the step holds where its optimizer step starts (its bytes: by formula)
+            counter.counting_bytes = False
+            meter = active_meter()
+            _AT_OPTIMIZER[key] = meter.current_split(), (meter.peak_bytes, meter.peak_split())
+            if not whole:
+                raise _AtOptimizer
+        opt.register_step_pre_hook(at_optimizer)
 
         def attach(meter):
             meter.track(model, opt, *batch)
             if trace:
                 _tag_blocks(meter, model)
 
-        def step():
-            try:
-                plan_step(model, opt, batch, micro_batch, precision, hooks)
-            except _AtOptimizer:
-                pass
-
         def run():
+            with counter if count else contextlib.nullcontext(), contextlib.suppress(_AtOptimizer):
+                plan_step(model, opt, batch, micro_batch, precision, hooks)
             if count:
-                with counter:
-                    step()
                 moved = 0 if hooks is None else hooks.stats()["bytes_to_host"] + hooks.stats()["bytes_to_device"]
                 _FLOPS[flops_key] = (counter.flops / n_micro, counter.bytes_accessed / n_micro, moved / n_micro)
-            else:
-                step()
         return model, attach, run
     try:
         if shard is None:
@@ -368,43 +332,32 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
         raise ParameterError(f"model: {spec.name} cannot run on fake tensors ({type(e).__name__}: {e}); make the "
                              "operation independent of tensor values or pass a callable that builds a model "
                              "without it") from None
-    states["at_optimizer"], states["before_optimizer"] = _AT_OPTIMIZER[key]  # bytes by category when the optimizer
-    #   step starts; (peak, split at it) until then
+    states["at_optimizer"], states["before_optimizer"] = _AT_OPTIMIZER[key]
     return (peak, split, states, n, _FLOPS[flops_key], *events)
 
 
 def _checkpoint(model, checkpointing: str) -> None:
-    """Checkpoint a model's blocks as `checkpointing` says: a labkit model's with checkpoint_blocks, a transformers
-    model's every layer with its own switch (non-reentrant); "none": leave it."""
-    if isinstance(model, _CausalLM):
-        if checkpointing == "every":
-            enable = getattr(model.model, "activation_checkpointing_enable", None)  # transformers 5.x's name
-            if enable is not None:
-                enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    """Checkpoint a labkit model's blocks (checkpoint_blocks) or a transformers model's layers (its own switch)."""
+    if checkpointing == "none":
         return
-    seg = _segments(checkpointing, len(blocks_of(model))) if checkpointing != "none" else None
-    if seg is not None:
-        checkpoint_blocks(model, **seg)
-
-
-def _at_optimizer(key, whole: bool) -> None:
-    """Keep the bytes by category where the optimizer step starts and the peak until then; raise _AtOptimizer unless
-    the step runs whole."""
-    meter = active_meter()
-    _AT_OPTIMIZER[key] = meter.current_split(), (meter.peak_bytes, meter.peak_split())
-    if not whole:
-        raise _AtOptimizer
+    if isinstance(model, _CausalLM):  # "every", the one choice hf_spec takes
+        if hasattr(model.model, "activation_checkpointing_enable"):  # transformers 5.x's name
+            model.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    n = len(blocks_of(model))
+    if checkpointing == "sqrt":
+        checkpoint_blocks(model, segments=max(1, round(math.sqrt(n))))
+    else:
+        checkpoint_blocks(model, segments=n, selective=checkpointing == "selective")
 
 
 def _extrapolated(spec: ModelSpec, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str, precision: str,
                   depth: str = "fast", offload: bool = False, shard=None):
     """Return (peak, split, param bytes, opt bytes, n, work per micro-batch, host peak) at full depth, exact.
 
-    host peak: (peak, split) with the optimizer state and step in the host tier (_host_optimizer). depth="fast" (more
-    than FULL_MAX_LAYERS identical blocks, not sqrt(n) segments): arithmetic over small runs (_fit); a full-depth run
-    where the small runs do not repeat block by block. offload, shard: as _fake_run.
+    depth="fast" past FULL_MAX_LAYERS blocks: arithmetic over small runs (_fit), else a full-depth run.
     """
     full = spec.n_layer
     if depth != "full" and full is not None and full > FULL_MAX_LAYERS and checkpointing in FAST_DEPTHS:
@@ -420,12 +373,8 @@ def _extrapolated(spec: ModelSpec, micro_batch: int, n_micro: int, seq_len: int,
 
 
 def _host_optimizer(peak_before: int, split_before: dict, at_optimizer: dict) -> tuple:
-    """Return the device's (peak, split) with the optimizer state and its step in the host tier (ZeRO-Offload style).
-
-    Adam's state exists before the step and stays unchanged until it, and the step's temporaries are host memory:
-    the device holds what the step held before its optimizer step, less the state (exact arithmetic on the fake step;
-    tests/test_plan.py checks it against the meter on a step whose optimizer runs in the host tier).
-    """
+    """Return the device's (peak, split) with the optimizer state and its step in the host tier (ZeRO-Offload style):
+    what the step held before its optimizer step, less the state."""
     peak, split = max((peak_before, split_before), (sum(at_optimizer.values()), at_optimizer), key=lambda x: x[0])
     state = split["optimizer_state"]
     return peak - state, {**split, "optimizer_state": 0}
@@ -434,10 +383,7 @@ def _host_optimizer(peak_before: int, split_before: dict, at_optimizer: dict) ->
 def _keyed(events, n_layer: int, apart: tuple) -> list:
     """Return [(key, block index or None, bytes by category)]: a traced step's rises, keyed alike at every depth.
 
-    Only events that raise the bytes can make a peak; frees are left out (autocast frees its weight casts, as many
-    as the blocks, at once). apart: (first, last): the first `first` blocks and (last=True) the last are positions of
-    their own (checkpointing leaves the last unchecked; FSDP2 prefetches nothing beyond the first and the last, and
-    the block after the first prefetches it in backward); blocks count from 0 after them.
+    apart: (first, last): the first `first` blocks and (last=True) the last are positions of their own.
     """
     out, runs, prev, j, before = [], {}, None, 0, 0
     for phase, tag, split in events:
@@ -467,11 +413,8 @@ def _line(lo, hi, steps: int) -> tuple:
 
 
 def _full_depth_events(small, big, n_layer: int, depths, apart: tuple) -> list | None:
-    """Return the full depth's candidate events [(key, bytes by category)] in time order from runs at FAST_DEPTHS.
-
-    Bytes at a key are affine in the depth and, inside the blocks, in the block index, so a maximum over the blocks
-    sits at the first or the last of them; None when the runs do not repeat block by block (checked, not assumed).
-    """
+    """Return the full depth's candidate events [(key, bytes by category)] in time order from runs at FAST_DEPTHS
+    (None: the runs do not repeat block by block)."""
     d0, d1 = depths
     n0, n1, n = (d - sum(apart) for d in (d0, d1, n_layer))  # blocks keyed as blocks
     keyed = _keyed(big, d1, apart)
@@ -503,11 +446,7 @@ def _fit(spec: ModelSpec, n_micro: int, seq_len: int, checkpointing: str, precis
          shard=None, micro_batch: int = 2):
     """Return full-depth figures for micro-batches of 1, 2 (and 3) rows from traced runs at FAST_DEPTHS (None: inexact).
 
-    micro_batch 1: for 1 row only (what FSDP2 on many ranks asks for). offload, shard: as _fake_run.
-
-    Every tensor's bytes are independent of the rows or proportional to them, so where runs with 1 and 2 rows raise
-    the bytes at the same events they are a line in the rows (_at_rows). Where they do not (some operators skip a copy
-    when a dimension has size 1), the line goes through 2 and 3 rows, which must match, and 1 row stands apart.
+    micro_batch 1: for 1 row only. Where 1 and 2 rows raise the bytes at other events, the line goes through 2 and 3.
     """
     L = spec.n_layer
     d0, d1 = depths = FAST_DEPTHS[checkpointing] if shard is None else SHARDED_DEPTHS
@@ -542,61 +481,19 @@ def _at_rows(fit, micro_batch: int):
         one, two, steps = rows[2], rows[3], micro_batch - 2
     else:
         one, two, steps = rows[1], rows[2], micro_batch - 1
-    peak, split = -1, None
-    for (_, a), (_, b) in zip(one[0], two[0]):
-        v = _line(a, b, steps)
-        if sum(v) > peak:
-            peak, split = sum(v), v
+    split = max((_line(a, b, steps) for (_, a), (_, b) in zip(one[0], two[0])), key=sum)
+    peak = sum(split)
     at_opt = _line(one[1], two[1], steps)
     host = _host_optimizer(peak, dict(zip(CATEGORIES, split)), dict(zip(CATEGORIES, at_opt)))
     if sum(at_opt) + rise > peak:
         peak, split = sum(at_opt) + rise, at_opt[:3] + (at_opt[3] + rise,)
     work = _line(one[2], two[2], steps)  # (FLOPs, bytes accessed, bytes offloaded) per micro-batch
-    split = dict(zip(CATEGORIES, split))
-    return peak, split, at_opt[0], at_opt[2], one[3], work, host
+    return peak, dict(zip(CATEGORIES, split)), at_opt[0], at_opt[2], one[3], work, host
 
 
-def _data_parallel(peak: int, split: dict, param_bytes: int, opt_bytes: int, parallel: str, ranks: int):
-    """Return (peak, split) of one rank: DDP adds gradient buckets (the gradients' bytes), ZeRO-1 keeps 1/N of Adam."""
-    split = dict(split)
-    if parallel in ("ddp", "zero1"):
-        peak += param_bytes  # gradients have the parameters' dtype and size
-        split["activations"] += param_bytes
-    if parallel == "zero1":
-        dropped = opt_bytes - opt_bytes // ranks
-        peak -= dropped
-        split["optimizer_state"] -= dropped
-    return peak, split
-
-
-def _input_bytes_per_row(spec: ModelSpec, seq_len: int) -> int:
-    """Return the bytes of one batch row (all input tensors), built on the meta device."""
-    with torch.device("meta"):
-        _, batch = spec.build(1 if spec.n_layer else None, 1, seq_len)
-    return sum(t.numel() * t.element_size() for t in batch)
-
-
-def _divisors(n: int) -> list:
-    """Return the powers of two that divide n, and n."""
-    return sorted({d for d in (2**k for k in range(n.bit_length())) if n % d == 0} | {n})
-
-
-def _check(spec: ModelSpec, device: DeviceProfile, gpus: int, seq_len: int, batch: int, reserve_fraction: float,
-           precisions) -> None:
-    """Raise ParameterError naming the field for bad input, before any work."""
-    check_int("gpus", gpus, 1, 1 if device.name == "cpu" else 4096)
-    check_int("seq_len", seq_len, 1)
-    if spec.max_seq_len is not None:
-        check_int("seq_len", seq_len, 1, spec.max_seq_len)
-    check_int("batch", batch, 1)
-    if batch % gpus:
-        raise ParameterError(f"batch ({batch}) must be divisible by gpus ({gpus}): every rank takes batch / gpus rows")
-    check_float("reserve_fraction", reserve_fraction, 0.0, 1.0, hi_open=True)
-    for p in precisions:
-        check_choice("precision", p, PRECISIONS)
-        if p not in device.flops_per_s:
-            raise ParameterError(f"precision {p!r}: the {device.name} has no {p} compute "
-                                 f"(it has {tuple(device.flops_per_s)})")
+def _divisors(n: int, top: int) -> list:
+    """Return the powers of two up to `top` that divide n, and top."""
+    return sorted({d for d in (2**k for k in range(top.bit_length())) if n % d == 0} | {top})
 
 
 def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: int = 1024, batch: int = 8,
@@ -610,19 +507,25 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     spec = model_spec(model)
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
     precisions = tuple(p for p in PRECISIONS if p in device.flops_per_s) if precisions is None else tuple(precisions)
-    _check(spec, device, gpus, seq_len, batch, reserve_fraction, precisions)
+    check_int("gpus", gpus, 1, 1 if device.name == "cpu" else 4096)
+    check_int("seq_len", seq_len, 1, spec.max_seq_len)
+    check_int("batch", batch, 1)
+    check_divides("batch", batch, "gpus", gpus)
+    check_float("reserve_fraction", reserve_fraction, 0.0, 1.0, hi_open=True)
+    for p in precisions:
+        check_choice("precision", p, PRECISIONS)
+        if p not in device.flops_per_s:
+            raise ParameterError(f"precision {p!r}: the {device.name} has no {p} compute "
+                                 f"(it has {tuple(device.flops_per_s)})")
     check_choice("depth", depth, DEPTHS)
     offload, optimizers = tuple(offload), tuple(optimizers)
     for o in offload:
         check_choice("offload", o, (False, True))
     for o in optimizers:
         check_choice("optimizers", o, OPTIMIZERS)
-    if checkpointing is None:
-        checkpointing = spec.checkpointing
+    checkpointing = spec.checkpointing if checkpointing is None else checkpointing
     for c in checkpointing:
-        check_choice("checkpointing", c, CHECKPOINTING)
-        if c not in spec.checkpointing:
-            raise ParameterError(f"checkpointing {c!r}: {spec.name} takes {spec.checkpointing} only")
+        check_choice("checkpointing", c, spec.checkpointing)
     left_out = dict(NOT_MODELLED)
     if spec.checkpointing != CHECKPOINTING:
         left_out["checkpointing " + " and ".join(c for c in CHECKPOINTING if c not in spec.checkpointing)] = (
@@ -639,75 +542,56 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
         left_out["fsdp2 below the largest rank count"] = (f"{spec.n_layer} blocks: FSDP2 is planned on {gpus} ranks "
                                                            "only (--depth full plans every rank count)")
     t0 = time.perf_counter()
-    ranks_list = sorted({r for r in (2**k for k in range(gpus.bit_length())) if batch % r == 0} | {gpus})
-    row_bytes = _input_bytes_per_row(spec, seq_len)
+    ranks_list = _divisors(batch, gpus)
+    with torch.device("meta"):  # one batch row's input tensors
+        row_bytes = sum(t.numel() * t.element_size() for t in spec.build(1 if spec.n_layer else None, 1, seq_len)[1])
     out = Plan(spec.name, device.name, gpus, seq_len, batch, 0, int(device.memory_bytes * (1 - reserve_fraction)),
                reserve_fraction, left_out=left_out)
     fake_precisions = sorted({"bf16" if p == "fp16" else p for p in precisions})
-    sharded = [(r, reshard) for r in ranks_list if r > 1 and spec.n_layer is not None and (not deep or r == gpus)
-               for reshard in (False, True)]
-    todo = []  # (ranks, shard, micro-batch, micro-batches run, checkpointing, precision, offload): each a fake step
-    for ranks, shard in [(r, None) for r in ranks_list] + [(s[0], s) for s in sharded]:
-        rows = batch // ranks
-        todo += [(ranks, shard, mb, min(rows // mb, 2), c, p, o) for mb in _divisors(rows) for c in checkpointing
-                 for p in fake_precisions for o in (offload if shard is None and c == "none" else (False,))]
-    todo = list(dict.fromkeys((None if s is None else r, s, *rest) for r, s, *rest in todo))  # one-device steps once
+    shards = [None] + [(r, reshard) for r in ranks_list if r > 1 and spec.n_layer is not None
+                       and (not deep or r == gpus) for reshard in (False, True)]
+    todo = {}  # (shard, micro-batch, micro-batches run, checkpointing, precision, offload): each a fake step, once
+    for shard in shards:
+        for rows in [batch // r for r in ranks_list] if shard is None else [batch // shard[0]]:
+            todo.update(dict.fromkeys((shard, mb, min(rows // mb, 2), c, p, o) for mb in _divisors(rows, rows)
+                                      for c in checkpointing for p in fake_precisions
+                                      for o in (offload if shard is None and c == "none" else (False,))))
     fake = {}
-    for key in progress(todo, desc="fake steps"):
-        _, shard, mb, n_micro, c, p, o = key
-        fake[key] = _extrapolated(spec, mb, n_micro, seq_len, c, p, depth, o, shard)
+    for shard, mb, n_micro, c, p, o in progress(list(todo), desc="fake steps"):
+        fake[shard, mb, n_micro, c, p, o] = _extrapolated(spec, mb, n_micro, seq_len, c, p, depth, o, shard)
     out.fake_steps = len(todo)
-    for (_, shard, mb, n_micro, c, p, o), (peak, split, param_bytes, opt_bytes, n, work, host) in fake.items():
+    for (shard, mb, n_micro, c, p, o), (peak, split, param_bytes, opt_bytes, n, work, host) in fake.items():
+        out.n_params = n
         for prec in [q for q in precisions if q == p or (q, p) == ("fp16", "bf16")]:
-            scaler = GRADSCALER_BYTES if prec == "fp16" else 0  # fp16: bf16's step and GradScaler's four scalars
             for ranks in ranks_list if shard is None else [shard[0]]:
                 rows = batch // ranks
                 if rows % mb or min(rows // mb, 2) != n_micro:
                     continue
-                out.n_params = n
-                extra = (rows - mb * n_micro) * row_bytes + scaler  # the whole per-rank batch is held; the fake step
-                #                                                    held n_micro micro-batches
-                comb = Combination(ranks, "single", mb, rows // mb, c, prec, o)
-                if shard is not None:
-                    comb = replace(comb, parallel="fsdp2-reshard" if shard[1] else "fsdp2")
-                    out.rows.append(_row(comb, *_plus(peak, split, extra), out.budget_bytes, work, param_bytes,
-                                         opt_bytes, 4 * n, device, seq_len * batch))
-                    continue
-                for parallel in (("single",) if ranks == 1 else ("ddp", "zero1")):
-                    rank_peak, rank_split = _data_parallel(*_plus(peak, split, extra), param_bytes, opt_bytes,
-                                                           parallel, ranks)
-                    rank_opt = opt_bytes // ranks if parallel == "zero1" else opt_bytes  # ZeRO-1 steps 1/N of Adam
-                    out.rows.append(_row(replace(comb, parallel=parallel), rank_peak, rank_split, out.budget_bytes,
-                                         work, param_bytes, rank_opt, param_bytes, device, seq_len * batch))
+                # held too: the rows beyond the n_micro micro-batches run; fp16: GradScaler's scalars
+                extra = (rows - mb * n_micro) * row_bytes + (GRADSCALER_BYTES if prec == "fp16" else 0)
+                parallels = (("fsdp2-reshard" if shard[1] else "fsdp2",) if shard else ("single",) if ranks == 1
+                             else ("ddp", "zero1"))
+                variants = [(parallel, "device", (peak, split)) for parallel in parallels if "device" in optimizers]
                 if ranks == 1 and "host" in optimizers:
-                    out.rows.append(_row(replace(comb, optimizer="host"), *_plus(*host, extra), out.budget_bytes,
-                                         work, param_bytes, opt_bytes, param_bytes, device, seq_len * batch))
-    if "device" not in optimizers:
-        out.rows = [r for r in out.rows if r.combination.optimizer != "device"]
+                    variants.append(("single", "host", host))
+                for parallel, where, (at_peak, at_split) in variants:
+                    buckets = param_bytes if parallel in ("ddp", "zero1") else 0  # DDP's gradient buckets
+                    dropped = opt_bytes - opt_bytes // ranks if parallel == "zero1" else 0  # ZeRO-1 keeps 1/N of Adam
+                    rank_split = {**at_split, "activations": at_split["activations"] + extra + buckets,
+                                  "optimizer_state": at_split["optimizer_state"] - dropped}
+                    comb = Combination(ranks, parallel, mb, rows // mb, c, prec, o, where)
+                    out.rows.append(_row(out, device, comb, at_peak + extra + buckets - dropped, rank_split, work,
+                                         param_bytes, opt_bytes - dropped, 4 * n if shard else param_bytes))
     out.elapsed_s = time.perf_counter() - t0
     return out
 
 
-def _plus(peak: int, split: dict, extra: int) -> tuple:
-    """Return (peak, split) with `extra` bytes more of activations (the rest of the batch, GradScaler's scalars)."""
-    return peak + extra, {**split, "activations": split["activations"] + extra}
-
-
-COMM_UNITS = {"single": 0, "ddp": 2, "zero1": 3, "fsdp2": 2, "fsdp2-reshard": 3}  # parameter-sized ring passes per
-#   step (chapter 07, measured): all-reduce = reduce-scatter + all-gather; ZeRO-1 all-gathers the updated
-#   parameters too; FSDP2 all-gathers in forward, again in backward when resharded, and reduce-scatters: once per
-#   micro-batch (plan_step syncs every backward), where DDP's passes are counted once per step
-
-
-def _row(comb: Combination, peak: int, split: dict, budget: int, work: tuple, param_bytes: int, opt_bytes: int,
-         whole_param_bytes: int, device: DeviceProfile, tokens: int) -> Row:
+def _row(p: Plan, device: DeviceProfile, comb: Combination, peak: int, split: dict, work: tuple, param_bytes: int,
+         opt_bytes: int, whole_param_bytes: int) -> Row:
     """Return a combination's row: the roofline time on the device plus communication and host transfers, added.
 
-    work: (FLOPs, bytes accessed, bytes offloaded to the host and back) per micro-batch. The optimizer step reads the
-    parameters, their gradients and its state and writes the parameters and the state (3 x param_bytes +
-    2 x opt_bytes): on the device, or with the optimizer on the host over the host's memory bandwidth, after the
-    gradients go to the host and before the parameters come back (2 x param_bytes over the host link). Offloaded
-    activations cross the host link too. Nothing is overlapped: communication and host transfers add to the roofline.
+    work: (FLOPs, bytes accessed, bytes offloaded) per micro-batch. The optimizer step reads the parameters, their
+    gradients and its state and writes the parameters and the state: on the device, or on the host.
     """
     flops_per_micro, bytes_per_micro, offloaded_per_micro = work
     flops = int(flops_per_micro * comb.accum_steps)
@@ -722,24 +606,23 @@ def _row(comb: Combination, peak: int, split: dict, budget: int, work: tuple, pa
     if on_host:
         host_s += 2 * param_bytes / device.host_bytes_per_s + optimizer_bytes / device.host_memory_bytes_per_s
     step_s = compute_s + comm_s + host_s
-    return Row(comb, peak, split, peak <= budget, flops, compute_s, comm_s, step_s, tokens / step_s, accessed, host_s)
+    return Row(comb, peak, split, peak <= p.budget_bytes, flops, compute_s, comm_s, step_s,
+               p.seq_len * p.batch / step_s, accessed, host_s)
 
 
 def format_plan(p: Plan, all_rows: bool = False) -> str:
     """Return the plan as a text table: the Pareto front (every row with all_rows) and the fastest that fits."""
-    head = (f"{p.model} ({format_count(p.n_params)} parameters) on {p.gpus} × {p.device}, seq_len {p.seq_len}, "
+    n = p.n_params  # "437,760" below a million, else "124.4 M" or "6.74 B"
+    count = f"{n:,}" if n < 10**6 else f"{n / 1e6:.1f} M" if n < 10**9 else f"{n / 1e9:.2f} B"
+    head = (f"{p.model} ({count} parameters) on {p.gpus} × {p.device}, seq_len {p.seq_len}, "
             f"batch {p.batch}: budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s")
     cols = (f"{'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'offl':>4} {'opt':>6} "
             f"{'peak':>10} {'fits':>4} {'step (ms)':>10} {'comm (ms)':>10} {'host (ms)':>10} {'tokens/s':>10}")
-    shown, title = p.rows, "all combinations:"
-    if not all_rows:
-        shown, title = p.pareto, "Pareto front (memory against predicted step time):"
+    shown, title = (p.rows, "all combinations:") if all_rows else (
+        p.pareto, "Pareto front (memory against predicted step time):")
     if not shown:
         shown, title = sorted(p.rows, key=lambda r: r.peak_bytes)[:5], "nothing fits; the smallest peaks:"
-    legend = ("peak: per device; step = roofline + comm + host, each in ms per optimizer step; comm: between GPUs; "
-              "host: offloaded activations, and with opt host Adam's gradients, parameters and update, over the host "
-              "link; offl: activation offload; opt: where Adam's state and update live; tokens/s: the global batch's")
     lines = [head, "", title, cols]
     for r in shown:
         c = r.combination
@@ -748,15 +631,16 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
                      f"{format_bytes(r.peak_bytes):>10} {'yes' if r.fits else 'no':>4} {r.step_s * 1e3:>10,.2f} "
                      f"{r.comm_s * 1e3:>10,.2f} {r.host_s * 1e3:>10,.2f} {r.tokens_per_s:>10,.0f}")
     best = p.fastest
-    lines.append("")
-    lines.append("fastest that fits: " + ("none" if best is None else ", ".join(
+    lines += ["", "fastest that fits: " + ("none" if best is None else ", ".join(
         f"{k} {v}" for k, v in asdict(best.combination).items()) + f" ({format_bytes(best.peak_bytes)}, "
         f"{best.step_s * 1e3:,.2f} ms/step, {best.tokens_per_s:,.0f} tokens/s, " + (
             "a roofline bound for eager, unfused PyTorch)" if best.comm_s + best.host_s == 0 else
             "an estimate: roofline + " + " + ".join(f"{t * 1e3:,.2f} ms of {what}" for t, what in (
-                (best.comm_s, "communication"), (best.host_s, "host transfers")) if t > 0) + ", not overlapped)")))
-    lines.append(legend)
-    lines.append("left out: " + "; ".join(f"{k} ({v})" for k, v in p.left_out.items()))
+                (best.comm_s, "communication"), (best.host_s, "host transfers")) if t > 0) + ", not overlapped)")),
+              "peak: per device; step = roofline + comm + host, each in ms per optimizer step; comm: between GPUs; "
+              "host: offloaded activations, and with opt host Adam's gradients, parameters and update, over the host "
+              "link; offl: activation offload; opt: where Adam's state and update live; tokens/s: the global batch's",
+              "left out: " + "; ".join(f"{k} ({v})" for k, v in p.left_out.items())]
     return "\n".join(lines)
 
 
@@ -776,7 +660,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sample")
     ap.add_argument("--batch", type=int, default=8, help="global batch: samples per optimizer step")
     ap.add_argument("--reserve", type=float, default=RESERVE_FRACTION, help="share of device memory held back")
-    ap.add_argument("--depth", choices=DEPTHS[:2], default="fast",
+    ap.add_argument("--depth", choices=DEPTHS, default="fast",
                     help="fast: exact arithmetic over a few blocks; full: every block on fake tensors (the reference)")
     ap.add_argument("--all", action="store_true", help="print every combination, not only the Pareto front")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -793,12 +677,8 @@ def main(argv=None) -> int:
 def combination_step(cfg: GPTConfig, combination: Combination, seed: int = 0, device="cpu"):
     """Return (model, optimizer, step_fn) running a one-device combination for real: what the meter checks a row by.
 
-    With the optimizer on the host its step runs in the meter's host tier and creates Adam's state there in its
-    first step: measure it without a warm-up (labkit.measure_step(..., warmup=False)), its first step's device peak
-    being every step's.
+    With the optimizer on the host, measure without a warm-up: its first step creates Adam's state in the host tier.
     """
-    from labkit.train import seeded_model
-
     model = seeded_model(cfg, seed, device)
     _checkpoint(model, combination.checkpointing)
     optimizer = make_optimizer("adam", model.parameters())
@@ -814,13 +694,6 @@ def combination_step(cfg: GPTConfig, combination: Combination, seed: int = 0, de
     def step_fn(model, optimizer, batch):
         return plan_step(model, optimizer, batch, combination.micro_batch, combination.precision, hooks)
     return model, optimizer, step_fn
-
-
-def format_count(n: int) -> str:
-    """Return a parameter count for reading: "437,760" below a million, else "124.4 M" or "6.74 B"."""
-    if n < 10**6:
-        return f"{n:,}"
-    return f"{n / 1e6:.1f} M" if n < 10**9 else f"{n / 1e9:.2f} B"
 
 
 if __name__ == "__main__":

@@ -263,7 +263,7 @@ def test_a_transformers_model_checkpointed_by_its_own_switch_matches_the_meter()
 
 def test_gpu_table_is_complete():
     assert set(GPUS) == {"t4", "l4", "a10g", "rtx4090", "a100-40gb", "a100-80gb", "h100", "h200"}
-    assert not GPUS["t4"].has_bf16 and all(g.has_bf16 for k, g in GPUS.items() if k != "t4")
+    assert "bf16" not in GPUS["t4"].flops_per_s and all("bf16" in g.flops_per_s for k, g in GPUS.items() if k != "t4")
 
 
 def test_command_prints_the_table_and_json(monkeypatch, capsys):
