@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +39,11 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch) -> torch.Tensor:
-    """Run forward, backward and the optimizer step on one batch; return the detached loss."""
-    _, loss = model(*batch)
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, forward_context=None) -> torch.Tensor:
+    """Run forward (inside `forward_context`, e.g. saved-tensor hooks), backward and the optimizer step on one batch;
+    return the detached loss."""
+    with forward_context or contextlib.nullcontext():
+        _, loss = model(*batch)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -44,13 +45,8 @@ def _grads(model, batch, ctx=None, checkpointing=False):
 
 
 def _offload_step(hooks):
-    def step(model, opt, batch):
-        with hooks:
-            _, loss = model(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
+    """Return the plain training step with its forward under `hooks`."""
+    return functools.partial(labkit.train_step, forward_context=hooks)
 
 
 # -- OffloadHooks ----------------------------------------------------------------------------

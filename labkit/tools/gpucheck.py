@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import subprocess
 import sys
@@ -136,17 +137,6 @@ def check_budget(setup: Setup) -> Row:
                str(err).split("; ")[-1] if err else "no refusal", figures)
 
 
-def _under(hooks):
-    """Return a step_fn(model, optimizer, batch) whose forward runs under the saved-tensor `hooks`."""
-    def step(model, opt, batch):
-        with hooks:
-            _, loss = model(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
-
-
 def check_offload(setup: Setup) -> Row:
     """Time offload with prefetch, without, and torch's save_on_cpu against the plain step; measure copy bandwidth."""
     model, batch = setup.model(), setup.data()
@@ -155,15 +145,15 @@ def check_offload(setup: Setup) -> Row:
     cuda = _cuda(setup)
     kw = {"min_bytes": setup.min_offload_bytes}
     timed = OffloadHooks(model, prefetch=cuda, time_copies=True, **kw).track_layers(model.blocks)
-    steps = {"plain": train_step,
-             "offload+prefetch": _under(OffloadHooks(model, prefetch=cuda, **kw).track_layers(model.blocks)),
-             "offload": _under(OffloadHooks(model, prefetch=False, **kw)),
-             "save_on_cpu": _under(torch.autograd.graph.save_on_cpu(pin_memory=cuda))}
+    hooks = {"plain": None, "offload+prefetch": OffloadHooks(model, prefetch=cuda, **kw).track_layers(model.blocks),
+             "offload": OffloadHooks(model, prefetch=False, **kw),
+             "save_on_cpu": torch.autograd.graph.save_on_cpu(pin_memory=cuda)}
+    steps = {k: functools.partial(train_step, forward_context=h) for k, h in hooks.items()}
     times = _step_s(setup, {k: (lambda f=f: f(model, opt, batch)) for k, f in steps.items()})
     ratios = {k: _ratio(t, times["plain"]) for k, t in times.items() if k != "plain"}
     peaks = {k: measure_step(model, opt, batch, steps[k], warmup=False).peak_bytes
              for k in ("plain", "offload+prefetch")}
-    _under(timed)(model, opt, batch)
+    train_step(model, opt, batch, forward_context=timed)
     stats = timed.stats()
     figures = {"step_s": times, "ratio_to_plain": ratios, "peak_bytes": peaks,
                "bytes_to_host": stats["bytes_to_host"], "copy_to_host_bytes_per_s": stats["copy_to_host_bytes_per_s"]}
