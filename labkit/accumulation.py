@@ -42,13 +42,13 @@ def split_batch(batch: Sequence[torch.Tensor], micro_batch_size: int) -> list[tu
 
 
 def accumulate_gradients(model: torch.nn.Module, batch: Sequence[torch.Tensor], micro_batch_size: int,
-                         normalise: str = "mean", ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                         normalise: str = "mean") -> torch.Tensor:
     """Add the gradient of batch (inputs..., targets) to .grad, one micro-batch at a time; return the batch loss."""
     check_choice("normalise", normalise, NORMALISATIONS)
     micro_batches = split_batch(batch, micro_batch_size)
     tokens = None
     if normalise == "tokens":
-        tokens = count_tokens(batch[-1], ignore_index)  # the whole batch's real tokens, counted once
+        tokens = count_tokens(batch[-1])  # the whole batch's real tokens, counted once
         if tokens == 0:
             raise ValueError("normalise='tokens': the batch holds no real tokens (every target is ignore_index)")
     total = torch.zeros((), device=batch[-1].device)
@@ -58,7 +58,7 @@ def accumulate_gradients(model: torch.nn.Module, batch: Sequence[torch.Tensor], 
             out = model(*inputs)
             logits = out[0] if isinstance(out, (tuple, list)) else out  # (..., V)
             part = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
-                                   ignore_index=ignore_index, reduction="sum") / tokens
+                                   ignore_index=IGNORE_INDEX, reduction="sum") / tokens
         else:
             _, mean_loss = model(*mb)
             n = len(micro_batches)
@@ -69,16 +69,11 @@ def accumulate_gradients(model: torch.nn.Module, batch: Sequence[torch.Tensor], 
 
 
 def accumulation_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor],
-                      micro_batch_size: int, normalise: str = "mean", scheduler=None,
-                      max_grad_norm: float | None = None) -> torch.Tensor:
+                      micro_batch_size: int, normalise: str = "mean") -> torch.Tensor:
     """Run one optimizer step on a batch through micro-batches; return the detached batch loss."""
     optimizer.zero_grad(set_to_none=True)
     total = accumulate_gradients(model, batch, micro_batch_size, normalise=normalise)
-    if max_grad_norm is not None:  # clip the accumulated gradient, once, never per micro-batch
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
-    if scheduler is not None:  # one scheduler step per optimizer step, not per micro-batch
-        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return total
 

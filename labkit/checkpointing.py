@@ -43,16 +43,11 @@ def selective_policy(save_ops=MATMUL_OPS):
 class CheckpointedSequential(nn.Sequential):
     """An nn.Sequential that checkpoints its blocks in `segments` runs (all but the last, by default)."""
 
-    def __init__(self, *blocks: nn.Module, segments: int, checkpoint_last: bool = False, selective: bool = False,
-                 save_ops=MATMUL_OPS, use_reentrant: bool = False, preserve_rng_state: bool = True):
+    def __init__(self, *blocks: nn.Module, segments: int, checkpoint_last: bool = False, selective: bool = False):
         super().__init__(*blocks)
         self.sizes = segment_sizes(len(blocks), segments)
         self.checkpoint_last = bool(checkpoint_last)
-        self.use_reentrant = bool(use_reentrant)
-        self.preserve_rng_state = bool(preserve_rng_state)
-        if selective and use_reentrant:
-            raise ValueError("selective checkpointing needs use_reentrant=False")
-        self.context_fn = (functools.partial(create_selective_checkpoint_contexts, selective_policy(save_ops))
+        self.context_fn = (functools.partial(create_selective_checkpoint_contexts, selective_policy())
                            if selective else None)
 
     def __getitem__(self, idx):
@@ -67,7 +62,7 @@ class CheckpointedSequential(nn.Sequential):
             if j == len(self.sizes) - 1 and not self.checkpoint_last:
                 x = segment(x)  # kept: its backward comes first, recomputing saves nothing
             else:
-                kwargs = {"use_reentrant": self.use_reentrant, "preserve_rng_state": self.preserve_rng_state}
+                kwargs = {"use_reentrant": False}
                 if self.context_fn is not None:
                     kwargs["context_fn"] = self.context_fn
                 x = checkpoint(segment, x, **kwargs)
@@ -76,29 +71,21 @@ class CheckpointedSequential(nn.Sequential):
 
     def extra_repr(self) -> str:
         mode = "selective" if self.context_fn is not None else "full"
-        return (f"sizes={self.sizes}, checkpoint_last={self.checkpoint_last}, {mode}, "
-                f"use_reentrant={self.use_reentrant}")
+        return f"sizes={self.sizes}, checkpoint_last={self.checkpoint_last}, {mode}"
 
 
-def checkpoint_blocks(model: nn.Module, segments: int | None, *, checkpoint_last: bool = False,
-                      selective: bool = False, save_ops=MATMUL_OPS, use_reentrant: bool = False,
-                      preserve_rng_state: bool = True) -> nn.Module:
-    """Checkpoint a GPT's `blocks` (an MLP's `layers`) in `segments` runs, in place, and return it; None undoes it."""
+def checkpoint_blocks(model: nn.Module, segments: int, *, checkpoint_last: bool = False,
+                      selective: bool = False) -> nn.Module:
+    """Checkpoint a GPT's `blocks` (an MLP's `layers`) in `segments` runs, in place, and return it."""
     name = blocks_name(model)
     blocks = list(getattr(model, name))
-    if segments is None:
-        setattr(model, name, nn.Sequential(*blocks))
-    else:
-        setattr(model, name, CheckpointedSequential(
-            *blocks, segments=segments, checkpoint_last=checkpoint_last, selective=selective, save_ops=save_ops,
-            use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state))
+    setattr(model, name, CheckpointedSequential(*blocks, segments=segments, checkpoint_last=checkpoint_last,
+                                                selective=selective))
     return model
 
 
 def predicted_activation_bytes(n_blocks: int, segments: int, block_bytes: float, boundary_bytes: float,
-                               rest_bytes: float = 0.0, sizes: list[int] | None = None) -> float:
+                               rest_bytes: float = 0.0) -> float:
     """Return Chen's peak activation bytes: the worst (boundaries stored before segment j + segment j) + the rest."""
-    sizes = segment_sizes(n_blocks, segments) if sizes is None else list(sizes)
-    if sum(sizes) != n_blocks:
-        raise ValueError(f"sizes {sizes} do not add up to n_blocks={n_blocks}")
+    sizes = segment_sizes(n_blocks, segments)
     return rest_bytes + max((j * boundary_bytes + size * block_bytes for j, size in enumerate(sizes)), default=0.0)
