@@ -38,9 +38,10 @@ def die_with_parent() -> None:
 class ChildProcesses:
     """Start commands as child processes; on leaving the `with` block every one still running is stopped."""
 
-    def __init__(self, stop_timeout_s: float = 5.0):
+    stop_timeout_s = 5.0  # seconds between SIGTERM and SIGKILL
+
+    def __init__(self):
         self.procs: list[subprocess.Popen] = []
-        self.stop_timeout_s = stop_timeout_s
 
     def start(self, argv: list[str], env: dict | None = None, log_path=None) -> subprocess.Popen:
         """Start one child (stdout and stderr to `log_path`, else discarded); return its Popen."""

@@ -70,10 +70,10 @@ def _worst(a: Tensors, b: Tensors, diff) -> float:
     return worst
 
 
-def rel_diff(a: torch.Tensor, b: torch.Tensor, floor: float = FLOOR) -> float:
-    """Return ||a - b||_2 / max(||b||_2, floor) in float64 (b is the reference)."""
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Return ||a - b||_2 / max(||b||_2, FLOOR) in float64 (b is the reference)."""
     x, y = (t.double() for t in _checked(a, b))
-    return float(torch.linalg.vector_norm(x - y)) / max(float(torch.linalg.vector_norm(y)), floor)
+    return float(torch.linalg.vector_norm(x - y)) / max(float(torch.linalg.vector_norm(y)), FLOOR)
 
 
 def max_abs_diff(a: Tensors, b: Tensors) -> float:
@@ -81,9 +81,9 @@ def max_abs_diff(a: Tensors, b: Tensors) -> float:
     return _worst(a, b, lambda x, y: float((x - y).abs().max()) if x.numel() else 0.0)
 
 
-def max_rel_diff(a: Tensors, b: Tensors, floor: float = FLOOR) -> float:
+def max_rel_diff(a: Tensors, b: Tensors) -> float:
     """Return the largest per-tensor rel_diff(a_i, b_i) over matching tensors (inf where one side is None)."""
-    return _worst(a, b, lambda x, y: rel_diff(x, y, floor))
+    return _worst(a, b, rel_diff)
 
 
 def max_grad_diff(model_a: torch.nn.Module, model_b: torch.nn.Module, relative: bool = False) -> float:

@@ -15,11 +15,11 @@ def _generator(seed: int) -> torch.Generator:
 
 
 class MarkovTokens:
-    """A random first-order Markov chain over `vocab_size` tokens, each with `branching` random successors."""
+    """A random first-order Markov chain over `vocab_size` tokens, each with 4 random successors (fewer tokens: all)."""
 
-    def __init__(self, vocab_size: int = 256, branching: int = 4, seed: int = 0):
+    def __init__(self, vocab_size: int = 256, seed: int = 0):
         check_int("vocab_size", vocab_size, 2)
-        check_int("branching", branching, 1, vocab_size)  # successors per token, at most every token
+        branching = min(4, vocab_size)  # successors per token
         g = _generator(seed)
         self.vocab_size = vocab_size
         succ = torch.stack([torch.randperm(vocab_size, generator=g)[:branching] for _ in range(vocab_size)])  # (V, k)

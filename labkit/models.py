@@ -86,9 +86,10 @@ LLAMA_7B = GPTConfig(n_layer=32, n_embd=4096, n_head=32, block_size=4096, vocab_
 class RMSNorm(nn.Module):
     """Scale by the reciprocal root-mean-square (llama's norm)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    eps = 1e-6
+
+    def __init__(self, dim: int):
         super().__init__()
-        self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):  # (..., C)
@@ -227,9 +228,9 @@ def blocks_of(model: nn.Module) -> nn.Sequential:
     return getattr(model, blocks_name(model))
 
 
-def count_tokens(targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
-    """Return the number of real targets (those != ignore_index)."""
-    return int((targets != ignore_index).sum())
+def count_tokens(targets: torch.Tensor) -> int:
+    """Return the number of real targets (those != IGNORE_INDEX)."""
+    return int((targets != IGNORE_INDEX).sum())
 
 
 def token_weights(targets) -> list[float]:

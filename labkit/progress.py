@@ -7,11 +7,10 @@ import sys
 from labkit.runmode import in_kernel, is_batch
 
 
-def progress(iterable=None, total: int | None = None, desc: str = "", **kwargs):
+def progress(iterable, desc: str = ""):
     """Wrap an iterable in a progress bar suited to where the code runs."""
     if in_kernel() and not is_batch():
         from tqdm.auto import tqdm
-    else:
-        from tqdm.std import tqdm
-        kwargs = {"mininterval": 2.0, "file": sys.stderr, "ascii": True, **kwargs}
-    return tqdm(iterable, total=total, desc=desc, **kwargs)
+        return tqdm(iterable, desc=desc)
+    from tqdm.std import tqdm
+    return tqdm(iterable, desc=desc, mininterval=2.0, file=sys.stderr, ascii=True)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # -- determinism ---------------------------------------------------------------------------------
 
 def test_markov_tokens_same_seed_same_batches():
-    a, b = MarkovTokens(vocab_size=40, branching=3, seed=7), MarkovTokens(vocab_size=40, branching=3, seed=7)
+    a, b = MarkovTokens(vocab_size=40, seed=7), MarkovTokens(vocab_size=40, seed=7)
     assert torch.equal(a.transition, b.transition)
     for _ in range(3):  # the internal generators advance in step
         (xa, ya), (xb, yb) = a.batch(4, 10), b.batch(4, 10)
@@ -77,10 +77,10 @@ def test_seed_must_be_a_non_negative_int(seed):
 # -- validity of the data ------------------------------------------------------------------------
 
 def test_markov_targets_are_valid_successors():
-    data = MarkovTokens(vocab_size=50, branching=4, seed=2)
+    data = MarkovTokens(vocab_size=50, seed=2)
     P = data.transition
     assert torch.allclose(P.sum(1), torch.ones(50))
-    assert ((P > 0).sum(1) == 4).all()  # exactly `branching` successors per token
+    assert ((P > 0).sum(1) == 4).all()  # exactly 4 successors per token
     x, y = data.batch(16, 40)
     assert x.shape == y.shape == (16, 40)
     assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
@@ -91,7 +91,7 @@ def test_markov_targets_are_valid_successors():
 
 
 def test_padded_batch_masks_exactly_beyond_each_length():
-    data = MarkovTokens(vocab_size=30, branching=3, seed=5)
+    data = MarkovTokens(vocab_size=30, seed=5)
     T = 12
     x, y, lengths = data.padded_batch(64, T, min_len=3)
     assert x.shape == y.shape == (64, T) and lengths.shape == (64,)
@@ -108,9 +108,7 @@ def test_padded_batch_masks_exactly_beyond_each_length():
 
 
 @pytest.mark.parametrize("kwargs, message", [({"vocab_size": 1}, r"vocab_size must be an integer >= 2"),
-                                             ({"vocab_size": 10.0}, r"vocab_size must be an integer >= 2"),
-                                             ({"vocab_size": 10, "branching": 0}, r"branching must be an integer \[1, 10\]"),
-                                             ({"vocab_size": 10, "branching": 11}, r"branching must be an integer \[1, 10\]")])
+                                             ({"vocab_size": 10.0}, r"vocab_size must be an integer >= 2")])
 def test_markov_tokens_rejects_bad_shapes_naming_the_argument(kwargs, message):
     with pytest.raises(ParameterError, match=message):
         MarkovTokens(**kwargs)
@@ -125,7 +123,7 @@ def test_gpt_learns_markov_tokens():
     1.27, log V = 3.47); the training loss is below the midpoint by step 50 for seeds 0, 1 and 2.
     """
     V = 32
-    data = MarkovTokens(vocab_size=V, branching=4, seed=0)
+    data = MarkovTokens(vocab_size=V, seed=0)
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=32, vocab_size=V))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
