@@ -38,7 +38,7 @@ def dense_stride(t: torch.Tensor) -> tuple[int, ...]:
 class HostPool:
     """Allocate host-tier buffers (pinned, accounted RAM or disk memmap), counted on the meter's host tier."""
 
-    def __init__(self, device: str | torch.device = "cpu", kind: str = "auto", spill_dir: str | None = None):
+    def __init__(self, device: str | torch.device = "cpu", kind: str = "auto"):
         self.device = as_device(device)
         check_choice("kind", kind, HOST_KINDS)
         if kind == "auto":
@@ -47,7 +47,6 @@ class HostPool:
             raise ValueError("kind='pinned' needs CUDA; use 'memory' or 'disk' on a CPU-only machine")
         self.kind = kind
         self.pinned = kind == "pinned"  # page-locked buffers: copies to and from CUDA are asynchronous
-        self._spill_parent = spill_dir
         self.spill_dir: str | None = None  # the folder of spill files ("disk" kind, once a buffer was allocated)
         self._counter = 0
         self.live_bytes = 0  # host bytes of this pool's buffers alive now
@@ -72,7 +71,7 @@ class HostPool:
             if self.kind == "disk":
                 numel = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))  # spanned
                 if self.spill_dir is None:
-                    self.spill_dir = tempfile.mkdtemp(prefix="labkit-offload-", dir=self._spill_parent)
+                    self.spill_dir = tempfile.mkdtemp(prefix="labkit-offload-")
                 self._counter += 1
                 path = os.path.join(self.spill_dir, f"t{self._counter:08d}.bin")
                 flat = torch.from_file(path, shared=True, size=max(numel, 1), dtype=dtype)  # creates the file

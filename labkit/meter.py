@@ -72,14 +72,13 @@ def _is_tensor(obj) -> bool:
         return False
 
 
-def live_tensor_bytes(device: str | torch.device | None = None, collect: bool = True) -> int:
-    """Return the bytes of every tensor alive in this process (each storage once; optionally one device type's)."""
+def live_tensor_bytes(collect: bool = True) -> int:
+    """Return the bytes of every tensor alive in this process (each storage once)."""
     import gc
     import warnings
 
     if collect:
         gc.collect()
-    kind = torch.device(device).type if device is not None else None
     seen: dict[int, int] = {}
     with warnings.catch_warnings():  # isinstance on some of gc's objects (deprecated torch aliases) warns
         warnings.simplefilter("ignore")
@@ -88,8 +87,6 @@ def live_tensor_bytes(device: str | torch.device | None = None, collect: bool = 
         if isinstance(obj, FakeTensor) or obj.is_meta:
             continue
         for t in _inner(obj):
-            if kind is not None and t.device.type != kind:
-                continue
             st = _storage(t)
             if st is not None:
                 seen[st._cdata] = st.nbytes()

@@ -8,7 +8,6 @@ import weakref
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from labkit.device import as_device
 from labkit.hosttier import HostPool, to_device, to_host
 from labkit.validate import check_choice, check_int
 
@@ -32,12 +31,9 @@ class Saved:
 class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     """Move tensors saved for backward to a HostPool during forward; bring them back for backward."""
 
-    def __init__(self, model: torch.nn.Module | None = None, pool: HostPool | None = None,
-                 min_bytes: int = 65536, prefetch="auto", time_copies: bool = False,
-                 device: str | torch.device | None = None):
-        if model is not None and device is None:
-            device = next(model.parameters()).device
-        self.device = as_device("cpu" if device is None else device)  # "cuda" -> "cuda:0": compared with t.device
+    def __init__(self, model: torch.nn.Module, pool: HostPool | None = None, min_bytes: int = 65536,
+                 prefetch="auto", time_copies: bool = False):
+        self.device = next(model.parameters()).device  # where the model computes: compared with t.device
         self.pool = pool if pool is not None else HostPool(self.device)
         check_int("min_bytes", min_bytes, 0)
         check_choice("prefetch", prefetch, PREFETCH_CHOICES)
@@ -47,7 +43,6 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self.prefetch = self.cuda if prefetch == "auto" else bool(prefetch)
         self.time_copies = time_copies
         self.side_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._param_storages: set[int] = set()
         self._active = False
         self._handles: list = []
         self.reset_stats()
@@ -95,8 +90,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self._layers: dict[int, list] = {}  # layer -> weakrefs to its Saved
         self._fetched: set[int] = set()  # layers whose copy back has started
         self._triggered: set[int] = set()  # layers whose first unpack has started a prefetch
-        if self.model is not None:
-            self._param_storages = {p.untyped_storage()._cdata for p in self.model.parameters()}  # storages, fake ones too
+        self._param_storages = {p.untyped_storage()._cdata for p in self.model.parameters()}  # storages, fake ones too
         self._active = True
         return super().__enter__()
 

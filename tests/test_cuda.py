@@ -59,7 +59,7 @@ def test_offload_on_cuda_offloads_and_keeps_gradients(setup, prefetch):
     ref = copy.deepcopy(model)
     _, loss = ref(*batch)
     loss.backward()
-    hooks = OffloadHooks(device="cuda", prefetch=prefetch).track_layers(model.blocks)  # device without index
+    hooks = OffloadHooks(model, prefetch=prefetch).track_layers(model.blocks)
     with hooks:
         _, loss = model(*batch)
     loss.backward()

@@ -69,19 +69,19 @@ def test_pool_buffers_count_on_the_meter_host_tier_not_the_device():
     assert meter.host_peak_bytes == 4096 and meter.peak_bytes == 4096
 
 
-def test_disk_pool_deletes_each_file_with_its_buffer_and_the_folder_on_close(tmp_path):
-    pool = HostPool("cpu", kind="disk", spill_dir=str(tmp_path))
+def test_disk_pool_deletes_each_file_with_its_buffer_and_the_folder_on_close():
+    pool = HostPool("cpu", kind="disk")
     a = to_host(torch.randn(100), pool)
     b = to_host(torch.randn(7, 3), pool)
     assert len(pool.files()) == 2
     folder = pool.spill_dir
-    assert folder is not None and os.path.dirname(folder) == str(tmp_path)
+    assert folder is not None and os.path.isdir(folder)
     del a
     assert len(pool.files()) == 1
     del b
     assert pool.files() == []
     pool.close()
-    assert not os.path.exists(folder) and pool.spill_dir is None and os.listdir(tmp_path) == []
+    assert not os.path.exists(folder) and pool.spill_dir is None
 
 
 def test_host_pool_rejects_bad_kinds():
