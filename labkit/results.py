@@ -51,11 +51,11 @@ def recorded() -> dict[str, object]:
     return dict(_RECORDS)
 
 
-def show_records(records: dict[str, object] | None = None) -> None:
-    """Show this run's records (or `records`) as one table, folded: one line per name, in recording order."""
+def show_records() -> None:
+    """Show this run's records as one table, folded: one line per name, in recording order."""
     import html
 
-    records = recorded() if records is None else records
+    records = recorded()
     width = max((len(n) for n in records), default=0)
     lines = [f"{name:<{width}}  {_short(value)}" for name, value in records.items()]
     if not lines:

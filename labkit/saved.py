@@ -35,11 +35,10 @@ class SavedTensor:
 class Census(tuple):
     """The tensors one run saved for backward, in the order autograd saved them."""
 
-    def where(self, kind: str | None = None, min_bytes: int = 0, max_bytes: int | None = None) -> "Census":
-        """Return the saved tensors of one kind (any kind: None) with min_bytes <= nbytes <= max_bytes."""
-        if kind is not None:
-            check_choice("kind", kind, KINDS)
-        return Census(s for s in self if (kind is None or s.kind == kind) and s.nbytes >= min_bytes
+    def where(self, kind: str, min_bytes: int = 0, max_bytes: int | None = None) -> "Census":
+        """Return the saved tensors of one kind with min_bytes <= nbytes <= max_bytes."""
+        check_choice("kind", kind, KINDS)
+        return Census(s for s in self if s.kind == kind and s.nbytes >= min_bytes
                       and (max_bytes is None or s.nbytes <= max_bytes))
 
     @property

@@ -86,8 +86,6 @@ class PairedRatio:
     """One step function's time over another's, round by round, from the same interleaved rounds."""
 
     median: float  # median over the rounds of the per-round ratio
-    lo: float  # smallest round's ratio
-    hi: float  # largest round's ratio
     round_ratios: tuple  # every round's ratio, in order
 
     @property
@@ -109,7 +107,7 @@ def paired_ratio(timed: Mapping[str, Throughput], num: str, den: str) -> PairedR
         if name not in timed:
             raise KeyError(f"{name!r} was not timed: the timed step functions are {sorted(timed)}")
     ratios = tuple(a / b for a, b in zip(timed[num].step_times_s, timed[den].step_times_s))
-    return PairedRatio(statistics.median(ratios), min(ratios), max(ratios), ratios)
+    return PairedRatio(statistics.median(ratios), ratios)
 
 
 def copy_bandwidth(dst: torch.Tensor, src: torch.Tensor, repeats: int = 3) -> float:
@@ -145,10 +143,9 @@ class CopyOverlap:
         return min(1.0, max(0.0, hidden / min(self.copy_s, self.compute_s)))
 
 
-def _host_and_device_buffers(caller: str, device, nbytes: int, repeats: int, pinned: bool = True):
+def _host_and_device_buffers(caller: str, device, nbytes: int, pinned: bool = True):
     """Check a CUDA copy benchmark's arguments; return its device, a filled host buffer of `nbytes` and a device one."""
     check_int("nbytes", nbytes, 4, 2**40)
-    check_int("repeats", repeats, 1, 1000)
     if not isinstance(pinned, bool):
         raise ValueError(f"pinned must be True or False, got {pinned!r}")
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
@@ -160,20 +157,20 @@ def _host_and_device_buffers(caller: str, device, nbytes: int, repeats: int, pin
     return dev, src, torch.empty(src.shape, device=dev)
 
 
-def host_to_device_bandwidth(device, nbytes: int = 64 * 2**20, pinned: bool = True, repeats: int = 3) -> float:
+def host_to_device_bandwidth(device, nbytes: int = 64 * 2**20, pinned: bool = True) -> float:
     """Return the best bytes/s of one host -> device copy of `nbytes` from pinned or pageable memory (CUDA only)."""
-    _, src, dst = _host_and_device_buffers("host_to_device_bandwidth", device, nbytes, repeats, pinned)
-    return copy_bandwidth(dst, src, repeats)
+    _, src, dst = _host_and_device_buffers("host_to_device_bandwidth", device, nbytes, pinned)
+    return copy_bandwidth(dst, src)
 
 
-def copy_compute_overlap(device, nbytes: int = 64 * 2**20, repeats: int = 3, matmul_n: int = 2048) -> CopyOverlap:
-    """Time a pinned host -> device copy and a matmul compute as long: alone, serial and overlapped (CUDA only)."""
-    check_int("matmul_n", matmul_n, 1, 2**15)
-    dev, src, dst = _host_and_device_buffers("copy_compute_overlap", device, nbytes, repeats)
+def copy_compute_overlap(device, nbytes: int = 64 * 2**20) -> CopyOverlap:
+    """Time a pinned host -> device copy and 2048² matmuls as long: alone, serial and overlapped (CUDA only)."""
+    repeats = 3  # each time the best of 3
+    dev, src, dst = _host_and_device_buffers("copy_compute_overlap", device, nbytes)
     current = torch.cuda.current_stream(dev)
     side = torch.cuda.Stream(dev)
     pageable = torch.ones(nbytes // 4)
-    a = torch.randn(matmul_n, matmul_n, device=dev)
+    a = torch.randn(2048, 2048, device=dev)
     c = torch.empty_like(a)
 
     def issue_s(host) -> float:

@@ -20,7 +20,7 @@ def test_a_linear_layer_saves_its_input_and_its_weight():
     assert x.nbytes in {t.nbytes for t in acts}  # the input, for the weight's gradient
     assert (16, 32) in {t.shape for t in acts}  # relu's output, for its own backward
     assert [t.shape for t in census.where(kind="activation", min_bytes=x.nbytes)] == [(16, 64)]
-    assert len(census.where(max_bytes=x.nbytes - 1)) == 1  # relu's output only
+    assert len(census.where(kind="activation", max_bytes=x.nbytes - 1)) == 1  # relu's output only
     with pytest.raises(ValueError, match="kind"):
         census.where(kind="weights")
 
