@@ -32,7 +32,7 @@ def ring_factor(world_size: int) -> float:
 
 
 def cheapest_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float], budget_bytes: float,
-                 costs: dict[str, str] | None = None) -> tuple[list[str], str | None]:
+                 costs: dict[str, str]) -> tuple[list[str], str | None]:
     """Return the points that fit the budget, and the first fitting one that sends least (None when none fits).
 
     A point in `costs` (point -> what else it pays, e.g. "precision") is chosen only when every fitting point pays.
@@ -42,16 +42,14 @@ def cheapest_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float], bud
     missing = set(peak_bytes) - set(sent_bytes)
     if missing:
         raise ValueError(f"sent_bytes has no figure for {sorted(missing)}")
-    costs = costs or {}
     fits = [p for p, b in peak_bytes.items() if b <= budget_bytes]
     free = [p for p in fits if p not in costs] or fits
     return fits, min(free, key=lambda p: sent_bytes[p], default=None)  # min keeps the first of equals
 
 
 def describe_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float], budget_bytes: float,
-                 costs: dict[str, str] | None = None) -> str:
+                 costs: dict[str, str]) -> str:
     """Return one sentence from measured figures: which points fit the budget, and which of them to use (cheapest_fit)."""
-    costs = costs or {}
     fits, best = cheapest_fit(peak_bytes, sent_bytes, budget_bytes, costs)
     if best is None:
         low = min(peak_bytes, key=peak_bytes.get)
@@ -74,14 +72,13 @@ def describe_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float], bud
             + (f"; also fit{'s' if len(others) == 1 else ''}: {', '.join(others)}" if others else ""))
 
 
-def deepspeed_config(stage: int, micro_batch: int, world_size: int = 1, accumulation_steps: int = 1,
-                     precision: str = "fp32", offload_optimizer: bool = False, offload_params: bool = False,
-                     activation_checkpointing: bool = False, lr: float = 1e-3) -> dict:
-    """Return the DeepSpeed config (a dict to dump as JSON) for one of notebook 07's settings."""
+def deepspeed_config(stage: int, micro_batch: int, world_size: int = 1, precision: str = "fp32",
+                     offload_optimizer: bool = False, offload_params: bool = False,
+                     activation_checkpointing: bool = False) -> dict:
+    """Return the DeepSpeed config (a dict to dump as JSON) for a setting of notebook 07 (lr 1e-3, no accumulation)."""
     check_choice("stage", stage, STAGES)
     check_int("micro_batch", micro_batch, 1)
     check_int("world_size", world_size, 1)
-    check_int("accumulation_steps", accumulation_steps, 1)
     check_choice("precision", precision, ("fp32", "bf16", "fp16"))
     if offload_params and stage != 3:
         raise ValueError("offload_params needs stage 3: only stage 3 shards (and so can offload) the parameters")
@@ -93,10 +90,10 @@ def deepspeed_config(stage: int, micro_batch: int, world_size: int = 1, accumula
     if offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     config = {
-        "train_batch_size": micro_batch * accumulation_steps * world_size,
+        "train_batch_size": micro_batch * world_size,
         "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": accumulation_steps,
-        "optimizer": {"type": "Adam", "params": {"lr": lr}},
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16"},

@@ -58,9 +58,9 @@ def test_offload_needs_a_stage_that_shards_it():
 
 
 def test_config_batch_arithmetic_and_sections():
-    cfg = zero.deepspeed_config(3, 4, world_size=8, accumulation_steps=2, precision="bf16", offload_optimizer=True,
+    cfg = zero.deepspeed_config(3, 4, world_size=8, precision="bf16", offload_optimizer=True,
                                 offload_params=True, activation_checkpointing=True)
-    assert cfg["train_batch_size"] == 4 * 2 * 8
+    assert cfg["train_batch_size"] == 4 * 8
     assert cfg["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
                                         "offload_param": {"device": "cpu", "pin_memory": True}}
     assert cfg["bf16"] == {"enabled": True} and cfg["fp16"] == {"enabled": False}
@@ -71,7 +71,7 @@ def test_config_batch_arithmetic_and_sections():
 SETTINGS = [dict(stage=s, micro_batch=8) for s in zero.STAGES] + [
     dict(stage=3, micro_batch=8, precision="bf16", offload_optimizer=True, offload_params=True,
          activation_checkpointing=True),
-    dict(stage=2, micro_batch=2, accumulation_steps=4, precision="fp16", offload_optimizer=True),
+    dict(stage=2, micro_batch=2, precision="fp16", offload_optimizer=True),
 ]
 
 
@@ -85,7 +85,7 @@ def test_deepspeed_accepts_every_generated_config(settings):
     parsed = DeepSpeedConfig(cfg)  # checks the batch arithmetic and every section's keys and values
     assert parsed.zero_optimization_stage == settings["stage"]
     assert parsed.train_micro_batch_size_per_gpu == settings["micro_batch"]
-    assert parsed.gradient_accumulation_steps == settings.get("accumulation_steps", 1)
+    assert parsed.gradient_accumulation_steps == 1
     assert parsed.bfloat16_config.enabled == (settings.get("precision") == "bf16")
     assert parsed.float16_config.enabled == (settings.get("precision") == "fp16")
     offload = parsed.zero_config.offload_optimizer
@@ -118,15 +118,15 @@ def test_cheapest_fit_takes_the_fitting_point_that_sends_least_and_pays_nothing_
     sent = {"DDP": 2, "no-reshard": 2, "ZeRO-3": 3, "ZeRO-3 bf16": 2, "ZeRO-3 + checkpointing": 3}
     costs = {"ZeRO-3 bf16": "precision", "ZeRO-3 + checkpointing": "recomputation"}
     assert zero.cheapest_fit(peaks, sent, 32, costs) == (list(peaks), "DDP")  # equal bytes: the first listed
-    assert zero.cheapest_fit(peaks, sent, 32)[1] == "DDP"
+    assert zero.cheapest_fit(peaks, sent, 32, {})[1] == "DDP"
     assert zero.cheapest_fit(peaks, sent, 22, costs)[1] == "ZeRO-3"  # sends more, but pays nothing else
     assert zero.cheapest_fit(peaks, sent, 15, costs) == (["ZeRO-3 bf16", "ZeRO-3 + checkpointing"], "ZeRO-3 bf16")
     assert zero.cheapest_fit(peaks, {**sent, "ZeRO-3 bf16": 4}, 15, costs)[1] == "ZeRO-3 + checkpointing"
-    assert zero.cheapest_fit(peaks, sent, 10) == ([], None)
+    assert zero.cheapest_fit(peaks, sent, 10, {}) == ([], None)
     with pytest.raises(ValueError, match="sent_bytes"):
-        zero.cheapest_fit(peaks, {"DDP": 2}, 32)
+        zero.cheapest_fit(peaks, {"DDP": 2}, 32, {})
     with pytest.raises(ValueError, match="budget_bytes"):
-        zero.cheapest_fit(peaks, sent, None)
+        zero.cheapest_fit(peaks, sent, None, {})
 
 
 def test_describe_fit_follows_the_numbers_not_their_order():
@@ -143,12 +143,12 @@ def test_describe_fit_follows_the_numbers_not_their_order():
     swapped = zero.describe_fit(peaks, {**sent, "A": 3 * MiB, "B": 2 * MiB}, 16 * MiB,
                                 costs={"A": "precision", "B": "recomputation"})
     assert "B (pays in recomputation) sends the fewest (2.00 MiB per step" in swapped and swapped != both
-    assert zero.describe_fit(peaks, sent, 40 * MiB).startswith(  # A and C send as much: a tie, said as one
+    assert zero.describe_fit(peaks, sent, 40 * MiB, {}).startswith(  # A and C send as much: a tie, said as one
         "3 of 3 points fit 40.00 MiB; of those that pay nothing besides bytes, A ties for the fewest (2.00 MiB per step, "
         "peak 12.00 MiB) with C; A is the simplest of the tied points (listed first)")
-    assert zero.describe_fit({**peaks, "A": 31 * MiB}, sent, 40 * MiB).startswith(
+    assert zero.describe_fit({**peaks, "A": 31 * MiB}, sent, 40 * MiB, {}).startswith(
         "3 of 3 points fit 40.00 MiB; of those that pay nothing besides bytes, A ties")  # the first of equal senders
-    assert zero.describe_fit({"C": peaks["C"], "A": peaks["A"]}, sent, 40 * MiB).startswith(
+    assert zero.describe_fit({"C": peaks["C"], "A": peaks["A"]}, sent, 40 * MiB, {}).startswith(
         "2 of 2 points fit 40.00 MiB; of those that pay nothing besides bytes, C ties")  # the order given decides
-    assert zero.describe_fit(peaks, sent, 10 * MiB) == ("no point fits 10.00 MiB: the lowest peak, B's 11.00 MiB, "
+    assert zero.describe_fit(peaks, sent, 10 * MiB, {}) == ("no point fits 10.00 MiB: the lowest peak, B's 11.00 MiB, "
                                                         "is 1.00 MiB over")
