@@ -53,8 +53,6 @@ def amp_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
                    precision: str = "bf16", scaler: torch.amp.GradScaler | None = None,
                    clip_norm: float | None = None) -> AmpStep:
     """Run one optimizer step over the micro-batches `batches` under autocast, token-weighted; return an AmpStep."""
-    if isinstance(batches, tuple) and batches and isinstance(batches[0], torch.Tensor):
-        batches = [batches]  # one (inputs, targets) batch given directly
     batches = list(batches)  # the micro-batches (a count is `micro_batches` elsewhere in labkit)
     if not batches:
         raise ValueError("amp_train_step needs at least one micro-batch")
@@ -94,10 +92,10 @@ def _as_float(t) -> float:
     return float(t)
 
 
-def amp_step_fn(precision: str, scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None):
+def amp_step_fn(precision: str, scaler: torch.amp.GradScaler | None = None):
     """Return step_fn(model, optimizer, batch) running `amp_train_step`, for labkit.measure_step."""
     def step_fn(model, optimizer, batch):
-        return amp_train_step(model, optimizer, [batch], precision=precision, scaler=scaler, clip_norm=clip_norm)
+        return amp_train_step(model, optimizer, [batch], precision=precision, scaler=scaler)
     return step_fn
 
 
@@ -116,11 +114,9 @@ def captured_grads(optimizer: torch.optim.Optimizer):
         handle.remove()
 
 
-def forward_activation_bytes(model: torch.nn.Module, batch, precision: str = "fp32",
-                             device: torch.device | str | None = None) -> int:
+def forward_activation_bytes(model: torch.nn.Module, batch, precision: str = "fp32") -> int:
     """Return the bytes one forward pass leaves alive for backward (meter count after minus before)."""
-    if device is None:
-        device = next(model.parameters()).device
+    device = next(model.parameters()).device
     with MemoryMeter(device=device, timeline=False) as meter:
         meter.track(model, *[t for t in batch if isinstance(t, torch.Tensor)])
         before = meter.current_bytes
@@ -168,12 +164,8 @@ class GradientSample:
     losses: list  # the loss of each step
 
 
-def collect_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, batches,
-                      loss_scale: float = 1.0) -> GradientSample:
-    """Train one fp32 step per batch (none without an optimizer) and return the weight and block-output gradients.
-
-    `loss_scale` multiplies the loss before backward: the returned gradients carry the factor.
-    """
+def collect_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches) -> GradientSample:
+    """Train one fp32 step per batch and return the weight and block-output gradients."""
     weights, acts, losses = [], [], []
     hooks = []
 
@@ -186,14 +178,11 @@ def collect_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     try:
         for batch in batches:
             _, loss = model(*batch)
-            (loss * loss_scale).backward()
+            loss.backward()
             losses.append(float(loss.detach()))
             weights.append(flat(p.grad for p in model.parameters()))
-            if optimizer is not None:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                model.zero_grad(set_to_none=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     finally:
         for h in hooks:
             h.remove()
