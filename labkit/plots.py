@@ -61,7 +61,7 @@ def show_pyplot(draw, width_in: float = 6.0, height_in: float = 3.2, after=None)
 
 
 def plot_timeline(source: MemoryMeter | list[TimelinePoint], ax=None, budget_bytes: int | None = None,
-                  title: str = "Device memory during the step", label: str | None = None):
+                  title: str = "Device memory during the step"):
     """Plot device MiB against allocation events, coloured by phase; mark the peak and budget."""
     points = source.timeline if isinstance(source, MemoryMeter) else list(source)
     if budget_bytes is None and isinstance(source, MemoryMeter):
@@ -72,7 +72,7 @@ def plot_timeline(source: MemoryMeter | list[TimelinePoint], ax=None, budget_byt
         return ax
     x = list(range(len(points)))
     y = [p.bytes / MiB for p in points]
-    ax.plot(x, y, color="#333333", lw=0.8, label=label)
+    ax.plot(x, y, color="#333333", lw=0.8)
     for phase in PHASES:
         xs = [i for i, p in enumerate(points) if p.phase == phase]
         if xs:
@@ -88,9 +88,8 @@ def plot_timeline(source: MemoryMeter | list[TimelinePoint], ax=None, budget_byt
 
 
 def plot_memory_bars(splits: dict[str, dict[str, int]], ax=None, budget_bytes: int | None = None,
-                     title: str = "Memory at the peak, by category", unit: float = MiB, ylabel: str = "memory (MiB)",
-                     names: dict[str, str] | None = None):
-    """Plot stacked bars of bytes by category (in MiB, or bytes / `unit` labelled `ylabel`), one bar per label.
+                     title: str = "Memory at the peak, by category", names: dict[str, str] | None = None):
+    """Plot stacked bars of bytes by category, in MiB, one bar per label.
 
     `names` renames categories in the legend, e.g. {"activations": "other"} for memory at rest.
     """
@@ -99,12 +98,12 @@ def plot_memory_bars(splits: dict[str, dict[str, int]], ax=None, budget_bytes: i
     labels = list(splits)
     bottom = [0.0] * len(labels)
     for cat in CATEGORIES:
-        vals = [splits[k].get(cat, 0) / unit for k in labels]
+        vals = [splits[k].get(cat, 0) / MiB for k in labels]
         ax.bar(labels, vals, bottom=bottom, color=CATEGORY_COLORS[cat], label=names.get(cat, cat.replace("_", " ")))
         bottom = [b + v for b, v in zip(bottom, vals)]
     if budget_bytes:
-        ax.axhline(budget_bytes / unit, color="black", ls="--", lw=1, label="budget")
-    ax.set(ylabel=ylabel, title=title)
+        ax.axhline(budget_bytes / MiB, color="black", ls="--", lw=1, label="budget")
+    ax.set(ylabel="memory (MiB)", title=title)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the bars, on none
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     return ax
@@ -136,12 +135,11 @@ def plot_grouped_bars(series: dict[str, dict[str, float]], ax=None, title: str =
     return bars
 
 
-def plot_series(ax, x, series: dict[str, list], xlabel: str, ylabel: str, title: str = "", logx: bool = False,
-                marker: str = "o"):
+def plot_series(ax, x, series: dict[str, list], xlabel: str, ylabel: str, title: str = "", logx: bool = False):
     """Plot named y-series against x on one axes."""
     for name, ys in series.items():
         n = min(len(x), len(ys))
-        ax.plot(list(x)[:n], list(ys)[:n], marker=marker, label=name)
+        ax.plot(list(x)[:n], list(ys)[:n], marker="o", label=name)
     if logx:
         ax.set_xscale("log", base=2)
         plain_ticks(ax.xaxis)
@@ -157,10 +155,10 @@ def plot_series(ax, x, series: dict[str, list], xlabel: str, ylabel: str, title:
 class LiveFigure:
     """A figure that redraws in place as results arrive (one display handle, updated)."""
 
-    def __init__(self, draw, nrows: int = 1, ncols: int = 2, width_in: float = 5.0, height_in: float = 3.2):
-        """`draw(fig, axes, data)` draws everything from `data`; call `update(data)` after each result."""
+    def __init__(self, draw, ncols: int = 2, width_in: float = 5.0, height_in: float = 3.2):
+        """`draw(fig, axes, data)` draws everything from `data` (one row of axes); call `update(data)` per result."""
         self._draw = draw
-        self._shape = (nrows, ncols, width_in, height_in)
+        self._shape = (1, ncols, width_in, height_in)
         self._handle = None
         self.fig = None
 
@@ -202,7 +200,7 @@ def plain_ticks(axis) -> None:
 
 
 def plot_gantt(spans_by_rank: dict, ax=None, title: str = "Timeline by rank", unit: str = "ms",
-               label_actions: bool = True, xlabel: str | None = None, legend: bool = False):
+               xlabel: str | None = None, legend: bool = False):
     """Draw each rank's (label, start_s, end_s) spans as bars on its own row, coloured by kind (see _gantt_kind).
 
     A bar is labelled only where its text fits; legend: a colour key under the axes.
@@ -222,7 +220,7 @@ def plot_gantt(spans_by_rank: dict, ax=None, title: str = "Timeline by rank", un
             ax.barh(row, (b - a) * scale, left=(a - t0) * scale, height=0.6, color=colors[kind], edgecolor="white",
                     lw=0.5)
             text = str(label).split("/")[0]
-            if label_actions and (b - a) * scale >= 0.011 * span_x * (len(text) + 1):  # about 6-pt characters
+            if (b - a) * scale >= 0.011 * span_x * (len(text) + 1):  # about 6-pt characters
                 ax.text((a - t0 + (b - a) / 2) * scale, row, text, ha="center", va="center", fontsize=6,
                         color="black" if kind == "wait" else "white", clip_on=True)
     if legend:
