@@ -76,9 +76,16 @@ def test_rows_are_the_chapters_figures(results):
     assert rows["04"]["fits"] == (m["device_peak_bytes_offload"] <= closing.budget_bytes(results))
 
 
+def _unpaired_01(results: dict) -> dict:
+    """Return a copy of results as an older chapter 01 left them: each k timed on its own, no paired ratios."""
+    results = copy.deepcopy(results)
+    del results["notebooks"]["01_gradient_accumulation"]["measurements"]["step_time_ratio_by_accum_steps"]
+    return results
+
+
 def test_accumulation_is_ranked_when_chapter_01_timed_it_in_pairs(results):
-    unpaired = {r["chapter"]: r for r in closing.one_device_rows(results)}["01"]
-    assert not unpaired["paired"] and not unpaired["time_ranked"]  # the fixture's 01 timed each k on its own
+    unpaired = {r["chapter"]: r for r in closing.one_device_rows(_unpaired_01(results))}["01"]
+    assert not unpaired["paired"] and not unpaired["time_ranked"]  # each k timed on its own
     results = copy.deepcopy(results)
     m = results["notebooks"]["01_gradient_accumulation"]["measurements"]
     k = m["fitting_accum_steps"]
@@ -97,6 +104,9 @@ def _set_time_ratio(results: dict, chapter: str, ratio: float) -> dict:
     stem = next(s for s in closing.SOURCES if s.startswith(chapter))
     m = results["notebooks"][stem]["measurements"]
     if chapter == "01":
+        if "step_time_ratio_by_accum_steps" in m:  # paired rounds against the plain step
+            m["step_time_ratio_by_accum_steps"] = {k: 1.0 if int(k) == 1 else ratio
+                                                   for k in m["step_time_ratio_by_accum_steps"]}
         speeds = m["samples_per_s_by_accum_steps"]
         plain = speeds[min(speeds, key=int)]
         for k in speeds:
@@ -136,11 +146,12 @@ def test_the_order_and_its_sentence_change_with_the_figures(results):
 
 
 def test_a_time_not_timed_in_pairs_or_judged_unreliable_is_not_ranked(results):
-    rows = {r["chapter"]: r for r in closing.one_device_rows(results)}
+    unpaired = _unpaired_01(results)
+    rows = {r["chapter"]: r for r in closing.one_device_rows(unpaired)}
     assert not rows["01"]["time_ranked"] and "not timed in pairs" in rows["01"]["timing"]
-    order = [r["technique"] for r in closing.cost_order(closing.one_device_rows(results))]
+    order = [r["technique"] for r in closing.cost_order(closing.one_device_rows(unpaired))]
     for ratio in (0.01, 10.0):  # 01's time, timed per setting, moves nothing
-        changed = closing.cost_order(closing.one_device_rows(_set_time_ratio(results, "01", ratio)))
+        changed = closing.cost_order(closing.one_device_rows(_set_time_ratio(unpaired, "01", ratio)))
         assert [r["technique"] for r in changed] == order
     unreliable = copy.deepcopy(results)
     unreliable["notebooks"]["03_mixed_precision"]["measurements"]["throughput_ratio_half_reliable"] = False
@@ -197,9 +208,23 @@ def test_the_several_device_lines_print_every_bubble_and_say_a_tie(results):
         for m, b in bubble.items():
             assert f"M={m}: {b:.0%}" in text
     assert "with its share of the batch" in text
-    comm, chosen = f["comm_bytes"], f["use_when"]["whole_budget"]
-    tied = [p for p, v in f["points"].items() if v.get("whole budget") and p != chosen and comm[p] == comm[chosen]]
+    comm, chosen, pays = f["comm_bytes"], f["use_when"]["whole_budget"], f["pays"]
+    tied = [p for p, v in f["points"].items() if v.get("whole budget") and p != chosen and comm[p] == comm[chosen]
+            and pays.get(p) == pays.get(chosen)]
     assert ("ties for the fewest" in text) == bool(tied)
+    sentence = next(line for line in text.split("\n") if line.startswith("a few GPUs"))
+    for p in pays:  # a point that pays in precision or recomputation never ties with one that pays nothing
+        if p != chosen and pays[p] != pays.get(chosen):
+            assert p not in sentence.split("ties for the fewest")[-1].split(";")[0]
+
+
+def test_a_bubble_rise_is_told_as_a_finding_only_where_chapter_06_told_it_apart(results):
+    f = closing.several_device_figures(results)
+    rising = {"GPipe": {1: 0.5, 4: 0.3, 16: 0.4}}  # falls to M = 4, then rises
+    for told in (True, False):
+        changed = dict(f, bubble_by_microbatches=rising, bubble_theory={}, bubble_rise_told={"GPipe": told})
+        text = "\n".join(closing.several_device_lines(changed, 8))
+        assert "rises" in text and ("not told apart" in text) == (not told)
 
 
 def test_the_sentence_says_when_nothing_fits_alone(results):

@@ -322,9 +322,15 @@ def create_study(name: str, storage, config: StudyConfig, objective: str = "spee
     return study
 
 
+def pruner_startup_trials(startup_trials: int) -> int:
+    """Return how many first trials the median pruner never stops (a median needs trials to compare with)."""
+    return min(3, startup_trials)
+
+
 def _pruner_of(name: str, config: StudyConfig, startup_trials: int):
     """Return the study's pruner for `config` (warm-up: `warmup_steps`)."""
-    return make_pruner(name, warmup_steps(config), n_startup_trials=min(3, startup_trials), max_steps=config.train_steps)
+    return make_pruner(name, warmup_steps(config), n_startup_trials=pruner_startup_trials(startup_trials),
+                       max_steps=config.train_steps)
 
 
 def load_study(name: str, storage, worker: int = 0) -> optuna.Study:

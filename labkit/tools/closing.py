@@ -31,9 +31,9 @@ SOURCES = {
     "06_model_and_pipeline_parallel": ("peak_bytes_by_rank_model_parallel", "utilisation_model_parallel",
                                        "sent_bytes_by_rank_model_parallel", "comm_bytes_per_step_tensor_parallel",
                                        "bubble_fraction_measured_by_microbatches",
-                                       "bubble_fraction_theory_by_microbatches"),
+                                       "bubble_fraction_theory_by_microbatches", "bubble_rise_told_by_schedule"),
     "07_sharded_data_parallel": ("fits_whole_and_1_over_n_budget_by_point", "comm_bytes_per_step_by_stage",
-                                 "rank_budget_bytes", "use_when"),
+                                 "rank_budget_bytes", "use_when", "pays_by_point"),
     "08_memory_aware_search": ("fastest_fitting_params", "fastest_fitting_peak_bytes",
                                "fastest_vs_chapters_paired_ratio", "timing_noise_ratio",
                                "chapters_with_fastest_setting"),
@@ -286,7 +286,7 @@ def several_device_figures(results: dict) -> dict:
     bubble = mp["bubble_fraction_measured_by_microbatches"]  # {schedule: {micro-batches: fraction}}
     return dict(
         points=sh["fits_whole_and_1_over_n_budget_by_point"], comm_bytes=sh["comm_bytes_per_step_by_stage"],
-        rank_budget=sh["rank_budget_bytes"], use_when=sh["use_when"],
+        rank_budget=sh["rank_budget_bytes"], use_when=sh["use_when"], pays=sh["pays_by_point"],
         model_parallel_peak_max=max(peaks), model_parallel_ranks=len(peaks),
         plain_peak=_m(results, "00_where_the_memory_goes")["measured_peak_bytes"],
         budget=budget_bytes(results),
@@ -295,6 +295,7 @@ def several_device_figures(results: dict) -> dict:
         utilisation=mp["utilisation_model_parallel"],
         bubble_by_microbatches={name: _by_int_key(v) for name, v in bubble.items()},
         bubble_theory=_by_int_key(mp.get("bubble_fraction_theory_by_microbatches") or {}),
+        bubble_rise_told=mp["bubble_rise_told_by_schedule"],  # {schedule: a rise after its lowest M beyond the spread}
     )
 
 
@@ -326,13 +327,14 @@ def search_lines(chosen: dict) -> list[str]:
     return lines
 
 
-def _fewest(fit: list[str], comm: dict, chosen: str) -> str:
-    """Return "X sends the fewest (B)" or, where others send exactly as much, "X ties for the fewest ... with ..."."""
-    tied = [p for p in fit if p != chosen and comm.get(p) == comm.get(chosen)]
+def _fewest(fit: list[str], comm: dict, chosen: str, pays: dict) -> str:
+    """Return "X sends the fewest (B)" or, where others that pay alike send exactly as much, "X ties ... with ..."."""
+    tied = [p for p in fit if p != chosen and comm.get(p) == comm.get(chosen) and pays.get(p) == pays.get(chosen)]
     if not tied:
         return f"{chosen} sends the fewest bytes of them ({format_bytes(comm[chosen])} per step)"
-    return (f"{chosen} ties for the fewest bytes ({format_bytes(comm[chosen])} per step) with {', '.join(tied)}; "
-            f"{chosen} is the simplest of the tied points (chapter 07 lists them simplest first)")
+    return (f"{chosen} ties for the fewest bytes ({format_bytes(comm[chosen])} per step) with {', '.join(tied)}"
+            + (f", all paying in {pays[chosen]}" if pays.get(chosen) else ", none paying anything besides bytes")
+            + f"; chapter 07 picks {chosen}, the simplest of them")
 
 
 def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
@@ -349,13 +351,13 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
         + ("fits" if ddp.get("whole budget") else "does not fit") + f" one device's budget ({format_bytes(f['budget'])})"
         + f", although the whole batch's step on one device ({format_bytes(f['plain_peak'])}) "
         + ("does not" if f["plain_peak"] > f["budget"] else "does too")
-        + (f"; {_fewest(whole_fit, comm, f['use_when']['whole_budget'])}" if whole_fit else "")
+        + (f"; {_fewest(whole_fit, comm, f['use_when']['whole_budget'], f['pays'])}" if whole_fit else "")
         + ".")
     lines.append(
         f"  when it does not fit (a device with {(part or '').replace(' of it', '')} of the budget, "
         f"{format_bytes(f['rank_budget'])}): shard, FSDP2 "
         "(ZeRO-3), with bf16 or checkpointing when sharding alone is not enough. Here "
-        + (f"{', '.join(part_fit)} fit; {_fewest(part_fit, comm, f['use_when']['part_budget'])}" if part_fit else
+        + (f"{', '.join(part_fit)} fit; {_fewest(part_fit, comm, f['use_when']['part_budget'], f['pays'])}" if part_fit else
            "no point fits that budget")
         + ".")
     ratio = f["tensor_parallel_comm"] / f["pipeline_sent_max"] if f["pipeline_sent_max"] else float("inf")
@@ -375,7 +377,9 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
         ms = sorted(bubble)
         each = ", ".join(f"M={m}: {bubble[m]:.0%}" + (f" ({theory[m]:.0%})" if m in theory else "") for m in ms)
         shape = describe_trend(ms, [bubble[m] for m in ms], fmt="{:.0%}", x_name="M", tol=0.02) if len(ms) > 1 else ""
-        lines.append(f"    {schedule}: {each}" + (f"; it {shape}" if shape else ""))
+        lines.append(f"    {schedule}: {each}" + (f"; it {shape}" if shape else "")
+                     + ("" if "rise" not in shape or f["bubble_rise_told"].get(schedule, True) else
+                        " (that rise lies within chapter 06's timed steps' spread: not told apart)"))
     lines.append(
         f"  splitting the model over {f['model_parallel_ranks']} ranks left at most "
         f"{format_bytes(f['model_parallel_peak_max'])} per rank, against {format_bytes(f['plain_peak'])} on one device.")
