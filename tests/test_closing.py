@@ -40,9 +40,7 @@ def test_every_record_the_page_reads_is_recorded_by_its_chapter():
     for stem, keys in closing.SOURCES.items():
         source = (ROOT / "notebooks" / f"{stem}.ipynb").read_text()
         for key in keys:
-            names = key if isinstance(key, tuple) else (key,)
-            assert any(re.search(rf'record\(\\?"{n}\\?"', source) for n in names), (
-                f"{stem} records none of {names}: update closing.SOURCES")
+            assert re.search(rf'record\(\\?"{key}\\?"', source), f"{stem} does not record {key}: update closing.SOURCES"
 
 
 def test_missing_results_and_missing_chapters_are_named_with_the_command(results):
@@ -52,11 +50,6 @@ def test_missing_results_and_missing_chapters_are_named_with_the_command(results
     del partial["notebooks"]["06_model_and_pipeline_parallel"]
     partial["notebooks"]["03_mixed_precision"]["status"] = "failed"
     del partial["notebooks"]["05_layer_to_layer"]["measurements"]["l2l_peak_bytes"]
-    renamed = copy.deepcopy(results)  # chapter 03's 16-bit figures under their older names count as recorded
-    m03 = renamed["notebooks"]["03_mixed_precision"]["measurements"]
-    m03["peak_bytes_bf16"], m03["throughput_ratio_bf16"] = m03.pop("peak_bytes_half"), m03.pop("throughput_ratio_half")
-    assert closing.missing(renamed) == {}
-    assert closing.one_device_rows(renamed) == closing.one_device_rows(results)
     gaps = closing.missing(partial)
     assert gaps == {"03_mixed_precision": "its last run failed", "05_layer_to_layer": "did not record l2l_peak_bytes",
                     "06_model_and_pipeline_parallel": "not run"}
@@ -71,27 +64,12 @@ def test_rows_are_the_chapters_figures(results):
     assert rows["04"]["saved"] == m["baseline_peak_bytes"] - m["device_peak_bytes_offload"]
     assert rows["04"]["time_ratio"] == m["step_time_ratio_offload"]
     mp = results["notebooks"]["03_mixed_precision"]["measurements"]
-    half = mp.get("throughput_ratio_half", mp.get("throughput_ratio_bf16"))
-    assert rows["03"]["time_ratio"] == pytest.approx(1 / half)
+    assert rows["03"]["time_ratio"] == pytest.approx(1 / mp["throughput_ratio_half"])
+    assert rows["03"]["technique"] == f"{mp['half_precision']} autocast"
+    acc = results["notebooks"]["01_gradient_accumulation"]["measurements"]
+    k = acc["fitting_accum_steps"]
+    assert rows["01"]["time_ratio"] == acc["step_time_ratio_by_accum_steps"][str(k)] and rows["01"]["time_ranked"]
     assert rows["04"]["fits"] == (m["device_peak_bytes_offload"] <= closing.budget_bytes(results))
-
-
-def _unpaired_01(results: dict) -> dict:
-    """Return a copy of results as an older chapter 01 left them: each k timed on its own, no paired ratios."""
-    results = copy.deepcopy(results)
-    del results["notebooks"]["01_gradient_accumulation"]["measurements"]["step_time_ratio_by_accum_steps"]
-    return results
-
-
-def test_accumulation_is_ranked_when_chapter_01_timed_it_in_pairs(results):
-    unpaired = {r["chapter"]: r for r in closing.one_device_rows(_unpaired_01(results))}["01"]
-    assert not unpaired["paired"] and not unpaired["time_ranked"]  # each k timed on its own
-    results = copy.deepcopy(results)
-    m = results["notebooks"]["01_gradient_accumulation"]["measurements"]
-    k = m["fitting_accum_steps"]
-    m["step_time_ratio_by_accum_steps"] = {str(j): 1.0 + 0.1 * j for j in (1, 2, 4, 8)}
-    paired = {r["chapter"]: r for r in closing.one_device_rows(results)}["01"]
-    assert paired["paired"] and paired["time_ranked"] and paired["time_ratio"] == pytest.approx(1.0 + 0.1 * k)
 
 
 def _set_cost(results, chapter_stem, key, value):
@@ -104,17 +82,10 @@ def _set_time_ratio(results: dict, chapter: str, ratio: float) -> dict:
     stem = next(s for s in closing.SOURCES if s.startswith(chapter))
     m = results["notebooks"][stem]["measurements"]
     if chapter == "01":
-        if "step_time_ratio_by_accum_steps" in m:  # paired rounds against the plain step
-            m["step_time_ratio_by_accum_steps"] = {k: 1.0 if int(k) == 1 else ratio
-                                                   for k in m["step_time_ratio_by_accum_steps"]}
-        speeds = m["samples_per_s_by_accum_steps"]
-        plain = speeds[min(speeds, key=int)]
-        for k in speeds:
-            speeds[k] = plain if int(k) == 1 else plain / ratio
+        ratios = m["step_time_ratio_by_accum_steps"]
+        m["step_time_ratio_by_accum_steps"] = {k: 1.0 if int(k) == 1 else ratio for k in ratios}
     elif chapter == "03":
-        for name in ("throughput_ratio_half", "throughput_ratio_bf16"):
-            if name in m:
-                m[name] = 1 / ratio
+        m["throughput_ratio_half"] = 1 / ratio
     else:
         m[{"02": "step_time_ratio_full_checkpoint", "04": "step_time_ratio_offload",
            "05": "step_time_ratio_l2l"}[chapter]] = ratio
@@ -145,20 +116,17 @@ def test_the_order_and_its_sentence_change_with_the_figures(results):
     assert "saved memory and the step got faster" in closing.order_sentence(fast)
 
 
-def test_a_time_not_timed_in_pairs_or_judged_unreliable_is_not_ranked(results):
-    unpaired = _unpaired_01(results)
-    rows = {r["chapter"]: r for r in closing.one_device_rows(unpaired)}
-    assert not rows["01"]["time_ranked"] and "not timed in pairs" in rows["01"]["timing"]
-    order = [r["technique"] for r in closing.cost_order(closing.one_device_rows(unpaired))]
-    for ratio in (0.01, 10.0):  # 01's time, timed per setting, moves nothing
-        changed = closing.cost_order(closing.one_device_rows(_set_time_ratio(unpaired, "01", ratio)))
-        assert [r["technique"] for r in changed] == order
+def test_a_time_judged_unreliable_is_not_ranked(results):
     unreliable = copy.deepcopy(results)
     unreliable["notebooks"]["03_mixed_precision"]["measurements"]["throughput_ratio_half_reliable"] = False
     rows = closing.cost_order(closing.one_device_rows(unreliable))
     r03 = next(r for r in rows if r["chapter"] == "03")
     assert not r03["time_ranked"] and "unreliable" in r03["timing"]
     assert rows.index(r03) >= sum(r["time_ranked"] for r in rows)
+    order = [r["technique"] for r in rows]
+    for ratio in (0.01, 10.0):  # an unreliable time moves nothing
+        changed = closing.cost_order(closing.one_device_rows(_set_time_ratio(unreliable, "03", ratio)))
+        assert [r["technique"] for r in changed] == order
 
 
 def test_close_costs_are_tied_and_time_savers_go_first_by_time_saved(results):

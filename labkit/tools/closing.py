@@ -16,16 +16,14 @@ MiB = 2**20
 FIXTURE_NOTE = ("these figures are a real `make run`'s results.json, cut to the records this page reads "
                 "(tests/data/closing_results.json, the tests' copy): run `make run` for your own")
 
-# chapter stem -> the records this page reads from it; a tuple: one record under its names, newest first
-# (chapter 03's 16-bit figures are `*_half` since it picks bf16 or fp16 by device; `*_bf16` before)
+# chapter stem -> the records this page reads from it
 SOURCES = {
     "00_where_the_memory_goes": ("measured_peak_bytes", "budget_bytes", "step_s"),
-    "01_gradient_accumulation": ("peak_bytes_by_accum_steps", ("step_time_ratio_by_accum_steps",
-                                                               "samples_per_s_by_accum_steps"), "fitting_accum_steps"),
+    "01_gradient_accumulation": ("peak_bytes_by_accum_steps", "step_time_ratio_by_accum_steps", "fitting_accum_steps"),
     "02_activation_checkpointing": ("peak_bytes_checkpointed", "step_time_ratio_full_checkpoint",
                                     "step_time_ratio_full_checkpoint_reliable"),
-    "03_mixed_precision": ("peak_bytes_fp32", ("peak_bytes_half", "peak_bytes_bf16"),
-                           ("throughput_ratio_half", "throughput_ratio_bf16"), "throughput_ratio_half_reliable"),
+    "03_mixed_precision": ("half_precision", "peak_bytes_fp32", "peak_bytes_half", "throughput_ratio_half",
+                           "throughput_ratio_half_reliable"),
     "04_activation_offload": ("baseline_peak_bytes", "device_peak_bytes_offload", "step_time_ratio_offload"),
     "05_layer_to_layer": ("plain_peak_bytes", "l2l_peak_bytes", "step_time_ratio_l2l"),
     "06_model_and_pipeline_parallel": ("peak_bytes_by_rank_model_parallel", "utilisation_model_parallel",
@@ -72,7 +70,7 @@ def missing(results: dict | None, chapters=tuple(c[:2] for c in SOURCES)) -> dic
         elif entry.get("status") != "ok":
             gaps[stem] = "its last run failed"
         else:
-            absent = [_names(k)[0] for k in keys if _get(entry.get("measurements", {}), k) is _ABSENT]
+            absent = [k for k in keys if k not in entry.get("measurements", {})]
             if absent:
                 gaps[stem] = f"did not record {', '.join(absent)}"
     return gaps
@@ -100,21 +98,8 @@ def fixture_from(results: dict, note: str) -> dict:
         entry = results.get("notebooks", {}).get(stem)
         if entry is not None:
             m = entry.get("measurements", {})
-            names = [n for k in keys for n in _names(k)]
-            out["notebooks"][stem] = {"status": entry.get("status"), "measurements": {n: m[n] for n in names if n in m}}
+            out["notebooks"][stem] = {"status": entry.get("status"), "measurements": {k: m[k] for k in keys if k in m}}
     return out
-
-
-_ABSENT = object()
-
-
-def _names(key) -> tuple[str, ...]:
-    return key if isinstance(key, tuple) else (key,)
-
-
-def _get(measurements: dict, key, default=_ABSENT):
-    """Return a record under the first of its names that was recorded."""
-    return next((measurements[n] for n in _names(key) if n in measurements), default)
 
 
 def _m(results: dict, stem: str) -> dict:
@@ -136,47 +121,40 @@ TIME_TOLERANCE = 0.05  # two step-time ratios from separate timings closer than 
 def one_device_rows(results: dict) -> list[dict]:
     """Return one row per one-device technique: peaks before and after, bytes saved, step-time ratio and its ranking.
 
-    time_ranked: the ratio comes from paired rounds its chapter did not judge unreliable (`timing` says which).
+    time_ranked: the chapter did not judge its paired rounds unreliable (`timing` says which).
     """
     budget = budget_bytes(results)
     plain_00 = _m(results, "00_where_the_memory_goes")["measured_peak_bytes"]
     acc = _m(results, "01_gradient_accumulation")
     peaks = _by_int_key(acc["peak_bytes_by_accum_steps"])
     k = acc["fitting_accum_steps"] or max(peaks)
-    if "step_time_ratio_by_accum_steps" in acc:  # 01 times every k beside the plain step in the same rounds
-        acc_time = dict(time_ratio=_by_int_key(acc["step_time_ratio_by_accum_steps"])[k], paired=True,
-                        source="peak by accumulation steps; time: the paired rounds' median against the plain step")
-    else:  # an older 01 timed each k on its own
-        speeds = _by_int_key(acc["samples_per_s_by_accum_steps"])
-        acc_time = dict(time_ratio=speeds[min(speeds)] / speeds[k], paired=False,
-                        source="peak and samples/s by accumulation steps (each k timed on its own)")
     ck, mp = _m(results, "02_activation_checkpointing"), _m(results, "03_mixed_precision")
     off, l2l = _m(results, "04_activation_offload"), _m(results, "05_layer_to_layer")
     rows = [
         dict(technique=f"gradient accumulation, k = {k}", chapter="01", before=peaks[min(peaks)], after=peaks[k],
-             reliable=None, **acc_time),
+             time_ratio=_by_int_key(acc["step_time_ratio_by_accum_steps"])[k], reliable=None,
+             source="peak by accumulation steps; time: the paired rounds' median against the plain step"),
         dict(technique="activation checkpointing, every block", chapter="02", before=plain_00,
-             after=ck["peak_bytes_checkpointed"], time_ratio=ck["step_time_ratio_full_checkpoint"], paired=True,
-             reliable=ck.get("step_time_ratio_full_checkpoint_reliable"),
+             after=ck["peak_bytes_checkpointed"], time_ratio=ck["step_time_ratio_full_checkpoint"],
+             reliable=ck["step_time_ratio_full_checkpoint_reliable"],
              source="peak: chapter 00's plain step and 02's; time: 02's paired rounds on its deep sweep model"),
-        dict(technique=f"{mp.get('half_precision', 'bf16')} autocast", chapter="03", before=mp["peak_bytes_fp32"],
-             after=_get(mp, SOURCES["03_mixed_precision"][1]), time_ratio=1 / _get(mp, SOURCES["03_mixed_precision"][2]),
-             paired=True, reliable=mp.get("throughput_ratio_half_reliable"),
+        dict(technique=f"{mp['half_precision']} autocast", chapter="03", before=mp["peak_bytes_fp32"],
+             after=mp["peak_bytes_half"], time_ratio=1 / mp["throughput_ratio_half"],
+             reliable=mp["throughput_ratio_half_reliable"],
              source="peaks, and the throughput ratio of paired rounds, fp32 against 16-bit autocast"),
         dict(technique="activation offload", chapter="04", before=off["baseline_peak_bytes"],
-             after=off["device_peak_bytes_offload"], time_ratio=off["step_time_ratio_offload"], paired=True,
+             after=off["device_peak_bytes_offload"], time_ratio=off["step_time_ratio_offload"],
              reliable=None, source="device peak and the median step-time ratio of paired rounds"),
         dict(technique="layer-to-layer (L2L)", chapter="05", before=l2l["plain_peak_bytes"],
-             after=l2l["l2l_peak_bytes"], time_ratio=l2l["step_time_ratio_l2l"], paired=True, reliable=None,
+             after=l2l["l2l_peak_bytes"], time_ratio=l2l["step_time_ratio_l2l"], reliable=None,
              source="device peak and the step-time ratio of interleaved rounds"),
     ]
     for row in rows:
         row["saved"] = row["before"] - row["after"]
         row["fits"] = row["after"] <= budget
         row["headroom"] = budget - row["after"]  # what the budget leaves for what the tensors do not show
-        row["time_ranked"] = row["paired"] and row["reliable"] is not False
-        row["timing"] = ("not timed in pairs (each setting on its own): its time is not ranked" if not row["paired"]
-                         else "paired rounds the chapter judged unreliable: its time is not ranked"
+        row["time_ranked"] = row["reliable"] is not False
+        row["timing"] = ("paired rounds the chapter judged unreliable: its time is not ranked"
                          if row["reliable"] is False else "paired rounds, judged reliable" if row["reliable"]
                          else "paired rounds (the chapter records no reliability verdict)")
     return rows
@@ -363,8 +341,10 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
     ratio = f["tensor_parallel_comm"] / f["pipeline_sent_max"] if f["pipeline_sent_max"] else float("inf")
     lines.append(
         f"many GPUs (more than {gpus_per_node}, several machines): tensor parallelism inside a machine, pipeline stages "
-        f"across machines. Here tensor parallelism moved {format_bytes(f['tensor_parallel_comm'])} per step, "
-        f"{ratio:.1f}x what the busiest pipeline boundary sent ({format_bytes(f['pipeline_sent_max'])})"
+        f"across machines. Here tensor parallelism all-reduced {format_bytes(f['tensor_parallel_comm'])} per rank "
+        "per step, "
+        f"{ratio:.1f}x what the busiest rank of chapter 06's model-parallel split sent "
+        f"({format_bytes(f['pipeline_sent_max'])})"
         + (": the traffic belongs on the fast link" if ratio > 1 else
            ": at this model's size it did not move more; the rule rests on larger layers, whose all-reduces grow "
            "with the width while a boundary sends one activation"))
