@@ -13,6 +13,7 @@ from labkit.validate import ParameterError, check_choice, check_int
 SCHEDULES = ("GPipe", "1F1B")
 ACTION_KINDS = ("F", "B", "W")  # forward, backward (input and weights), weight-only backward (zero bubble)
 LOSS_KIND = "L"  # the last stage's loss of one micro-batch: part of that micro-batch's forward
+BUBBLE_LEVEL = 0.005  # two bubble fractions closer than this count as level in a trend sentence (chapters 06, 10)
 
 
 class EmbedStage(nn.Module):

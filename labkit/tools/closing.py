@@ -8,6 +8,7 @@ from pathlib import Path
 
 from labkit.meter import format_bytes
 from labkit.plan import RESERVE_FRACTION
+from labkit.pipeline import BUBBLE_LEVEL
 from labkit.results import build_dir
 from labkit.trend import describe_trend
 
@@ -356,7 +357,8 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
     for schedule, bubble in f["bubble_by_microbatches"].items():
         ms = sorted(bubble)
         each = ", ".join(f"M={m}: {bubble[m]:.0%}" + (f" ({theory[m]:.0%})" if m in theory else "") for m in ms)
-        shape = describe_trend(ms, [bubble[m] for m in ms], fmt="{:.0%}", x_name="M", tol=0.02) if len(ms) > 1 else ""
+        ys = [bubble[m] for m in ms]
+        shape = describe_trend(ms, ys, fmt="{:.0%}", x_name="M", tol=BUBBLE_LEVEL) if len(ms) > 1 else ""
         lines.append(f"    {schedule}: {each}" + (f"; it {shape}" if shape else "")
                      + ("" if "rise" not in shape or f["bubble_rise_told"].get(schedule, True) else
                         " (that rise lies within chapter 06's timed steps' spread: not told apart)"))
