@@ -81,14 +81,18 @@ def _set_time_ratio(results: dict, chapter: str, ratio: float) -> dict:
     results = copy.deepcopy(results)
     stem = next(s for s in closing.SOURCES if s.startswith(chapter))
     m = results["notebooks"][stem]["measurements"]
+    side = "slower" if ratio > 1 else "faster" if ratio < 1 else "not told apart"  # the chapter's verdict, where kept
     if chapter == "01":
         ratios = m["step_time_ratio_by_accum_steps"]
         m["step_time_ratio_by_accum_steps"] = {k: 1.0 if int(k) == 1 else ratio for k in ratios}
+        m["step_time_verdict_by_accum_steps"] = {k: "not told apart" if int(k) == 1 else side for k in ratios}
     elif chapter == "03":
         m["throughput_ratio_half"] = 1 / ratio
     else:
         m[{"02": "step_time_ratio_full_checkpoint", "04": "step_time_ratio_offload",
            "05": "step_time_ratio_l2l"}[chapter]] = ratio
+    if chapter == "04":
+        m["step_time_verdict_offload"] = side
     return results
 
 
@@ -108,7 +112,7 @@ def test_the_order_and_its_sentence_change_with_the_figures(results):
     # the last ranked one made free (the plain step's time) moves ahead of every technique that costs time
     free = closing.cost_order(closing.one_device_rows(_set_time_ratio(results, last["chapter"], 1.0)))
     names = [r["technique"] for r in free]
-    paying = [r["technique"] for r in rows if r["time_ranked"] and r["time_ratio"] > 1 and r is not last]
+    paying = [r["technique"] for r in rows if r["time_ranked"] and closing.cost_per_mib(r) > 0 and r is not last]
     assert names != order and all(names.index(last["technique"]) < names.index(p) for p in paying), names
     # made faster than every other, it comes first
     fast = closing.cost_order(closing.one_device_rows(_set_time_ratio(results, last["chapter"], 0.01)))
@@ -225,3 +229,30 @@ def test_the_page_prints_the_order_from_the_fixture_and_names_what_is_missing(ex
     assert entry["figure_problems"] == [], entry["figure_problems"]  # the page's own figures pass the check
     assert "run these chapters first: 06_model_and_pipeline_parallel (not run)" in text
     assert "skipped: needs the figures of chapter 06" in text
+
+
+def test_a_time_not_told_apart_from_the_plain_step_costs_nothing(results):
+    told = _set_time_ratio(_set_time_ratio(results, "04", 1.30), "01", 1.20)
+    apart = {r["chapter"]: r for r in closing.one_device_rows(told)}
+    assert apart["04"]["verdict"] == "slower" and closing.cost_per_mib(apart["04"]) > 0
+    m = told["notebooks"]["04_activation_offload"]["measurements"]
+    m["step_time_verdict_offload"] = "not told apart"  # the same time, within the chapter's noise
+    rows = closing.cost_order(closing.one_device_rows(told))
+    r04 = next(r for r in rows if r["chapter"] == "04")
+    assert r04["time_ranked"] and closing.cost_per_mib(r04) == 0.0 and not closing.saves_time(r04)
+    paying = [r for r in rows if r["time_ranked"] and closing.cost_per_mib(r) > 0]
+    assert all(rows.index(r04) < rows.index(r) for r in paying)
+    assert "no cost told apart" in closing.order_line(rows.index(r04) + 1, r04, rows)
+    assert "did not tell its time" in r04["timing"]
+
+
+def test_the_side_by_side_line_names_pairs_the_separate_timings_order_the_other_way(results):
+    rows = closing.one_device_rows(_set_time_ratio(_set_time_ratio(results, "02", 1.2), "05", 1.4))
+    chosen = closing.search_figures(results)
+    names = {n[:2]: n for n in chosen["ratios"]}
+    chosen["noise"] = 0.01
+    chosen["ratios"][names["02"]], chosen["ratios"][names["05"]] = 3.0, 2.0  # 05 faster side by side, 02 apart
+    line = closing.side_by_side_line(rows, chosen)
+    assert "02 and 05" in line and "the other way round" in line
+    chosen["ratios"][names["02"]] = 2.01  # within the noise band: not a disagreement
+    assert "02 and 05" not in closing.side_by_side_line(rows, chosen)

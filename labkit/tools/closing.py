@@ -20,12 +20,14 @@ FIXTURE_NOTE = ("these figures are a real `make run`'s results.json, cut to the 
 # chapter stem -> the records this page reads from it
 SOURCES = {
     "00_where_the_memory_goes": ("measured_peak_bytes", "budget_bytes", "step_s"),
-    "01_gradient_accumulation": ("peak_bytes_by_accum_steps", "step_time_ratio_by_accum_steps", "fitting_accum_steps"),
+    "01_gradient_accumulation": ("peak_bytes_by_accum_steps", "step_time_ratio_by_accum_steps",
+                                 "step_time_verdict_by_accum_steps", "fitting_accum_steps"),
     "02_activation_checkpointing": ("peak_bytes_checkpointed", "step_time_ratio_full_checkpoint",
                                     "step_time_ratio_full_checkpoint_reliable"),
     "03_mixed_precision": ("half_precision", "peak_bytes_fp32", "peak_bytes_half", "throughput_ratio_half",
                            "throughput_ratio_half_reliable"),
-    "04_activation_offload": ("baseline_peak_bytes", "device_peak_bytes_offload", "step_time_ratio_offload"),
+    "04_activation_offload": ("baseline_peak_bytes", "device_peak_bytes_offload", "step_time_ratio_offload",
+                              "step_time_verdict_offload"),
     "05_layer_to_layer": ("plain_peak_bytes", "l2l_peak_bytes", "step_time_ratio_l2l"),
     "06_model_and_pipeline_parallel": ("peak_bytes_by_rank_model_parallel", "utilisation_model_parallel",
                                        "sent_bytes_by_rank_model_parallel", "comm_bytes_per_step_tensor_parallel",
@@ -122,7 +124,8 @@ TIME_TOLERANCE = 0.05  # two step-time ratios from separate timings closer than 
 def one_device_rows(results: dict) -> list[dict]:
     """Return one row per one-device technique: peaks before and after, bytes saved, step-time ratio and its ranking.
 
-    time_ranked: the chapter did not judge its paired rounds unreliable (`timing` says which).
+    verdict: the chapter's own on the time: "slower", "faster", "not told apart" (from the plain step's: no
+    measurable cost), "reliable", "unreliable" (not ranked), or None where it records none (`timing` says which).
     """
     budget = budget_bytes(results)
     plain_00 = _m(results, "00_where_the_memory_goes")["measured_peak_bytes"]
@@ -133,42 +136,58 @@ def one_device_rows(results: dict) -> list[dict]:
     off, l2l = _m(results, "04_activation_offload"), _m(results, "05_layer_to_layer")
     rows = [
         dict(technique=f"gradient accumulation, k = {k}", chapter="01", before=peaks[min(peaks)], after=peaks[k],
-             time_ratio=_by_int_key(acc["step_time_ratio_by_accum_steps"])[k], reliable=None,
+             time_ratio=_by_int_key(acc["step_time_ratio_by_accum_steps"])[k],
+             verdict=_by_int_key(acc["step_time_verdict_by_accum_steps"])[k],
              source="peak by accumulation steps; time: the paired rounds' median against the plain step"),
         dict(technique="activation checkpointing, every block", chapter="02", before=plain_00,
              after=ck["peak_bytes_checkpointed"], time_ratio=ck["step_time_ratio_full_checkpoint"],
-             reliable=ck["step_time_ratio_full_checkpoint_reliable"],
+             verdict=_reliable(ck["step_time_ratio_full_checkpoint_reliable"]),
+             time_model="chapter 02's deeper sweep model",
              source="peak: chapter 00's plain step and 02's; time: 02's paired rounds on its deep sweep model"),
         dict(technique=f"{mp['half_precision']} autocast", chapter="03", before=mp["peak_bytes_fp32"],
              after=mp["peak_bytes_half"], time_ratio=1 / mp["throughput_ratio_half"],
-             reliable=mp["throughput_ratio_half_reliable"],
+             verdict=_reliable(mp["throughput_ratio_half_reliable"]),
              source="peaks, and the throughput ratio of paired rounds, fp32 against 16-bit autocast"),
         dict(technique="activation offload", chapter="04", before=off["baseline_peak_bytes"],
              after=off["device_peak_bytes_offload"], time_ratio=off["step_time_ratio_offload"],
-             reliable=None, source="device peak and the median step-time ratio of paired rounds"),
+             verdict=off["step_time_verdict_offload"],
+             source="device peak and the median step-time ratio of paired rounds"),
         dict(technique="layer-to-layer (L2L)", chapter="05", before=l2l["plain_peak_bytes"],
-             after=l2l["l2l_peak_bytes"], time_ratio=l2l["step_time_ratio_l2l"], reliable=None,
+             after=l2l["l2l_peak_bytes"], time_ratio=l2l["step_time_ratio_l2l"], verdict=None,
+             rounds="interleaved rounds, the ratio of their medians",
              source="device peak and the step-time ratio of interleaved rounds"),
     ]
     for row in rows:
         row["saved"] = row["before"] - row["after"]
         row["fits"] = row["after"] <= budget
         row["headroom"] = budget - row["after"]  # what the budget leaves for what the tensors do not show
-        row["time_ranked"] = row["reliable"] is not False
-        row["timing"] = ("paired rounds the chapter judged unreliable: its time is not ranked"
-                         if row["reliable"] is False else "paired rounds, judged reliable" if row["reliable"]
-                         else "paired rounds (the chapter records no reliability verdict)")
+        row["time_ranked"] = row["verdict"] != "unreliable"
+        row["timing"] = row.pop("rounds", "paired rounds") + {
+            "unreliable": " the chapter judged unreliable: its time is not ranked",
+            "not told apart": ": the chapter did not tell its time from the plain step's, no measurable cost",
+            "slower": ": slower than the plain step in every judged round",
+            "faster": ": faster than the plain step in every judged round",
+            "reliable": ", judged reliable", None: " (the chapter records no verdict)"}[row["verdict"]]
+        row.setdefault("time_model", None)  # where the time comes from another model than the running example
     return rows
 
 
+def _reliable(reliable: bool) -> str:
+    return "reliable" if reliable else "unreliable"
+
+
 def cost_per_mib(row: dict) -> float:
-    """Return the extra step time a row pays per MiB it saves (a fraction of a step; inf when it saves nothing)."""
-    return (row["time_ratio"] - 1) / (row["saved"] / MiB) if row["saved"] > 0 else float("inf")
+    """Return the extra step time a row pays per MiB it saves (a fraction of a step; inf when it saves nothing; 0
+    when its chapter did not tell its time from the plain step's)."""
+    if row["saved"] <= 0:
+        return float("inf")
+    return 0.0 if row["verdict"] == "not told apart" else (row["time_ratio"] - 1) / (row["saved"] / MiB)
 
 
 def saves_time(row: dict, tolerance: float = TIME_TOLERANCE) -> bool:
     """Return whether a row's ranked step time is below the plain step's by more than `tolerance`."""
-    return row["time_ranked"] and row["saved"] > 0 and row["time_ratio"] < 1 - tolerance
+    return (row["time_ranked"] and row["verdict"] != "not told apart" and row["saved"] > 0
+            and row["time_ratio"] < 1 - tolerance)
 
 
 def rank_key(row: dict, tolerance: float = TIME_TOLERANCE) -> tuple:
@@ -217,12 +236,15 @@ def order_line(place: int, row: dict, order: list[dict], tolerance: float = TIME
         paid = "saves nothing here"
     elif saves_time(row, tolerance):
         paid = f"free: the step also got faster, {row['time_ratio']:.2f}x the plain step's time"
+    elif row["verdict"] == "not told apart":
+        paid = f"no cost told apart: its step time ({row['time_ratio']:.2f}x) is within its chapter's noise"
     else:
         paid = f"pays {cost:.2%} of a step per MiB ({row['time_ratio']:.2f}x the step time)"
     with_ = ties(order, tolerance)[row["technique"]]
     return (f"{place}. {row['technique']} (chapter {row['chapter']}): saves {format_bytes(row['saved'])}, {paid}"
             + (f"; tied with place {', '.join(map(str, with_))} within the tolerance" if with_ else "")
-            + (f"; fits the budget alone, {format_bytes(row['headroom'])} to spare" if row["fits"] else ""))
+            + (f"; fits the budget alone, {format_bytes(row['headroom'])} to spare" if row["fits"] else "")
+            + (f"; its time is from {row['time_model']}, not the running example" if row["time_model"] else ""))
 
 
 def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
@@ -235,7 +257,9 @@ def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
                 "saved alone, and says nothing about time")
     cost = cost_per_mib(first)
     why = (f"it saved memory and the step got faster ({first['time_ratio']:.2f}x the plain step's time)"
-           if saves_time(first, tolerance) else f"it pays the least time per MiB it saves ({cost:.2%} of a step)")
+           if saves_time(first, tolerance) else
+           "it saved memory at no cost told apart from the plain step's time" if first["verdict"] == "not told apart"
+           else f"it pays the least time per MiB it saves ({cost:.2%} of a step)")
     with_ = ties(order, tolerance)[first["technique"]]
     if with_:
         why += f", tied with {', '.join(order[p - 1]['technique'] for p in with_)} within the tolerance"
@@ -301,9 +325,24 @@ def search_lines(chosen: dict) -> list[str]:
         elif abs(ratio - 1) > chosen["noise"]:
             lines.append(f"  against {name}: {ratio:.2f}x as fast")
         else:
-            lines.append(f"  against {name}: {ratio:.2f}x (within the timing's noise of {chosen['noise']:.0%}: "
+            lines.append(f"  against {name}: {ratio:.2f}x (within the timing's noise of {chosen['noise']:.1%}: "
                          "not told apart)")
     return lines
+
+
+def side_by_side_line(rows: list[dict], chosen: dict) -> str:
+    """Return chapter 08's order of the chapters' settings, timed in the same rounds, and the ranked pairs of `rows`
+    (timed apart) it puts the other way round by more than its noise band."""
+    by = {name[:2]: t for name, t in chosen["ratios"].items()}  # chapter -> its step time over the search's choice's
+    line = ("chapter 08 timed the chapters' settings side by side, in the same rounds, on its own model size (step "
+            "time over its choice's, fastest first): " + ", ".join(f"{c} {by[c]:.2f}x" for c in sorted(by, key=by.get)))
+    table = {r["chapter"]: r["time_ratio"] for r in rows if r["time_ranked"] and r["chapter"] in by}
+    flipped = [f"{a} and {b}" for a in sorted(table) for b in sorted(table) if a < b
+               and (table[a] - table[b]) * (by[a] - by[b]) < 0 and abs(by[a] / by[b] - 1) > chosen["noise"]]
+    if not flipped:
+        return line + "; it orders the ranked times above the same way, or within its noise"
+    return (line + f"; it orders {', '.join(flipped)} the other way round from the times above, which each chapter "
+            "took apart, against its own plain step (and 02's on a deeper model)")
 
 
 def _fewest(fit: list[str], comm: dict, chosen: str, pays: dict) -> str:
