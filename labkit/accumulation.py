@@ -83,8 +83,3 @@ def make_accumulation_step(micro_batch_size: int, normalise: str = "mean") -> Ca
     check_int("micro_batch_size", micro_batch_size, 1)
     check_choice("normalise", normalise, NORMALISATIONS)
     return functools.partial(accumulation_step, micro_batch_size=micro_batch_size, normalise=normalise)
-
-
-def accumulation_steps(batch_size: int, micro_batch_size: int) -> int:
-    """Return how many micro-batches (backward passes) one optimizer step takes: ceil(batch / micro)."""
-    return len(split_sizes(batch_size, micro_batch_size))

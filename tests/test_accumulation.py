@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import labkit
-from labkit.accumulation import (accumulate_gradients, accumulation_step, accumulation_steps,
-                                 make_accumulation_step, split_batch, split_sizes)
+from labkit.accumulation import (accumulate_gradients, accumulation_step, make_accumulation_step, split_batch,
+                                 split_sizes)
 from labkit.compare import grads, max_rel_diff, max_param_diff
 from labkit.data import TeacherTask
 from labkit.models import count_tokens
@@ -33,7 +33,6 @@ def test_split_sizes_even_and_ragged():
     assert split_sizes(16, 4) == [4, 4, 4, 4]
     assert split_sizes(16, 5) == [5, 5, 5, 1]
     assert split_sizes(3, 8) == [3]
-    assert accumulation_steps(16, 5) == 4
 
 
 def test_split_batch_keeps_rows_in_order():
