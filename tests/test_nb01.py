@@ -21,6 +21,8 @@ def test_notebook_invariants_hold_for_other_seed_depth_and_ragged_batch(execute_
     assert all(v > 0 for v in m["samples_per_s_by_accum_steps"].values())
     ratios = {int(k): v for k, v in m["step_time_ratio_by_accum_steps"].items()}  # paired rounds: times, never compared
     assert sorted(ratios) == [1, 3, 6] and all(v > 0 for v in ratios.values())
+    verdicts = m["step_time_verdict_by_accum_steps"]  # one timed round: too few to tell (chapter 10 ranks none)
+    assert verdicts == {"1": "not told apart", "3": "unreliable", "6": "unreliable"}, verdicts
     flat = [v for k, v in m["const_micro_peak_bytes_by_accum_steps"].items() if int(k) >= 2]
     assert (max(flat) - min(flat)) / min(flat) <= 0.01
     assert m["batchnorm_grad_rel_diff"] > 1e-2
