@@ -18,7 +18,6 @@ def test_notebook_invariants_hold_for_other_seed_depth_and_ragged_batch(execute_
     assert peaks[3] >= peaks[6] >= m["floor_bytes"]
     assert isinstance(m["fits_in_budget"], bool)
     assert m["fits_in_budget"] == any(p <= m["budget_bytes"] for p in peaks.values())
-    assert all(v > 0 for v in m["samples_per_s_by_accum_steps"].values())
     ratios = {int(k): v for k, v in m["step_time_ratio_by_accum_steps"].items()}  # paired rounds: times, never compared
     assert sorted(ratios) == [1, 3, 6] and all(v > 0 for v in ratios.values())
     verdicts = m["step_time_verdict_by_accum_steps"]  # one timed round: too few to tell (chapter 10 ranks none)

@@ -334,15 +334,15 @@ def side_by_side_line(rows: list[dict], chosen: dict) -> str:
     """Return chapter 08's order of the chapters' settings, timed in the same rounds, and the ranked pairs of `rows`
     (timed apart) it puts the other way round by more than its noise band."""
     by = {name[:2]: t for name, t in chosen["ratios"].items()}  # chapter -> its step time over the search's choice's
-    line = ("chapter 08 timed the chapters' settings side by side, in the same rounds, on its own model size (step "
-            "time over its choice's, fastest first): " + ", ".join(f"{c} {by[c]:.2f}x" for c in sorted(by, key=by.get)))
+    line = ("chapter 08 timed the chapters' settings side by side, in the same rounds, on one thread (step time over "
+            "its choice's, fastest first): " + ", ".join(f"{c} {by[c]:.2f}x" for c in sorted(by, key=by.get)))
     table = {r["chapter"]: r["time_ratio"] for r in rows if r["time_ranked"] and r["chapter"] in by}
     flipped = [f"{a} and {b}" for a in sorted(table) for b in sorted(table) if a < b
                and (table[a] - table[b]) * (by[a] - by[b]) < 0 and abs(by[a] / by[b] - 1) > chosen["noise"]]
     if not flipped:
         return line + "; it orders the ranked times above the same way, or within its noise"
     return (line + f"; it orders {', '.join(flipped)} the other way round from the times above, which each chapter "
-            "took apart, against its own plain step (and 02's on a deeper model)")
+            "timed separately against its own plain step (02 on a deeper model)")
 
 
 def _fewest(fit: list[str], comm: dict, chosen: str, pays: dict) -> str:
