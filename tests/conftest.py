@@ -28,6 +28,12 @@ KNOWN_FIGURE_PROBLEMS: dict[str, set[str]] = {  # chapters 00-07 and 09 pass eve
     "08_memory_aware_search": {"legend over data", "cut off"},  # the trial timeline (its x label at small sizes); one legend
 }
 NOTEBOOK_FIXTURES = {"execute_notebook", "validate_parameters"}
+# The chapters whose whole-chapter test runs in JupyterLab in the browser where Chromium is installed; the others
+# run under papermill with their widget panel run twice in the kernel (labdriver.panel_cell). Chromium costs about
+# 10 CPU-seconds a chapter (it loads JupyterLab and renders every output), a tenth of make test's time over the
+# ten chapters; the browser runs 00, the chapter a student opens first, and 07, whose panel starts rank processes
+# from a live kernel (the browser found it starting eight). tests/test_browser.py opens the labs themselves.
+BROWSER_CHAPTERS = {"00_where_the_memory_goes", "07_sharded_data_parallel"}
 SLOWEST_FIRST = ["tests/test_nb08.py", "tests/test_nb06.py", "07_sharded_data_parallel.ipynb", "tests/test_nb07.py",
                  "tests/test_plan.py", "08_memory_aware_search.ipynb", "tests/test_search_workers.py", "tests/test_dist.py",
                  "tests/test_browser.py", "tests/test_search_study.py", "02_activation_checkpointing.ipynb",
@@ -206,9 +212,11 @@ def lab_session(tmp_path_factory):
 def execute_notebook(tmp_path, student_copies, monkeypatch, request):
     """Return a function that runs the student copy of notebooks/<stem>.ipynb with parameters; return its results entry.
 
-    Where Chromium is installed the chapter runs in JupyterLab in the browser (`lab_session`, the test process's
-    server and browser; tests/labdriver.py: Run All, its widget panel twice, the notebook saved and read back),
-    else under papermill as `make run` runs it (LABKIT_TEST_PAPERMILL=1 chooses papermill). Either way the copy must
+    A chapter of BROWSER_CHAPTERS runs in JupyterLab in the browser where Chromium is installed (`lab_session`, the
+    test process's server and browser; tests/labdriver.py: Run All, its widget panel twice, the notebook saved and
+    read back); the others, or every chapter with LABKIT_TEST_PAPERMILL=1 or without Chromium, run under papermill
+    as `make run` runs them, with a last cell that runs the widget panel twice in the kernel
+    (labdriver.panel_cell: a plot each time, the output changed after a slider moved). Either way the copy must
     run to its end with exactly the exercises' checks failing (their stubs solve nothing). Its figures are checked
     as they are drawn (workbook.figcheck): a problem not in KNOWN_FIGURE_PROBLEMS fails; so does a section (text
     under one heading) that printed more than one PASS line.
@@ -226,7 +234,7 @@ def execute_notebook(tmp_path, student_copies, monkeypatch, request):
     from workbook.runner import run_notebook
 
     monkeypatch.setenv("LABKIT_BUILD_DIR", str(tmp_path / "build"))  # chapter 08's studies: this test's own
-    in_browser = labdriver.have_chromium() and not os.environ.get("LABKIT_TEST_PAPERMILL")
+    browser = labdriver.have_chromium() and not os.environ.get("LABKIT_TEST_PAPERMILL")
 
     def run(stem: str, timeout_s: float = 300, **parameters) -> dict:
         assert (NOTEBOOKS / f"{stem}.ipynb").exists(), stem
@@ -235,8 +243,13 @@ def execute_notebook(tmp_path, student_copies, monkeypatch, request):
             shutil.copytree(student_copies, work)  # %%writefile and friends write beside the notebook
         path = work / f"{stem}.ipynb"
         shutil.copy2(student_copies / path.name, path)  # a second run starts from the clean copy
+        in_browser = browser and stem in BROWSER_CHAPTERS
+        nb = load_notebook_node(str(path))
         if parameters:  # as papermill -p injects them: a cell after the one tagged `parameters`
-            nbformat.write(parameterize_notebook(load_notebook_node(str(path)), parameters), path)
+            nb = parameterize_notebook(nb, parameters)
+        if not in_browser:
+            nb.cells.append(nbformat.v4.new_code_cell(labdriver.panel_cell(stem)))
+        nbformat.write(nb, path)
         if in_browser:
             entry = request.getfixturevalue("lab_session").run_chapter(work, stem, tmp_path, timeout_s)
         else:

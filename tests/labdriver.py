@@ -2,11 +2,12 @@
 Playwright (which downloads nothing here), and a chapter run as a person runs it.
 
 `Lab(base, root)` is one JupyterLab server on `root` and one Chromium for a test process (conftest's session
-fixture `lab_session`); `Lab.run_chapter(folder, stem, out, timeout_s)` is how every whole-chapter test runs its
-chapter when Chromium is there (conftest's `execute_notebook`): a fresh browser context, Run All, the chapter's
-widget panel run twice (a control moved between), the notebook saved and read back from disk: its records,
-errors, figure checks and PASS lines, as the runner reports a papermill run. The chapter's kernel and page end
-with the call, on failure too; the server and the browser end with `Lab.close()`.
+fixture `lab_session`); `Lab.run_chapter(folder, stem, out, timeout_s)` is how the whole-chapter tests of
+conftest's BROWSER_CHAPTERS run their chapter when Chromium is there (conftest's `execute_notebook`): a fresh
+browser context, Run All, the chapter's widget panel run twice (a control moved between), the notebook saved and
+read back from disk: its records, errors, figure checks and PASS lines, as the runner reports a papermill run. The
+chapter's kernel and page end with the call, on failure too; the server and the browser end with `Lab.close()`.
+`panel_cell(stem)` is the same two panel runs as a last cell for a chapter run under papermill.
 """
 
 from __future__ import annotations
@@ -237,6 +238,63 @@ def press_run(panel, output) -> tuple[str, str]:
             return text, html
         last = html
     raise AssertionError(f"the panel's Run did not change its output within 180 s (status {status.inner_text()!r})")
+
+
+PANEL_CELL = """\
+# (added by the tests: the chapter's widget panel run twice in its kernel, as tests/labdriver.py runs it in the browser)
+import gc as _gc
+from IPython.utils.capture import capture_output as _capture
+from labkit.widgets import ControlPanel as _Panel, positions as _positions
+
+_panels = [o for o in _gc.get_objects() if issubclass(type(o), _Panel)]  # (isinstance raises on a dead weakref proxy)
+assert len(_panels) == 1, f"{stem}: expected one widget panel after Run All, found {{len(_panels)}}"
+_panel = _panels[0]
+_sliders = [w for w in _panel.controls.values() if type(w).__name__.endswith("Slider")]  # the page's .noUi-handle
+
+
+def _press(slider, key):
+    at = _positions(slider)
+    i = at.index(slider.value) if slider.value in at else 0
+    slider.value = at[{{"Home": 0, "End": len(at) - 1, "ArrowRight": min(i + 1, len(at) - 1)}}[key]]
+
+
+class _Shown:  # stands in for the panel's Output widget (no frontend here): keeps what a Run prints and shows
+
+    def clear_output(self, wait=False):
+        pass
+
+    def __enter__(self):
+        self.capture = _capture()
+        self.shown = self.capture.__enter__()
+
+    def __exit__(self, *exc):
+        return self.capture.__exit__(*exc)
+
+
+def _run():
+    _panel.output = _Shown()
+    _panel.run()
+    shown = _panel.output.shown
+    settled = _panel.status.value == "done" or "does not fit" in _panel.status.value  # as press_run waits for
+    assert settled, f"{stem}: the panel's Run ended in {{_panel.status.value!r}}: {{shown.stdout[-1000:]}}{{shown.stderr[-2000:]}}"
+    images = [o.data["image/png"] for o in shown.outputs if "image/png" in o.data]
+    assert images, f"{stem}: the panel drew no plot on Run (every panel shows its experiment as one)"
+    return shown.stdout, images
+
+
+for _index, _keys in {presets!r}:
+    for _key in _keys:
+        _press(_sliders[_index], _key)
+_before = _run()
+for _key in {keys!r}:
+    _press(_sliders[0], _key)
+assert _run() != _before, "{stem}: the panel's output did not change after its first slider moved"
+"""
+
+
+def panel_cell(stem: str) -> str:
+    """Return a code cell that runs the chapter's panel in its kernel as exercise_panel does in the browser."""
+    return PANEL_CELL.format(stem=stem, presets=PRESETS.get(stem, []), keys=KEYS.get(stem, ["Home"]))
 
 
 def exercise_panel(page, stem: str) -> None:

