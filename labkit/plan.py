@@ -617,16 +617,17 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
     head = (f"{p.model} ({count} parameters) on {p.gpus} × {p.device}, seq_len {p.seq_len}, "
             f"batch {p.batch}: budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s")
-    cols = (f"{'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'offl':>4} {'opt':>6} "
+    cols = (f"{'#':>3} {'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'offl':>4} {'opt':>6} "
             f"{'peak':>10} {'fits':>4} {'step (ms)':>10} {'comm (ms)':>10} {'host (ms)':>10} {'tokens/s':>10}")
     shown, title = (p.rows, "all combinations:") if all_rows else (
         p.pareto, "Pareto front (memory against predicted step time):")
     if not shown:
         shown, title = sorted(p.rows, key=lambda r: r.peak_bytes)[:5], "nothing fits; the smallest peaks:"
     lines = [head, "", title, cols]
+    front = {id(r): i for i, r in enumerate(p.pareto, 1)}  # "#": a row's place on the front (a figure's labels)
     for r in shown:
         c = r.combination
-        lines.append(f"{c.ranks:>5} {c.parallel:>13} {c.micro_batch:>5} {c.accum_steps:>5} {c.checkpointing:>9} "
+        lines.append(f"{front.get(id(r), ''):>3} {c.ranks:>5} {c.parallel:>13} {c.micro_batch:>5} {c.accum_steps:>5} {c.checkpointing:>9} "
                      f"{c.precision:>4} {'on' if c.offload else 'off':>4} {c.optimizer:>6} "
                      f"{format_bytes(r.peak_bytes):>10} {'yes' if r.fits else 'no':>4} {r.step_s * 1e3:>10,.2f} "
                      f"{r.comm_s * 1e3:>10,.2f} {r.host_s * 1e3:>10,.2f} {r.tokens_per_s:>10,.0f}")

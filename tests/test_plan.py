@@ -215,6 +215,14 @@ def test_another_size_and_budget_give_the_same_verdicts():
                    reserve_fraction=0.0)
     assert [r.fits for r in tight.rows] == [r.peak_bytes <= cut for r in small.rows]
     assert all(r.fits for r in small.rows)
+    # the tables' "#": a row's place on the Pareto front (chapter 09's figure numbers its points by it), else blank
+    assert len(tight.pareto) > 1
+    front_table = P.format_plan(tight).split("\n")[4:4 + len(tight.pareto)]
+    assert [line.split()[0] for line in front_table] == [str(i) for i in range(1, len(tight.pareto) + 1)]
+    every_row = P.format_plan(tight, all_rows=True).split("\n")[4:4 + len(tight.rows)]
+    numbered = {i: r for i, r in enumerate(tight.rows) if every_row[i][:3].strip()}
+    assert [int(every_row[i][:3]) for i in numbered] == [tight.pareto.index(r) + 1 for r in numbered.values()]
+    assert set(map(id, numbered.values())) == set(map(id, tight.pareto))
 
 
 def test_transformers_config_plans_when_installed():
