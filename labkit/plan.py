@@ -617,8 +617,9 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
     head = (f"{p.model} ({count} parameters) on {p.gpus} × {p.device}, seq_len {p.seq_len}, "
             f"batch {p.batch}: budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s")
-    cols = (f"{'#':>3} {'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'offl':>4} {'opt':>6} "
-            f"{'peak':>10} {'fits':>4} {'step (ms)':>10} {'comm (ms)':>10} {'host (ms)':>10} {'tokens/s':>10}")
+    cols = (f"{'#':>3} {'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'offl':>4} "
+            f"{'opt':>6} {'peak':>10} {'fits':>4} {'step (ms)':>10} {'comm (ms)':>10} {'host (ms)':>10} "
+            f"{'tokens/s':>10}")
     shown, title = (p.rows, "all combinations:") if all_rows else (
         p.pareto, "Pareto front (memory against predicted step time):")
     if not shown:
@@ -627,8 +628,8 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
     front = {id(r): i for i, r in enumerate(p.pareto, 1)}  # "#": a row's place on the front (a figure's labels)
     for r in shown:
         c = r.combination
-        lines.append(f"{front.get(id(r), ''):>3} {c.ranks:>5} {c.parallel:>13} {c.micro_batch:>5} {c.accum_steps:>5} {c.checkpointing:>9} "
-                     f"{c.precision:>4} {'on' if c.offload else 'off':>4} {c.optimizer:>6} "
+        lines.append(f"{front.get(id(r), ''):>3} {c.ranks:>5} {c.parallel:>13} {c.micro_batch:>5} {c.accum_steps:>5} "
+                     f"{c.checkpointing:>9} {c.precision:>4} {'on' if c.offload else 'off':>4} {c.optimizer:>6} "
                      f"{format_bytes(r.peak_bytes):>10} {'yes' if r.fits else 'no':>4} {r.step_s * 1e3:>10,.2f} "
                      f"{r.comm_s * 1e3:>10,.2f} {r.host_s * 1e3:>10,.2f} {r.tokens_per_s:>10,.0f}")
     best = p.fastest
@@ -638,9 +639,10 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
             "a roofline bound for eager, unfused PyTorch)" if best.comm_s + best.host_s == 0 else
             "an estimate: roofline + " + " + ".join(f"{t * 1e3:,.2f} ms of {what}" for t, what in (
                 (best.comm_s, "communication"), (best.host_s, "host transfers")) if t > 0) + ", not overlapped)")),
-              "peak: per device; step = roofline + comm + host, each in ms per optimizer step; comm: between GPUs; "
-              "host: offloaded activations, and with opt host Adam's gradients, parameters and update, over the host "
-              "link; offl: activation offload; opt: where Adam's state and update live; tokens/s: the global batch's",
+              "#: the row's place on the Pareto front (1: the fastest); peak: per device; step = roofline + comm "
+              "+ host, each in ms per optimizer step; comm: between GPUs; host: offloaded activations, and with opt "
+              "host Adam's gradients, parameters and update, over the host link; offl: activation offload; opt: where "
+              "Adam's state and update live; tokens/s: the global batch's",
               "left out: " + "; ".join(f"{k} ({v})" for k, v in p.left_out.items())]
     return "\n".join(lines)
 
