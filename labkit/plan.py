@@ -639,10 +639,11 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
             "a roofline bound for eager, unfused PyTorch)" if best.comm_s + best.host_s == 0 else
             "an estimate: roofline + " + " + ".join(f"{t * 1e3:,.2f} ms of {what}" for t, what in (
                 (best.comm_s, "communication"), (best.host_s, "host transfers")) if t > 0) + ", not overlapped)")),
-              "#: the row's place on the Pareto front (1: the fastest); peak: per device; step = roofline + comm "
-              "+ host, each in ms per optimizer step; comm: between GPUs; host: offloaded activations, and with opt "
-              "host Adam's gradients, parameters and update, over the host link; offl: activation offload; opt: where "
-              "Adam's state and update live; tokens/s: the global batch's",
+              "#: the row's place on the Pareto front (1: the fastest; blank: not on it, or a tie of a row on it); "
+              "peak: per device; step = roofline + comm + host, each in ms per optimizer step; comm: between GPUs",
+              "host: over the host link, the offloaded activations and, with opt = host, also Adam's gradients, "
+              "parameters and update; offl: activation offload; opt: where Adam's state and update live; tokens/s: "
+              "the global batch's",
               "left out: " + "; ".join(f"{k} ({v})" for k, v in p.left_out.items())]
     return "\n".join(lines)
 
