@@ -29,10 +29,11 @@ KNOWN_FIGURE_PROBLEMS: dict[str, set[str]] = {  # chapters 00-07 and 09 pass eve
 }
 NOTEBOOK_FIXTURES = {"execute_notebook", "validate_parameters"}
 # The chapters whose whole-chapter test runs in JupyterLab in the browser where Chromium is installed; the others
-# run under papermill with their widget panel run twice in the kernel (labdriver.panel_cell). Chromium costs about
-# 10 CPU-seconds a chapter (it loads JupyterLab and renders every output), a tenth of make test's time over the
-# ten chapters; the browser runs 00, the chapter a student opens first, and 07, whose panel starts rank processes
-# from a live kernel (the browser found it starting eight). tests/test_browser.py opens the labs themselves.
+# run under papermill with their widget panel run twice in the kernel (labdriver.panel_cell). The browser cost about
+# 10 CPU-seconds a chapter (Chromium loads JupyterLab and renders every output; 76 s against 36 s for 01, 03, 04
+# and 05), 8% of make test's CPU over the ten chapters; it runs 00, the chapter a student opens first, and 07,
+# whose panel starts rank processes from a live kernel (the browser found it starting eight). tests/test_browser.py
+# opens the labs themselves.
 BROWSER_CHAPTERS = {"00_where_the_memory_goes", "07_sharded_data_parallel"}
 SLOWEST_FIRST = ["tests/test_nb08.py", "tests/test_nb06.py", "07_sharded_data_parallel.ipynb", "tests/test_nb07.py",
                  "tests/test_plan.py", "08_memory_aware_search.ipynb", "tests/test_search_workers.py", "tests/test_dist.py",

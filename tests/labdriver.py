@@ -276,7 +276,8 @@ def _run():
     _panel.run()
     shown = _panel.output.shown
     settled = _panel.status.value == "done" or "does not fit" in _panel.status.value  # as press_run waits for
-    assert settled, f"{stem}: the panel's Run ended in {{_panel.status.value!r}}: {{shown.stdout[-1000:]}}{{shown.stderr[-2000:]}}"
+    why = shown.stdout[-1000:] + shown.stderr[-2000:]
+    assert settled, f"{stem}: the panel's Run ended in {{_panel.status.value!r}}: {{why}}"
     images = [o.data["image/png"] for o in shown.outputs if "image/png" in o.data]
     assert images, f"{stem}: the panel drew no plot on Run (every panel shows its experiment as one)"
     return shown.stdout, images
