@@ -83,6 +83,35 @@ class ChildProcesses:
         self.stop()
 
 
+def descendants(pid: int | None = None) -> set[int]:
+    """Return the pids of the live processes below `pid` (default: this one), read from /proc (elsewhere: empty)."""
+    if not os.path.isdir("/proc"):
+        return set()
+    parents = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[-1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = set(), [os.getpid() if pid is None else pid]
+    while todo:
+        for child in parents.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def kill_pids(pids) -> None:
+    """Send SIGKILL to each of `pids` still running (an engine's processes left by a start that failed)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
 # -- liveness -----------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def machine_id() -> str | None:

@@ -11,6 +11,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from labkit.children import descendants, kill_pids
 from labkit.search.space import active, from_hyperopt, katib_parameters, suggest, to_hyperopt
 from labkit.search.study import StudyConfig
 from labkit.search.trial import train
@@ -99,11 +100,48 @@ class _DefineByRun:
         return self.constants
 
 
+class EngineUnavailable(RuntimeError):
+    """An outside engine could not start on this machine (not a fault of the search): the message says which, why."""
+
+
+# Ray's node waits a fixed 30 s for its raylet to register (ray/_private/node.py, `raylet_start_wait_time_s = 30`,
+# not configurable in Ray 2.60). The raylet registers once its dashboard agent, a Python process, is up; every other
+# Python process Ray starts at the same time competes with it. Seen here under full load on 2 cores: 17-18 s with
+# Ray's defaults, 11 s without prestarted workers and without a runtime environment.
+RAY_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+
+
+def _start_ray(num_cpus: int, num_gpus: int) -> None:
+    """Start a local Ray node with the fewest processes at once; raise EngineUnavailable when Ray itself cannot start.
+
+    Workers take OMP_NUM_THREADS=1 from the environment Ray starts with (no runtime environment to set up).
+    """
+    import ray
+
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the raylet, hence by every worker it starts
+    before = descendants()
+    try:
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, _system_config=RAY_SYSTEM_CONFIG)
+    except Exception as e:  # Ray raises a bare Exception when its node does not come up in its fixed wait
+        ray.shutdown()
+        kill_pids(descendants() - before)  # what the failed start left running (ray.shutdown never knew of it)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise EngineUnavailable(f"Ray's local node did not start on this machine: {first}") from e
+    finally:
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
+
+
 def run_ray(config: StudyConfig, n_trials: int, seed: int = 0, num_cpus: int = 2, fixed: dict | None = None,
             startup_trials: int = 3, storage_path: str | None = None) -> EngineRun:
     """Search with Ray Tune: Optuna's TPE as its searcher, ASHA stopping trials that lag, on local workers.
 
-    Each trial asks Ray for one CPU, and one GPU when `config.device` is "cuda".
+    Each trial asks Ray for one CPU, and one GPU when `config.device` is "cuda". Raises EngineUnavailable when Ray's
+    own node cannot start.
     """
     import optuna
     import ray
@@ -123,8 +161,7 @@ def run_ray(config: StudyConfig, n_trials: int, seed: int = 0, num_cpus: int = 2
     start = time.perf_counter()
     storage_path = storage_path or tempfile.mkdtemp(prefix="labkit-ray-")
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    ray.init(num_cpus=num_cpus, num_gpus=1 if config.device == "cuda" else 0, include_dashboard=False,
-             log_to_driver=False, configure_logging=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    _start_ray(num_cpus, 1 if config.device == "cuda" else 0)
     try:
         tuner = tune.Tuner(
             tune.with_resources(_ray_trial, resources),
