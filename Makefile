@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup run test unit lab student grade gpu-check plan dashboard clean
+.PHONY: setup run test unit lab student grade gpu-check plan bench dashboard clean
 
 # labkit declares a torch range; constraints.txt pins the exact versions the project is tested with
 # (here: the CPU wheel of torch on disk). Only `make setup` and CI use it.
@@ -65,6 +65,10 @@ BATCH ?= 8
 PLAN_ARGS ?=
 plan: $(STAMP)  ## every technique combination for MODEL on GPUS x GPU (fake-tensor peaks, roofline times), the fastest that fits; e.g. MODEL=llama-7b GPU=a100-80gb GPUS=8 PLAN_ARGS="--json"
 	@$(PY) -m labkit.plan --model $(MODEL) --gpu $(GPU) --gpus $(GPUS) --seq-len $(SEQ_LEN) --batch $(BATCH) $(PLAN_ARGS)
+
+BENCH_ARGS ?=
+bench: $(STAMP)  ## time this machine: its CPU (bf16/fp32 matmul), each chapter's defaults, the 7B plan, make test's pytest time; e.g. BENCH_ARGS="--only cpu plan"; on AVX-512/AMX set ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 to time as a 2-core AVX2 machine
+	$(PY) -m workbook.bench $(BENCH_ARGS)
 
 DASHBOARD_STORAGE ?= sqlite:///$(CURDIR)/build/search/studies.db
 DASHBOARD_PORT ?= 8080

@@ -73,6 +73,7 @@ def run_notebook(path: str | Path, out_dir: str | Path, parameters: dict, timeou
 def write_results(entries: dict[str, dict], out_dir: str | Path, parameters: dict, *, merge: bool = False) -> Path:
     """Write OUT/results.json from the per-notebook entries (merge: keep other notebooks' existing entries)."""
     import torch
+    from labkit.cpu import cpu_report
     from labkit.device import hardware_report
 
     out_dir = Path(out_dir)
@@ -88,6 +89,7 @@ def write_results(entries: dict[str, dict], out_dir: str | Path, parameters: dic
     results = {
         "generated_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "hardware": hardware_report(),
+        "cpu": cpu_report().line(),
         "torch": torch.__version__,
         "parameters": dict(parameters),
         "notebooks": {stem: notebooks[stem] for stem in sorted(notebooks)},
@@ -135,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parameters = {name: _parse_value(value) for name, value in args.parameter}
     out_dir = Path(args.out)
 
+    from labkit.cpu import cpu_report
+
+    print(cpu_report().line(), flush=True)  # every timing comes with the machine it ran on
     entries: dict[str, dict] = {}
     for i, path in enumerate(paths, 1):
         print(f"[{i}/{len(paths)}] {path.stem} ... ", end="", flush=True)

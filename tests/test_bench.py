@@ -1,0 +1,66 @@
+"""The machine report every timing comes with (labkit.cpu) and `make bench`'s table."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from labkit import cpu
+from workbook import bench
+
+REPORT = cpu.CpuReport(model="Some CPU", cores=2, capability="AVX512", bf16_flags=("avx512_bf16",), dispatch_env={},
+                       fp32_matmul_s=0.005, bf16_matmul_s=0.001, bf16_native=True)
+
+
+@pytest.mark.parametrize("flags, capability, env, native", [
+    ({"avx512_bf16"}, "AVX512", {}, True),  # bf16 units, and torch dispatches to them
+    ({"amx_bf16", "avx512_bf16"}, "AVX512", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, True),
+    ({"avx512_bf16"}, "AVX2", {}, False),  # ATEN_CPU_CAPABILITY=avx2: the units are there, torch does not use them
+    ({"avx512_bf16"}, "AVX512", {"ONEDNN_MAX_CPU_ISA": "AVX2"}, False),  # oneDNN capped below AVX-512-BF16
+    ({"avx2", "fma"}, "AVX2", {}, False),  # no bf16 units
+    ({"bf16", "asimd"}, "DEFAULT", {}, True),  # Arm's BF16 extension
+])
+def test_bf16_is_native_only_with_its_units_and_a_dispatch_that_uses_them(flags, capability, env, native):
+    assert cpu.bf16_native(flags, capability, env) is native
+
+
+def test_the_line_names_the_cpu_its_vector_level_the_dispatch_variables_and_the_ratio():
+    line = dataclasses.replace(REPORT, dispatch_env={"ATEN_CPU_CAPABILITY": "avx2"}, bf16_matmul_s=0.18,
+                               bf16_native=False).line()
+    assert line.startswith("CPU: Some CPU, 2 cores, torch capability AVX512, bf16 flags avx512_bf16 "
+                           "(ATEN_CPU_CAPABILITY=avx2)")
+    assert "fp32 5.00 ms, bf16 180.00 ms (bf16/fp32 = 36.0x: no native bf16)" in line
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 dispatch variables are x86's")
+def test_the_avx2_variables_make_this_cpu_report_no_native_bf16():
+    """What `make bench` and the chapters read under the reference machine's emulation (or on an AVX2 machine)."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    code = "from labkit.cpu import bf16_native, cpu_report; r = cpu_report(); print(r.capability, bf16_native(), r.bf16_ratio > 2)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    capability, native, slow = out.stdout.split()
+    assert capability in ("AVX2", "DEFAULT") and native == "False" and slow == "True", out.stdout  # and it shows
+
+
+def test_the_pytest_closing_line_is_read_for_the_suites_time():
+    line = "========== 1104 passed, 17 skipped, 150 warnings in 566.30s (0:09:26) =========="
+    match = bench.PYTEST_LINE.search(line)
+    assert match["counts"] == "1104 passed, 17 skipped, 150 warnings" and float(match["s"]) == 566.30
+
+
+def test_the_table_sets_every_figure_beside_its_limit():
+    results = {"chapters": {"by_chapter_s": {"00_a": 12.5, "01_b": None}, "failed": ["01_b"], "total_s": 20.0,
+                            "exit_code": 1},
+               "plan": {"wall_s": 9.5, "exit_code": 0},
+               "suite": {"pytest_s": None, "counts": None, "exit_code": 2}}
+    rows = bench.table(results).splitlines()
+    assert rows[2:] == ["| chapter 00_a | 12.5 | 60 |", "| chapter 01_b | not run | 60 |",
+                        "| `make run`, all chapters (failed: 01_b) | 20.0 | 360 |",
+                        "| `make plan MODEL=llama-7b GPU=a100-80gb GPUS=8` | 9.5 | 30 |",
+                        "| `make test`, pytest (None) | failed to run | 600 |"]
