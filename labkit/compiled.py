@@ -71,7 +71,7 @@ def allocation_peak(fn: Callable[[], object], device: torch.device | str) -> All
 
 
 MATMUL_OP_NAMES = ("aten::mm", "aten::addmm", "aten::bmm")
-"""Profiler event names whose FLOPs `matmul_flops` adds up (the matmuls labkit.flops counts in these models)."""
+"""Profiler event names whose FLOPs `matmul_flops` adds up (the matmuls labkit.work counts in these models)."""
 
 
 def matmul_flops(fn: Callable[[], object]) -> int:

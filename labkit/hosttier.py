@@ -18,6 +18,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 from labkit.device import as_device
 from labkit.meter import MemoryMeter, active_meter
 from labkit.validate import check_choice
+from labkit.work import host_copy
 
 HOST_KINDS = ("auto", "pinned", "memory", "disk")
 
@@ -138,13 +139,14 @@ def to_host(t: torch.Tensor, pool: HostPool | None = None, stream=None) -> torch
         with host_tier():
             buf = torch.empty_strided(t.shape, stride, dtype=t.dtype, device="cpu", pin_memory=pinned)
     src = t.detach()
-    if stream is None:
-        buf.copy_(src, non_blocking=pinned and t.device.type == "cuda")
-    else:
-        stream.wait_stream(torch.cuda.current_stream(t.device))  # t has been computed
-        with torch.cuda.stream(stream):
-            buf.copy_(src, non_blocking=True)
-        t.record_stream(stream)  # t's memory is reused only after the copy has read it
+    with host_copy(t.numel() * t.element_size()):
+        if stream is None:
+            buf.copy_(src, non_blocking=pinned and t.device.type == "cuda")
+        else:
+            stream.wait_stream(torch.cuda.current_stream(t.device))  # t has been computed
+            with torch.cuda.stream(stream):
+                buf.copy_(src, non_blocking=True)
+            t.record_stream(stream)  # t's memory is reused only after the copy has read it
     return buf
 
 
@@ -154,12 +156,13 @@ def to_device(h: torch.Tensor, device: str | torch.device, pool: HostPool | None
     device = torch.device(device)
     x = torch.empty_strided(h.shape, dense_stride(h), dtype=h.dtype, device=device)  # on the current stream
     src = h.detach()
-    if stream is None:
-        x.copy_(src, non_blocking=device.type == "cuda" and h.is_pinned())
-    else:
-        stream.wait_stream(torch.cuda.current_stream(device))  # x's memory is free for the copy
-        with torch.cuda.stream(stream):
-            x.copy_(src, non_blocking=True)
+    with host_copy(h.numel() * h.element_size()):
+        if stream is None:
+            x.copy_(src, non_blocking=device.type == "cuda" and h.is_pinned())
+        else:
+            stream.wait_stream(torch.cuda.current_stream(device))  # x's memory is free for the copy
+            with torch.cuda.stream(stream):
+                x.copy_(src, non_blocking=True)
     if pool is not None:
         pool.bytes_to_device += h.numel() * h.element_size()
     return x

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from labkit.accumulation import split_batch
 from labkit.checkpointing import checkpoint_blocks
 from labkit.estimate import example_batch, fake_sharded, fake_step
-from labkit.flops import OpCounter
+from labkit.work import WorkCounter
 from labkit.gpus import DeviceProfile, device_profile
 from labkit.hosttier import host_tier
 from labkit.meter import CATEGORIES, active_meter, format_bytes
@@ -52,7 +52,8 @@ GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step plus GradScaler's four 4-by
 COMM_UNITS = {"single": 0, "ddp": 2, "zero1": 3, "fsdp2": 2, "fsdp2-reshard": 3}  # parameter-sized ring passes:
 #   per step for DDP and ZeRO-1 (which all-gathers the updated parameters too), per micro-batch for FSDP2 (chapter 07)
 _AT_OPTIMIZER: dict = {}  # fake_step's key -> (bytes by category when the optimizer step started, (peak, split) so far)
-_FLOPS: dict = {}  # fake run's key -> (FLOPs, bytes accessed, bytes offloaded) per micro-batch, optimizer left out
+_FLOPS: dict = {}  # fake run's key -> (fp32 FLOPs, 16-bit FLOPs, bytes accessed, host bytes) per micro-batch, optimizer
+#                   left out (labkit.work.WorkCounter)
 _FITS: dict = {}  # (model key, n_micro, seq_len, checkpointing, precision, offload, shard) -> _fit's figures or None
 _RISE: dict = {}  # (model key, shard) -> bytes the optimizer step adds to what its start holds
 DEPTHS = ("fast", "full")  # fast: exact arithmetic over runs at FAST_DEPTHS; full: every block (the reference)
@@ -296,7 +297,7 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
             batch = tuple(torch.empty_like(t, device="cpu") for t in meta_batch)
         opt = make_optimizer("adam", model.parameters())
         create_optimizer_state(opt)
-        counter = OpCounter()
+        counter = WorkCounter()
         hooks = OffloadHooks(model, min_bytes=OFFLOAD_MIN_BYTES) if offload else None
 
         def at_optimizer(*_):  # keep what the step holds where its optimizer step starts (its bytes: by formula)
@@ -316,8 +317,10 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
             with counter if count else contextlib.nullcontext(), contextlib.suppress(_AtOptimizer):
                 plan_step(model, opt, batch, micro_batch, precision, hooks)
             if count:
-                moved = 0 if hooks is None else hooks.stats()["bytes_to_host"] + hooks.stats()["bytes_to_device"]
-                _FLOPS[flops_key] = (counter.flops / n_micro, counter.bytes_accessed / n_micro, moved / n_micro)
+                w = counter.work()
+                half = sum(n for p, n in w.flops.items() if p != "fp32")
+                _FLOPS[flops_key] = (w.flops.get("fp32", 0) / n_micro, half / n_micro, w.bytes_accessed / n_micro,
+                                     w.host_bytes / n_micro)
         return model, attach, run
     try:
         if shard is None:
@@ -487,7 +490,7 @@ def _at_rows(fit, micro_batch: int):
     host = _host_optimizer(peak, dict(zip(CATEGORIES, split)), dict(zip(CATEGORIES, at_opt)))
     if sum(at_opt) + rise > peak:
         peak, split = sum(at_opt) + rise, at_opt[:3] + (at_opt[3] + rise,)
-    work = _line(one[2], two[2], steps)  # (FLOPs, bytes accessed, bytes offloaded) per micro-batch
+    work = _line(one[2], two[2], steps)  # (fp32 FLOPs, 16-bit FLOPs, bytes accessed, host bytes) per micro-batch
     return peak, dict(zip(CATEGORIES, split)), at_opt[0], at_opt[2], one[3], work, host
 
 
@@ -590,15 +593,18 @@ def _row(p: Plan, device: DeviceProfile, comb: Combination, peak: int, split: di
          opt_bytes: int, whole_param_bytes: int) -> Row:
     """Return a combination's row: the roofline time on the device plus communication and host transfers, added.
 
-    work: (FLOPs, bytes accessed, bytes offloaded) per micro-batch. The optimizer step reads the parameters, their
-    gradients and its state and writes the parameters and the state: on the device, or on the host.
+    work: (fp32 FLOPs, 16-bit FLOPs, bytes accessed, host bytes) per micro-batch; each precision's FLOPs at its own
+    rate (autocast leaves the non-matmul ops in fp32). The optimizer step reads the parameters, their gradients and its
+    state and writes the parameters and the state: on the device, or on the host.
     """
-    flops_per_micro, bytes_per_micro, offloaded_per_micro = work
-    flops = int(flops_per_micro * comb.accum_steps)
+    fp32_per_micro, half_per_micro, bytes_per_micro, offloaded_per_micro = work
+    flops = int((fp32_per_micro + half_per_micro) * comb.accum_steps)
     optimizer_bytes = 3 * param_bytes + 2 * opt_bytes
     on_host = comb.optimizer == "host"
     accessed = int(bytes_per_micro * comb.accum_steps) + (0 if on_host else optimizer_bytes)
-    compute_s = max(flops / device.flops_per_s[comb.precision], accessed / device.memory_bytes_per_s)
+    compute_s = max(comb.accum_steps * (fp32_per_micro / device.flops_per_s["fp32"] +
+                                        half_per_micro / device.flops_per_s[comb.precision]),
+                    accessed / device.memory_bytes_per_s)
     ring = (comb.ranks - 1) / comb.ranks
     passes = COMM_UNITS[comb.parallel] * (comb.accum_steps if comb.parallel.startswith("fsdp2") else 1)
     comm_s = passes * ring * whole_param_bytes / device.peer_bytes_per_s

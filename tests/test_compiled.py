@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from labkit.compiled import BACKENDS, allocation_peak, compile_unavailable_reason, matmul_flops
-from labkit.flops import count_flops
+from labkit.work import count_work
 from labkit.meter import MemoryMeter
 
 
@@ -84,10 +84,10 @@ def test_allocation_peak_on_cuda_reads_the_allocator():
 # -- FLOPs ------------------------------------------------------------------------------------------
 def test_matmul_flops_equal_the_flop_counter_on_eager_code(block_run, tiny_gpt, tiny_batch):
     _, _, run = block_run
-    assert matmul_flops(run) == count_flops(run) > 0
+    assert matmul_flops(run) == count_work(run).total_flops > 0
     model, batch = tiny_gpt(), tiny_batch(3)
     step = lambda: model(*batch)[1].backward()  # noqa: E731
-    assert matmul_flops(step) == count_flops(step) > 0
+    assert matmul_flops(step) == count_work(step).total_flops > 0
 
 
 # -- compiled code ----------------------------------------------------------------------------------
@@ -134,8 +134,8 @@ def test_the_partitioners_budget_is_seen_by_the_census_and_the_flop_count(tiny_g
     mlp = tiny_gpt().blocks[0].mlp
     x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(2), requires_grad=True)  # (B, T, C)
     run = lambda m: (lambda: m(x).sum().backward())  # noqa: E731
-    eager_flops = count_flops(run(mlp))
-    ckpt_flops = count_flops(lambda: checkpoint(mlp, x, use_reentrant=False).sum().backward())
+    eager_flops = count_work(run(mlp)).total_flops
+    ckpt_flops = count_work(lambda: checkpoint(mlp, x, use_reentrant=False).sum().backward()).total_flops
     saved = {}
     for budget in (1.0, 0.0):
         torch._dynamo.reset()

@@ -19,6 +19,7 @@ import pytest
 
 import labkit
 import labkit.dist as ld
+from labkit.work import WorkCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -299,7 +300,7 @@ def test_comm_counter_counts_calls_and_bytes_by_hand():
     try:
         x = torch.ones(256)  # 1024 B of fp32
         outs = [torch.empty(256)]
-        with ld.CommCounter() as comm:
+        with WorkCounter() as comm:
             dist.all_reduce(x)
             dist.all_reduce(x[:100])  # 400 B
             dist.all_gather(outs, x)  # this rank's shard: 1024 B
@@ -312,6 +313,7 @@ def test_comm_counter_counts_calls_and_bytes_by_hand():
         assert sum(comm.bytes.values()) == 1488 + 1024 + 64
         # ring algorithms on K = 4 ranks: an all-reduce sends 2(K-1)/K of its payload, an all-gather K-1 shards
         assert comm.wire_bytes(4) == pytest.approx(1.5 * 1488 + 3 * 1024 + 0.75 * 64)
+        assert comm.work().sent_bytes == 0  # one rank: a ring sends nothing
         assert float(y[0]) == 2.0
     finally:
         dist.destroy_process_group()
@@ -324,7 +326,7 @@ def test_comm_counter_counts_coalesced_collectives_and_refuses_an_unknown_one(mo
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from labkit.dist import comm as comm_mod
+    from labkit import work as comm_mod
 
     # every c10d operator this torch registers is counted or known to carry no payload
     ops = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
@@ -333,7 +335,7 @@ def test_comm_counter_counts_coalesced_collectives_and_refuses_an_unknown_one(mo
         ops - set(comm_mod.COLLECTIVES) - comm_mod.NOT_COMMUNICATION
     _one_rank_group()
     try:
-        with ld.CommCounter() as comm, warnings.catch_warnings():
+        with WorkCounter() as comm, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # all_reduce_coalesced is deprecated
             dist.all_reduce_coalesced([torch.ones(10), torch.ones(6)])  # one call, 64 B
             out = funcol.all_reduce_coalesced([torch.ones(4), torch.ones(4)], "sum", dist.group.WORLD)  # 32 B
@@ -341,7 +343,7 @@ def test_comm_counter_counts_coalesced_collectives_and_refuses_an_unknown_one(mo
         assert float(out[0][0]) == float(out[1][0]) == 1.0  # (waits for both)
         assert comm.calls == {"all_reduce": 2} and comm.bytes == {"all_reduce": 96}
         monkeypatch.delitem(comm_mod.COLLECTIVES, "allreduce_")
-        with pytest.raises(NotImplementedError, match="c10d::allreduce_"), ld.CommCounter():
+        with pytest.raises(NotImplementedError, match="c10d::allreduce_"), ld.CommCounter():  # the old name, too
             dist.all_reduce(torch.ones(1))
     finally:
         dist.destroy_process_group()
@@ -350,9 +352,10 @@ def test_comm_counter_counts_coalesced_collectives_and_refuses_an_unknown_one(mo
 SEND_RECV = textwrap.dedent('''
     import torch, torch.distributed as dist
     import labkit.dist as ld
+    from labkit.work import WorkCounter
 
     def main():
-        with ld.CommCounter() as comm:
+        with WorkCounter() as comm:
             if ld.rank() == 0:
                 dist.send(torch.ones(10), dst=1)  # 40 B
                 dist.send(torch.ones(3, dtype=torch.float64), dst=1)  # 24 B
@@ -360,7 +363,7 @@ SEND_RECV = textwrap.dedent('''
                 a, b = torch.empty(10), torch.empty(3, dtype=torch.float64)
                 dist.recv(a, src=0)
                 dist.recv(b, src=0)
-        return {"calls": comm.calls, "bytes": comm.bytes, "wire": comm.wire_bytes(2)}
+        return {"calls": comm.calls, "bytes": comm.bytes, "wire": comm.wire_bytes(2), "sent": comm.work().sent_bytes}
 
     if __name__ == "__main__":
         ld.run(main)
@@ -371,8 +374,8 @@ def test_comm_counter_counts_point_to_point_sends_and_receives(tmp_path):
     script = tmp_path / "p2p.py"
     script.write_text(SEND_RECV)
     r0, r1 = ld.launch(script, 2, device="cpu", echo=False)
-    assert r0.value == {"calls": {"send": 2}, "bytes": {"send": 64}, "wire": 64.0}
-    assert r1.value == {"calls": {"recv": 2}, "bytes": {"recv": 64}, "wire": 0.0}  # receiving sends nothing
+    assert r0.value == {"calls": {"send": 2}, "bytes": {"send": 64}, "wire": 64.0, "sent": 64.0}
+    assert r1.value == {"calls": {"recv": 2}, "bytes": {"recv": 64}, "wire": 0.0, "sent": 0.0}  # receiving sends none
 
 
 def test_the_suites_guard_finds_a_process_left_behind():

@@ -1,6 +1,6 @@
 """Many processes: `launch` rank code on N local ranks from a notebook; `run`, `span`, `meter` inside a rank."""
 
-from labkit.dist.comm import CommCounter
+from labkit.dist.comm import CommCounter  # deprecated name of labkit.work.WorkCounter
 from labkit.dist.launch import RankFailure, RankResult, launch
 from labkit.dist.rank import device, meter, now_s, rank, run, span, world_size
 

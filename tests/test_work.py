@@ -1,0 +1,98 @@
+"""labkit.work: the counted work of a linear layer, attention and a block against hand counts; host and peer bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit import hosttier
+from labkit.models import Block, GPTConfig
+from labkit.work import Work, WorkCounter, count_work
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+B, IN, OUT = 4, 8, 16  # rows, input and output features of the linear layer
+F32, BF16 = 4, 2  # bytes per element
+
+
+def test_a_linear_layers_forward_is_one_matmul_of_2_b_in_out_flops_reading_and_writing_each_tensor_once():
+    layer = torch.nn.Linear(IN, OUT)
+    x = torch.randn(B, IN)
+    work = count_work(layer, x)
+    assert work.flops == {"fp32": 2 * B * IN * OUT}
+    assert work.kernels == 1  # addmm (the weight's transpose is a view: no kernel, no bytes)
+    assert work.bytes_accessed == F32 * (OUT + B * IN + IN * OUT + B * OUT)  # bias, x, weight read; output written
+    assert work.host_bytes == 0 and work.sent_bytes == 0
+
+
+def test_forward_and_backward_of_a_linear_layer_is_three_times_its_matmul():
+    """dW = dY^T x and dx = dY W: two more matmuls of the same size (the '6 N' FLOPs per token of training)."""
+    layer = torch.nn.Linear(IN, OUT)
+    x = torch.randn(B, IN, requires_grad=True)
+    assert count_work(lambda: layer(x).sum().backward()).flops == {"fp32": 3 * 2 * B * IN * OUT}
+
+
+def test_under_bf16_autocast_the_matmul_counts_as_bf16_and_the_casts_as_kernels_and_bytes():
+    layer = torch.nn.Linear(IN, OUT)
+    x = torch.randn(B, IN)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        work = count_work(layer, x)
+    assert work.flops == {"bf16": 2 * B * IN * OUT}
+    assert work.kernels == 4  # three casts (bias, x, weight) and the matmul
+    casts = (F32 + BF16) * (OUT + B * IN + IN * OUT)  # each cast reads fp32 and writes bf16
+    assert work.bytes_accessed == casts + BF16 * (OUT + B * IN + IN * OUT + B * OUT)
+
+
+@pytest.mark.parametrize("b, h, s, d", [(2, 4, 16, 8), (1, 2, 32, 16)])
+def test_attention_counts_its_two_products_forward_and_five_backward(b, h, s, d):
+    """QK^T and PV forward (4 b h s^2 d); backward recomputes QK^T, then dV, dP, dQ, dK (torch's formula: 10 b h s^2 d).
+
+    On a CPU, SDPA runs `_scaled_dot_product_flash_attention_for_cpu`, which torch's registry leaves out.
+    """
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+    forward = count_work(F.scaled_dot_product_attention, q, k, v, is_causal=True)
+    assert forward.flops == {"fp32": 4 * b * h * s * s * d}
+    whole = count_work(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward())
+    assert whole.flops == {"fp32": (4 + 10) * b * h * s * s * d}
+    manual = count_work(lambda: (q @ k.transpose(-2, -1)).softmax(-1) @ v)  # the same products written out
+    assert manual.flops == forward.flops
+
+
+@pytest.mark.parametrize("attn, backward_attention", [("manual", 2 * 4), ("sdpa", 10)])
+def test_a_blocks_work_is_24_b_t_c2_plus_4_b_t2_c_forward_and_three_times_the_matmuls_with_backward(
+        attn, backward_attention):
+    """qkv 6 B T C^2, proj 2, MLP up and down 8 each; attention's QK^T and PV 2 B T^2 C each. Elementwise ops,
+    norms and softmax have no formula in torch's counter: they count bytes and kernels, no FLOPs."""
+    Bt, T, C = 2, 16, 32
+    cfg = GPTConfig(n_layer=1, n_embd=C, n_head=4, block_size=T, attn=attn)
+    block = Block(cfg)
+    x = torch.randn(Bt, T, C, requires_grad=True)
+    forward = count_work(block, x)
+    assert forward.flops == {"fp32": 24 * Bt * T * C * C + 4 * Bt * T * T * C}
+    whole = count_work(lambda: block(x).sum().backward())
+    assert whole.flops == {"fp32": 3 * 24 * Bt * T * C * C + (4 + backward_attention) * Bt * T * T * C}
+    assert whole.kernels > forward.kernels >= 10 and whole.bytes_accessed > 2 * forward.bytes_accessed  # 10: the sdpa block
+
+
+def test_copies_over_the_host_link_count_as_host_bytes_not_as_device_traffic():
+    t = torch.randn(64, 32)
+    with WorkCounter() as counter:
+        h = hosttier.to_host(t)
+        back = hosttier.to_device(h, "cpu")
+    work = counter.work()
+    assert work.host_bytes == 2 * t.numel() * F32 and torch.equal(back, t)
+    assert work.bytes_accessed == 0 and work.kernels == 0
+    with WorkCounter() as outer, WorkCounter() as inner:  # nested counters both see it
+        hosttier.to_host(t)
+    assert outer.work().host_bytes == inner.work().host_bytes == t.numel() * F32
+
+
+def test_work_adds_and_scales_by_micro_batches():
+    a = Work({"fp32": 10}, 100, 2, 8, 4.0)
+    b = Work({"fp32": 1, "bf16": 6}, 50, 1, 0, 0.0)
+    assert a + b == Work({"fp32": 11, "bf16": 6}, 150, 3, 8, 4.0)
+    assert 3 * b == b * 3 == Work({"fp32": 3, "bf16": 18}, 150, 3, 0, 0.0)
+    assert (a + b).total_flops == 17
+    assert dataclasses.replace(a, flops={}).total_flops == 0
