@@ -1,4 +1,9 @@
-"""Devices to plan for: a table of GPU datasheet figures, and this CPU measured."""
+"""GPUs to project onto: datasheet rates, an achieved fraction of peak from published runs, and a step's time on them.
+
+`step_time(work, gpu)` turns a step's counted work (labkit.work) into a time on a GPU: the roofline (every unit at its
+datasheet peak, a lower bound) and, where a published run gives one, an estimate at that run's achieved fraction of
+peak (chapters 00-10, the planner). `measure_cpu` profiles this CPU alike.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,29 @@ import torch
 
 from labkit.throughput import copy_bandwidth, fastest_s
 from labkit.validate import ParameterError, check_choice
+from labkit.work import Work
 
 GiB = 2**30
 TERA = 10**12
 GB = 10**9
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The share of peak a published run achieved, counted as labkit.work counts (recomputation included)."""
+
+    fraction: float  # the run's counted FLOPs per second over the datasheet peak of its precision
+    source: str  # the run (tests/data/published_runs.json id), its tokens/s and counted FLOPs per token
+    check: str  # a different published run the fraction predicts (tests/test_gpus.py): its tokens/s, the prediction
+
+
+# fms-fsdp's Llama 2 7B (no checkpointing, local batch 2 x 4096, bf16, eager) counts 47.16 GFLOP per token by
+# labkit.work (torch's formulas: 6 N and attention's products, its backward recomputing the scores); tokens/s times
+# that over the bf16 peak is the fraction. tests/test_gpus.py derives both again from tests/data/published_runs.json.
+A100_EFFICIENCY = Efficiency(0.559, "FMS-7B-A100-noAC-eager: 3,700 tokens/s per A100 x 47.16 GFLOP/token / 312 TFLOP/s",
+                             "TT-A100-L2-13B-noAC-eager: 2,162 tokens/s published, 1,963 predicted (-9%)")
+H100_EFFICIENCY = Efficiency(0.358, "FMS-7B-H100-noAC-eager: 7,500 tokens/s per H100 x 47.16 GFLOP/token / 989 TFLOP/s",
+                             "TT-165-FSDP2-AC-eager: 6,100-6,300 tokens/s published, 6,533 predicted (+4% to +7%)")
 
 
 @dataclass(frozen=True)
@@ -28,6 +52,13 @@ class DeviceProfile:
     host_memory_bytes_per_s: float = 100 * GB  # the host's memory bandwidth (an optimizer step on the host): an
     #   assumed round figure for a GPU server's DRAM, not a datasheet's (one socket of 8-channel DDR4-3200 peaks at
     #   204.8 GB/s; a CPU Adam reaches a fraction of it); give your own with dataclasses.replace
+    efficiency: Efficiency | None = None  # a published run's achieved fraction of peak on this GPU class (None: none
+    #   published that we could cite: the roofline bound only)
+
+    @property
+    def half(self) -> str:
+        """Return the 16-bit format this device computes in: bf16 where it has it, else fp16 (with a GradScaler)."""
+        return "bf16" if "bf16" in self.flops_per_s else "fp16"
 
     def __post_init__(self):
         if "fp32" not in self.flops_per_s or any(v <= 0 for v in self.flops_per_s.values()):
@@ -61,14 +92,14 @@ GPUS = {
     # NVIDIA A100 datasheet (SXM): 40 GB HBM2 1555 GB/s; fp32 19.5 TFLOPS, bf16/fp16 tensor 312 TFLOPS dense;
     # NVLink 600 GB/s (both directions: 300 each way); PCIe 4.0
     "a100-40gb": DeviceProfile("a100-40gb", 40 * GiB, {"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
-                               1555 * GB, PCIE4, 300 * GB),
+                               1555 * GB, PCIE4, 300 * GB, efficiency=A100_EFFICIENCY),
     # NVIDIA A100 datasheet (SXM): 80 GB HBM2e 2039 GB/s; otherwise as the 40 GB card
     "a100-80gb": DeviceProfile("a100-80gb", 80 * GiB, {"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
-                               2039 * GB, PCIE4, 300 * GB),
+                               2039 * GB, PCIE4, 300 * GB, efficiency=A100_EFFICIENCY),
     # NVIDIA H100 datasheet (SXM): 80 GB HBM3 3.35 TB/s; fp32 67 TFLOPS, bf16/fp16 tensor 989 TFLOPS dense
     # (1979 sparse); NVLink 900 GB/s (450 each way); PCIe 5.0
     "h100": DeviceProfile("h100", 80 * GiB, {"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
-                          3350 * GB, PCIE5, 450 * GB),
+                          3350 * GB, PCIE5, 450 * GB, efficiency=H100_EFFICIENCY),
     # NVIDIA H200 datasheet (SXM): 141 GB HBM3e 4.8 TB/s; compute and links as the H100 SXM
     "h200": DeviceProfile("h200", 141 * GB, {"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
                           4800 * GB, PCIE5, 450 * GB),
@@ -87,7 +118,81 @@ def measure_cpu(n: int = 1024, repeats: int = 3) -> DeviceProfile:
     return DeviceProfile("cpu", memory, flops, bandwidth, bandwidth, bandwidth, bandwidth)
 
 
+CUDA_NAMES = {"t4": ("T4",), "l4": ("L4",), "a10g": ("A10G", "A10"), "rtx4090": ("4090",),
+              "a100-40gb": ("A100-SXM4-40GB", "A100-PCIE-40GB", "A100 40GB"),
+              "a100-80gb": ("A100-SXM4-80GB", "A100 80GB", "A100-PCIE-80GB"), "h100": ("H100",), "h200": ("H200",)}
+
+
+def cuda_profile(device: str | torch.device = "cuda") -> DeviceProfile:
+    """Return the profile of the CUDA device a chapter runs on, matched by its name (ParameterError if none matches)."""
+    name = torch.cuda.get_device_properties(torch.device(device)).name
+    for part, key in sorted(((p, k) for k, parts in CUDA_NAMES.items() for p in parts), key=lambda x: -len(x[0])):
+        if part in name:  # the longest first: "A10" is inside "A100-SXM4-80GB"
+            return GPUS[key]
+    raise ParameterError(f"GPU: no profile in labkit.gpus.GPUS matches this CUDA device ({name}); choose one of "
+                         f"{tuple(GPUS)} or add its datasheet figures")
+
+
 def device_profile(name: str) -> DeviceProfile:
-    """Return the named GPU's datasheet profile, or this CPU's measured one for "cpu"."""
-    check_choice("gpu", name, (*GPUS, "cpu"))
+    """Return the named GPU's datasheet profile, the CUDA device's for "cuda", or this CPU's measured one for "cpu"."""
+    check_choice("gpu", name, (*GPUS, "cuda", "cpu"))
+    if name == "cuda":
+        return cuda_profile()
     return measure_cpu() if name == "cpu" else GPUS[name]
+
+
+GPU_AUTO = "t4"  # GPU="auto" without CUDA: the GPU free notebooks (Colab, Kaggle) give
+
+
+def check_gpu(param: str, value) -> DeviceProfile:
+    """Return the profile a chapter's GPU parameter names: "auto" (the CUDA device this runs on, else GPU_AUTO), "cuda"
+    or a key of GPUS; a ParameterError names `param` and the choices otherwise (chapters 00-10)."""
+    check_choice(param, value, ("auto", "cuda", *GPUS))
+    if value == "cuda" and not torch.cuda.is_available():
+        raise ParameterError(f"{param}='cuda' but torch sees no CUDA device; use 'auto' or one of {tuple(GPUS)}")
+    if value == "auto":
+        return cuda_profile() if torch.cuda.is_available() else GPUS[GPU_AUTO]
+    return device_profile(value)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step's time on one GPU from its counted work: the roofline (a bound) and, where published, an estimate."""
+
+    gpu: str  # the profile's name
+    compute_s: float  # each precision's FLOPs at the GPU's peak for it (16-bit FLOPs in the GPU's 16-bit format)
+    memory_s: float  # the bytes operators read and write at the memory bandwidth
+    host_s: float  # the bytes over the host link at its one-way bandwidth
+    comm_s: float  # the bytes sent to other GPUs at the peer bandwidth
+    fraction: float | None  # the GPU class's achieved fraction of peak (DeviceProfile.efficiency), None: unpublished
+
+    @property
+    def bound_s(self) -> float:
+        """Return the roofline: every unit at its peak, transfers overlapped with compute; no step runs faster."""
+        return max(self.compute_s, self.memory_s, self.host_s, self.comm_s)
+
+    @property
+    def time_s(self) -> float:
+        """Return the estimate where a published run gives the GPU's achieved share of peak, else the roofline."""
+        return self.bound_s if self.fraction is None else self.estimate_s
+
+    @property
+    def estimate_s(self) -> float | None:
+        """Return compute and memory at the published run's achieved fraction, transfers overlapped (None: no run)."""
+        if self.fraction is None:
+            return None
+        return max(max(self.compute_s, self.memory_s) / self.fraction, self.host_s, self.comm_s)
+
+
+def step_time(work: Work, gpu: str | DeviceProfile) -> StepTime:
+    """Return the StepTime of `work` on `gpu` (a key of GPUS, "cuda" or a DeviceProfile)."""
+    device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
+    compute_s = 0.0
+    for precision, flops in work.flops.items():
+        rate = device.flops_per_s.get(precision)
+        if rate is None:  # bf16 FLOPs on a GPU without bf16 (a T4): they run in fp16 there, as half_precision picks
+            rate = device.flops_per_s[device.half] if precision in ("bf16", "fp16") else device.flops_per_s["fp32"]
+        compute_s += flops / rate
+    return StepTime(device.name, compute_s, work.bytes_accessed / device.memory_bytes_per_s,
+                    work.host_bytes / device.host_bytes_per_s, work.sent_bytes / device.peer_bytes_per_s,
+                    None if device.efficiency is None else device.efficiency.fraction)

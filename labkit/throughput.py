@@ -81,9 +81,16 @@ def measure_throughputs(step_fns: Mapping[str, Callable[[], object]], *, samples
     return out
 
 
+ROUNDS_AGREE = 1.5  # paired rounds whose judged ratios span more than this factor disagree: the load moved them
+
+
 @dataclass(frozen=True)
 class PairedRatio:
-    """One step function's time over another's, round by round, from the same interleaved rounds."""
+    """One step function's time over another's, round by round, from the same interleaved rounds (chapter 00).
+
+    A ratio is a finding only when its judged rounds (from five rounds on, all but the highest and the lowest)
+    agree within ROUNDS_AGREE: `verdict` says slower, faster, not told apart, or unreliable.
+    """
 
     median: float  # median over the rounds of the per-round ratio
     round_ratios: tuple  # every round's ratio, in order
@@ -93,12 +100,39 @@ class PairedRatio:
         """Return how many paired rounds the ratio rests on."""
         return len(self.round_ratios)
 
-    def agrees(self, factor: float) -> bool:
+    def judged(self) -> tuple[float, float]:
+        """Return the lowest and highest of the judged rounds (from five rounds on, all but the extremes)."""
+        middle = sorted(self.round_ratios)[1:-1] if self.rounds >= 5 else sorted(self.round_ratios)
+        return middle[0], middle[-1]
+
+    def agrees(self, factor: float = ROUNDS_AGREE) -> bool:
         """Return whether at least three rounds lie within `factor` of each other (from five on, less the extremes)."""
         if self.rounds < 3:
             return False
-        middle = sorted(self.round_ratios)[1:-1] if self.rounds >= 5 else sorted(self.round_ratios)
-        return max(middle) <= factor * min(middle)
+        lo, hi = self.judged()
+        return hi <= factor * lo
+
+    def verdict(self, noise: tuple = (1.0, 1.0)) -> str:
+        """Return "slower", "faster", "not told apart" or "unreliable" (fewer than three rounds, or they disagree).
+
+        `noise`: the judged range of the baseline timed against itself; slower (faster) means every judged round
+        lies above (below) both 1 and that range.
+        """
+        if not self.agrees():
+            return "unreliable"
+        lo, hi = self.judged()
+        return "slower" if lo > max(1.0, noise[1]) else "faster" if hi < min(1.0, noise[0]) else "not told apart"
+
+    def words(self, noise: tuple = (1.0, 1.0)) -> str:
+        """Return the ratio, its judged rounds and its verdict, e.g. "× 1.21 (the middle 3 of 5 rounds: 1.15–1.27):
+        slower in every judged round"."""
+        n, (lo, hi) = self.rounds, self.judged()
+        which = f"the middle {n - 2} of {n} rounds" if n >= 5 else f"{n} round{'s' if n > 1 else ''}"
+        verdict = self.verdict(noise)
+        why = {"slower": "slower in every judged round", "faster": "faster in every judged round",
+               "not told apart": "not told apart (the rounds lie within the timing's own noise or on both sides of 1)",
+               "unreliable": "too few rounds to tell" if n < 3 else "unreliable: the rounds disagree"}[verdict]
+        return f"× {self.median:.2f} ({which}: {lo:.2f}–{hi:.2f}): {why}"
 
 
 def paired_ratio(timed: Mapping[str, Throughput], num: str, den: str) -> PairedRatio:

@@ -308,6 +308,21 @@ def test_paired_ratio_divides_round_by_round_and_judges_agreement():
         paired_ratio(t, "c", "plain")
 
 
+def test_a_paired_ratio_says_slower_faster_not_told_apart_or_unreliable():
+    from labkit.throughput import PairedRatio
+
+    assert PairedRatio(2.0, (2.0, 6.0, 1.1, 2.0, 2.0)).verdict() == "slower"  # judged: 2.0, 2.0, 2.0
+    assert PairedRatio(0.5, (0.5, 0.4, 0.6)).verdict() == "faster"
+    assert PairedRatio(1.0, (0.9, 1.0, 1.1)).verdict() == "not told apart"  # on both sides of 1
+    assert PairedRatio(1.1, (1.05, 1.1, 1.12)).verdict(noise=(0.95, 1.15)) == "not told apart"  # within the noise
+    assert PairedRatio(1.1, (1.05, 1.1, 1.12)).verdict() == "slower"  # the same rounds, no noise band given
+    assert PairedRatio(2.0, (1.0, 2.0, 4.0)).verdict() == "unreliable"  # they disagree
+    assert PairedRatio(2.0, (2.0, 2.0)).verdict() == "unreliable"  # too few
+    assert PairedRatio(2.0, (2.0, 6.0, 1.1, 2.0, 2.0)).words() == \
+        "× 2.00 (the middle 3 of 5 rounds: 2.00–2.00): slower in every judged round"
+    assert PairedRatio(2.0, (2.0, 2.0)).words().endswith("(2 rounds: 2.00–2.00): too few rounds to tell")
+
+
 def test_measure_throughput_refuses_inside_a_meter():
     calls = []
     with MemoryMeter(device="cpu"):

@@ -1,0 +1,59 @@
+"""A technique's cost per optimizer step: its counted work (labkit.work) beside its time on a GPU (labkit.gpus).
+
+Every chapter prints its settings' costs with `cost_table` (chapter 00 introduces it) and records each setting's work
+with `work_record`; chapter 10 reads the records back (`work_from_record`) and projects them onto the GPU it is asked
+about. The counts are the same on every machine; a time is the roofline's (a bound) or, where a published run gives
+the GPU class's achieved fraction of peak, an estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from labkit.gpus import DeviceProfile, device_profile, step_time
+from labkit.work import Work
+
+
+def work_record(work: Work) -> dict:
+    """Return `work` as JSON-able data for labkit.record."""
+    return dataclasses.asdict(work)
+
+
+def work_from_record(record: dict) -> Work:
+    """Return the Work a `work_record` dict holds."""
+    return Work(**record)
+
+
+def cost_table(works: Mapping[str, Work], gpu: str | DeviceProfile, baseline: str | None = None) -> str:
+    """Return one line per setting: FLOPs by precision, bytes, kernels, host and peer bytes, its time on `gpu`.
+
+    The time is the estimate where the GPU has a published efficiency, else the roofline bound; `baseline` (a key
+    of `works`) adds each time over that setting's.
+    """
+    device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
+    times = {name: step_time(w, device) for name, w in works.items()}
+    estimate = device.efficiency is not None
+    seconds = {name: t.time_s for name, t in times.items()}
+    width = max(len("setting"), *(len(str(name)) for name in works))
+    half = device.half
+    head = (f"{'setting':<{width}} {'GFLOP fp32':>10} {'GFLOP ' + half:>10} {'GB moved':>9} {'kernels':>8} "
+            f"{'MB host':>8} {'MB sent':>8} {('estimate' if estimate else 'bound') + ' (ms)':>13}"
+            + (f" {'x base':>7}" if baseline is not None else ""))
+    lines = [f"counted per optimizer step; its time on the {device.name}: "
+             + (f"an estimate at {device.efficiency.fraction:.1%} of peak ({device.efficiency.source.split(':')[0]})"
+                if estimate else "the roofline, a bound (every unit at its datasheet peak, transfers overlapped; no "
+                                 "published run gives this GPU's achieved share of it)"), head]
+    for name, w in works.items():
+        sixteen = sum(n for p, n in w.flops.items() if p != "fp32")
+        line = (f"{str(name):<{width}} {w.flops.get('fp32', 0) / 1e9:>10.3f} {sixteen / 1e9:>10.3f} "
+                f"{w.bytes_accessed / 1e9:>9.3f} {w.kernels:>8,.0f} {w.host_bytes / 2**20:>8.1f} "
+                f"{w.sent_bytes / 2**20:>8.1f} {seconds[name] * 1e3:>13.3f}")
+        if baseline is not None:
+            line += f" {seconds[name] / seconds[baseline]:>7.2f}"
+        lines.append(line)
+    lines.append("GB moved: bytes operators read and write (no fusion); kernels: operators that compute or move data; "
+                 "MB host: over the host link; MB sent: to other GPUs" + (f"; 16-bit FLOPs run as {half} on the "
+                                                                         f"{device.name}" if half != "bf16" else "")
+                 + (f"; x base: the time over {baseline}'s" if baseline is not None else ""))
+    return "\n".join(lines)
