@@ -49,11 +49,60 @@ SESSION_TAG = "LABKIT_TEST_SESSION"  # inherited by every process the session st
 
 
 def pytest_configure(config):
-    """Tag every process this test session starts (ranks, kernels) through an inherited variable."""
+    """Tag every process this test session starts (ranks, kernels) through an inherited variable; have nbval see a
+    kernel that died."""
+    import os
     if not hasattr(config, "workerinput"):  # the controller, before any worker starts
-        import os
         import uuid
         os.environ.setdefault(SESSION_TAG, uuid.uuid4().hex)
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")  # a kernel that crashes prints its Python stack to the log
+    _watch_nbval_kernels()
+
+
+KERNEL_POLL_S = 5.0  # how often nbval's wait for a cell's reply checks that the kernel still lives
+
+
+class KernelDied(RuntimeError):
+    """The notebook's kernel process ended while a cell ran (a crash: a signal, or the OOM killer)."""
+
+
+def _watch_nbval_kernels() -> None:
+    """Make nbval's wait for a cell's reply fail at once, saying so, when the kernel process has died.
+
+    nbval waits --nbval-cell-timeout (2000 s by default) for the reply of a kernel that crashed, and then reports a
+    timeout ("Failed to interrupt kernel"): a crash read as a hang, after half an hour.
+    """
+    try:
+        from queue import Empty
+
+        from nbval.kernel import RunningKernel
+    except ImportError:
+        return
+    if getattr(RunningKernel.await_reply, "watches_death", False):
+        return
+    original = RunningKernel.await_reply
+
+    def await_reply(self, msg_id, timeout=None):
+        import time
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            try:
+                wait_s = KERNEL_POLL_S if left is None else max(0.0, min(KERNEL_POLL_S, left))
+                return original(self, msg_id, timeout=wait_s)
+            except Empty:
+                if left is not None and left <= KERNEL_POLL_S:
+                    raise  # nbval's own timeout
+                if not self.is_alive():
+                    process = getattr(getattr(self.km, "provisioner", None), "process", None)
+                    code = process.poll() if process is not None else None
+                    how = ("" if code is None else f" (exit code {code}" + (
+                        f", signal {-code}" if code < 0 else "") + ")")
+                    raise KernelDied(f"the kernel died{how} while running this cell: a crash, not a slow cell; its "
+                                     "stack, if Python could print one, is in the log above (PYTHONFAULTHANDLER)")
+
+    await_reply.watches_death = True
+    RunningKernel.await_reply = await_reply
 
 
 def leftover_processes(tag: str | None = None, wait_s: float = 10.0) -> list[str]:

@@ -452,7 +452,7 @@ class Lab:
                 context = b.new_context(viewport={"width": 1400, "height": 1000})
                 try:
                     page = context.new_page()
-                    page.goto(f"{url}/lab/tree/{relative}?token={token}&reset")
+                    page.goto(f"{url}/lab/tree/{relative}?token={token}&reset", timeout=120_000)  # loaded: slow, not lost
                     run_all(page, stop_on_error=False, timeout_s=timeout_s)  # the saved notebook tells what ran
                     if panel:
                         exercise_panel(page, stem)

@@ -69,7 +69,7 @@ def test_jupyterlab_opens_on_the_first_chapter_without_a_prompt(server, browser)
     url, token = server
     page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
     try:
-        page.goto(f"{url}/?token={token}")
+        page.goto(f"{url}/?token={token}", timeout=120_000)
         try:
             page.wait_for_function(f"() => window.jupyterapp?.shell.currentWidget?.title.label === '{lab.FIRST_CHAPTER}'",
                                    timeout=60_000)
@@ -134,7 +134,7 @@ def test_the_student_lab_opens_a_student_copy_without_the_teacher_tools(student_
     url, token = student_server
     page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
     try:
-        page.goto(f"{url}/lab/tree/{STUDENT_CHAPTER}?token={token}&reset")
+        page.goto(f"{url}/lab/tree/{STUDENT_CHAPTER}?token={token}&reset", timeout=120_000)
         page.wait_for_function("() => window.jupyterapp?.shell.currentWidget?.sessionContext?.isReady", timeout=120_000)
         stubs = page.evaluate("() => window.jupyterapp.shell.currentWidget.content.widgets.filter(c =>"
                               " c.model.sharedModel.getSource().includes('# YOUR CODE HERE')).length")

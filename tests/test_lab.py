@@ -25,7 +25,7 @@ def _get(url: str) -> tuple[int, str]:
             return None
     opener = urllib.request.build_opener(NoRedirect)
     try:
-        with opener.open(url, timeout=5) as r:
+        with opener.open(url, timeout=60) as r:  # a loaded 2-core machine: the server answers late, not never
             return r.status, r.read().decode(errors="replace")
     except urllib.error.HTTPError as e:
         return e.code, ""

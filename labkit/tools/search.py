@@ -19,14 +19,15 @@ import sys
 
 
 def _worker(args) -> int:
+    from labkit.children import die_with_parent
+
+    die_with_parent()  # started by a notebook cell: never outlive it, even while importing torch (seconds when loaded)
     import optuna
     import torch
 
-    from labkit.children import die_with_parent
     from labkit.search import study as studies
     from labkit.validate import ParameterError
 
-    die_with_parent()  # started by a notebook cell: never outlive it
     torch.set_num_threads(args.threads)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:  # an in-memory, malformed or silent database: said before any trial
