@@ -2,8 +2,8 @@
 
 Every chapter counts its technique's cost this way (chapter 00 introduces it) and `labkit.gpus` turns the count into
 a time on a GPU; the planner counts its fake steps alike. One `WorkCounter` (a dispatch mode) sees every operator:
-- FLOPs from torch's own formulas (torch.utils.flop_counter; the CPU's fused attention too), keyed by the precision the operator computes in (the
-  dtype of its floating-point inputs: bf16 and fp16 matmuls run on tensor cores, fp32 ones do not);
+- FLOPs from torch's own formulas (torch.utils.flop_counter; the CPU's fused attention too), keyed by the precision
+  the operator computes in (the dtype of its floating-point inputs: bf16 and fp16 matmuls run on tensor cores, fp32 ones do not);
 - bytes operators read and write, each tensor once per operator (no fusion, no cache), views left out;
 - kernels: operators that move or compute data (a GPU launches one kernel or more for each);
 - bytes over the host link: every copy of `labkit.hosttier` (to_host, to_device) reports itself here;

@@ -1,8 +1,10 @@
 """Notebook 00 under papermill with other parameters, and bad parameters refused before any work."""
 
 import pytest
+import torch
 
 import labkit
+import labkit.costs
 
 STEM = "00_where_the_memory_goes"
 SMALL = dict(N_LAYER=2, N_EMBD=64, N_HEAD=2, BATCH=8, SEQ_LEN=32, VOCAB_SIZE=128, BATCH_SWEEP=[2, 4, 8],
@@ -32,6 +34,11 @@ def test_notebook_00_invariants_with_other_parameters_and_a_budget_that_fits(exe
     assert m["estimate_rel_diff"] == 0  # the same step on fake tensors: the estimate is exact on a CPU
     assert m["estimate_7b_adam_fp32_bytes"] > 16 * m["estimate_7b_params"]
     assert m["meter_overhead_ratio"] > 0 and m["dispatch_floor_ratio"] > 0  # times: recorded, compared elsewhere
+    work = labkit.costs.work_from_record(m["work_plain"])  # 6 x matmul weights x tokens + attention's products
+    matmul_weights = sum(x.weight.numel() for x in model.modules() if isinstance(x, torch.nn.Linear))
+    assert work.flops == {"fp32": 6 * matmul_weights * 8 * 32 + 12 * 2 * 64 * 32 * 8 * 32}
+    if not torch.cuda.is_available():
+        assert m["gpu"] == "t4"  # GPU="auto": the CUDA device, else a T4
     # exercise 2's answer is recorded by its check cell, which fails in the student copy this run executes (the
     # solution is a stub there); nbval runs the teacher's copy, where it passes. Here: no answer, and a budget that
     # the step at BATCH fits, so the exercise has one

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import labkit
+import labkit.costs
 
 STEM = "04_activation_offload"
 
@@ -21,7 +22,10 @@ def test_notebook_invariants_hold_for_another_seed_and_depth(execute_notebook):
     assert m["host_tier"] == "disk"
     budget = labkit.running_example(n_layer=2, batch_size=6, seq_len=32).budget_bytes
     assert m["fits_in_budget"] == (m["device_peak_bytes_offload"] <= budget)
-    assert m["step_time_ratio_offload"] > 0
-    assert m["step_time_verdict_offload"] in ("slower", "faster", "not told apart")  # chapter 10 reads it
+    assert m["step_time_ratio_offload"] > 0 and m["step_time_verdict_offload"] in ("slower", "faster", "not told apart")
+    base, off = (labkit.costs.work_from_record(m[k]) for k in ("work_baseline", "work_offload"))
+    assert off.host_bytes == 2 * m["bytes_offloaded_per_step"] and base.host_bytes == 0  # out and back, counted
+    assert off.flops == base.flops  # offload computes nothing more
+    assert 1 <= m["gpu_step_time_ratio_offload"] <= m["gpu_step_time_ratio_offload_serial"]  # overlapped, in line
     if not torch.cuda.is_available():
         assert m["device_peak_ratio_save_on_cpu"] == 1.0  # CPU: save_on_cpu moves nothing

@@ -2,6 +2,8 @@
 
 import pytest
 
+import labkit.costs
+
 STEM = "05_layer_to_layer"
 
 
@@ -19,6 +21,10 @@ def test_notebook_runs_with_other_seed_and_depths(execute_notebook):
     assert m["max_param_diff_after_steps"] <= 1e-5
     assert m["fits_in_budget"] is True
     assert m["step_time_ratio_l2l"] > 0
+    plain, l2l_work = (labkit.costs.work_from_record(m[k]) for k in ("work_plain", "work_l2l"))
+    assert l2l_work.total_flops == pytest.approx(m["flop_ratio_l2l"] * plain.total_flops)
+    assert l2l_work.host_bytes > 0 == plain.host_bytes  # the weights, gradients and boundaries over the host link
+    assert 1 <= m["gpu_step_time_ratio_l2l"] <= m["gpu_step_time_ratio_l2l_serial"]
     assert 1.0 < m["flop_ratio_l2l"] <= 4 / 3 + 1e-9
     weights = m["l2l_weight_bytes_moved_per_sample_by_micro_batches"]
     assert list(m["l2l_bytes_moved_per_sample_by_micro_batches"]) == ["1", "3"]

@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from labkit.costs import work_from_record
+from labkit.gpus import GPU_AUTO, DeviceProfile, device_profile, step_time
 from labkit.meter import format_bytes
 from labkit.plan import RESERVE_FRACTION
 from labkit.pipeline import BUBBLE_LEVEL
@@ -20,15 +22,11 @@ FIXTURE_NOTE = ("these figures are a real `make run`'s results.json, cut to the 
 # chapter stem -> the records this page reads from it
 SOURCES = {
     "00_where_the_memory_goes": ("measured_peak_bytes", "budget_bytes", "step_s"),
-    "01_gradient_accumulation": ("peak_bytes_by_accum_steps", "step_time_ratio_by_accum_steps",
-                                 "step_time_verdict_by_accum_steps", "fitting_accum_steps"),
-    "02_activation_checkpointing": ("peak_bytes_checkpointed", "step_time_ratio_full_checkpoint",
-                                    "step_time_ratio_full_checkpoint_reliable"),
-    "03_mixed_precision": ("half_precision", "peak_bytes_fp32", "peak_bytes_half", "throughput_ratio_half",
-                           "throughput_ratio_half_reliable"),
-    "04_activation_offload": ("baseline_peak_bytes", "device_peak_bytes_offload", "step_time_ratio_offload",
-                              "step_time_verdict_offload"),
-    "05_layer_to_layer": ("plain_peak_bytes", "l2l_peak_bytes", "step_time_ratio_l2l"),
+    "01_gradient_accumulation": ("peak_bytes_by_accum_steps", "work_by_accum_steps", "fitting_accum_steps"),
+    "02_activation_checkpointing": ("peak_bytes_checkpointed", "work_plain", "work_every_block"),
+    "03_mixed_precision": ("half_precision", "peak_bytes_fp32", "peak_bytes_half", "work_fp32", "work_half"),
+    "04_activation_offload": ("baseline_peak_bytes", "device_peak_bytes_offload", "work_baseline", "work_offload"),
+    "05_layer_to_layer": ("plain_peak_bytes", "l2l_peak_bytes", "work_plain", "work_l2l"),
     "06_model_and_pipeline_parallel": ("peak_bytes_by_rank_model_parallel", "utilisation_model_parallel",
                                        "sent_bytes_by_rank_model_parallel", "comm_bytes_per_step_tensor_parallel",
                                        "bubble_fraction_measured_by_microbatches",
@@ -118,83 +116,68 @@ def budget_bytes(results: dict) -> int:
     return _m(results, "00_where_the_memory_goes")["budget_bytes"]
 
 
-TIME_TOLERANCE = 0.05  # two step-time ratios from separate timings closer than this (a fraction of a step): tied
+TIME_TOLERANCE = 0.05  # two projected step-time ratios closer than this (a fraction of a step): tied, the roofline
+#                        and a published efficiency are not that exact
 
 
-def one_device_rows(results: dict) -> list[dict]:
-    """Return one row per one-device technique: peaks before and after, bytes saved, step-time ratio and its ranking.
+def one_device_rows(results: dict, gpu: str | DeviceProfile = GPU_AUTO) -> list[dict]:
+    """Return one row per one-device technique: peaks before and after, bytes saved, and the step-time ratio on `gpu`.
 
-    verdict: the chapter's own on the time: "slower", "faster", "not told apart" (from the plain step's: no
-    measurable cost), "reliable", "unreliable" (not ranked), or None where it records none (`timing` says which).
+    The ratio is each chapter's counted work (labkit.work: the plain step's and the technique's, on the running
+    example) projected on `gpu` by labkit.gpus.step_time: the estimate where a published run gives the GPU class's
+    achieved share of peak, else the roofline. Copies over the host link (04, 05) overlap compute, as on a side stream.
     """
+    device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
     budget = budget_bytes(results)
     plain_00 = _m(results, "00_where_the_memory_goes")["measured_peak_bytes"]
     acc = _m(results, "01_gradient_accumulation")
     peaks = _by_int_key(acc["peak_bytes_by_accum_steps"])
     k = acc["fitting_accum_steps"] or max(peaks)
+    works = _by_int_key(acc["work_by_accum_steps"])
     ck, mp = _m(results, "02_activation_checkpointing"), _m(results, "03_mixed_precision")
     off, l2l = _m(results, "04_activation_offload"), _m(results, "05_layer_to_layer")
     rows = [
         dict(technique=f"gradient accumulation, k = {k}", chapter="01", before=peaks[min(peaks)], after=peaks[k],
-             time_ratio=_by_int_key(acc["step_time_ratio_by_accum_steps"])[k],
-             verdict=_by_int_key(acc["step_time_verdict_by_accum_steps"])[k],
-             source="peak by accumulation steps; time: the paired rounds' median against the plain step"),
+             work=(works[min(works)], works[k]), source="peak and work by accumulation steps"),
         dict(technique="activation checkpointing, every block", chapter="02", before=plain_00,
-             after=ck["peak_bytes_checkpointed"], time_ratio=ck["step_time_ratio_full_checkpoint"],
-             verdict=_reliable(ck["step_time_ratio_full_checkpoint_reliable"]),
-             time_model="chapter 02's deeper sweep model",
-             source="peak: chapter 00's plain step and 02's; time: 02's paired rounds on its deep sweep model"),
+             after=ck["peak_bytes_checkpointed"], work=(ck["work_plain"], ck["work_every_block"]),
+             source="peak: chapter 00's plain step and 02's; work: 02's plain and every-block steps"),
         dict(technique=f"{mp['half_precision']} autocast", chapter="03", before=mp["peak_bytes_fp32"],
-             after=mp["peak_bytes_half"], time_ratio=1 / mp["throughput_ratio_half"],
-             verdict=_reliable(mp["throughput_ratio_half_reliable"]),
-             source="peaks, and the throughput ratio of paired rounds, fp32 against 16-bit autocast"),
+             after=mp["peak_bytes_half"], work=(mp["work_fp32"], mp["work_half"]),
+             source="peaks, and the work of an fp32 and a 16-bit step (counted on fake tensors)"),
         dict(technique="activation offload", chapter="04", before=off["baseline_peak_bytes"],
-             after=off["device_peak_bytes_offload"], time_ratio=off["step_time_ratio_offload"],
-             verdict=off["step_time_verdict_offload"],
-             source="device peak and the median step-time ratio of paired rounds"),
+             after=off["device_peak_bytes_offload"], work=(off["work_baseline"], off["work_offload"]),
+             source="device peaks, and the work with the bytes over the host link"),
         dict(technique="layer-to-layer (L2L)", chapter="05", before=l2l["plain_peak_bytes"],
-             after=l2l["l2l_peak_bytes"], time_ratio=l2l["step_time_ratio_l2l"], verdict=None,
-             rounds="interleaved rounds, the ratio of their medians",
-             source="device peak and the step-time ratio of interleaved rounds"),
+             after=l2l["l2l_peak_bytes"], work=(l2l["work_plain"], l2l["work_l2l"]),
+             source="device peaks, and the work with the bytes over the host link"),
     ]
+    kind = "an estimate" if device.efficiency is not None else "the roofline, a bound"
     for row in rows:
+        before, after = (step_time(work_from_record(w), device).time_s for w in row.pop("work"))
+        row["time_ratio"] = after / before
         row["saved"] = row["before"] - row["after"]
         row["fits"] = row["after"] <= budget
         row["headroom"] = budget - row["after"]  # what the budget leaves for what the tensors do not show
-        row["time_ranked"] = row["verdict"] != "unreliable"
-        row["timing"] = row.pop("rounds", "paired rounds") + {
-            "unreliable": " the chapter judged unreliable: its time is not ranked",
-            "not told apart": ": the chapter did not tell its time from the plain step's, no measurable cost",
-            "slower": ": slower than the plain step in every judged round",
-            "faster": ": faster than the plain step in every judged round",
-            "reliable": ", judged reliable", None: " (the chapter records no verdict)"}[row["verdict"]]
-        row.setdefault("time_model", None)  # where the time comes from another model than the running example
+        row["timing"] = f"counted work on the {device.name} ({kind})"
     return rows
 
 
-def _reliable(reliable: bool) -> str:
-    return "reliable" if reliable else "unreliable"
-
-
 def cost_per_mib(row: dict) -> float:
-    """Return the extra step time a row pays per MiB it saves (a fraction of a step; inf when it saves nothing; 0
-    when its chapter did not tell its time from the plain step's)."""
+    """Return the extra step time a row pays per MiB it saves (a fraction of a step; inf when it saves nothing)."""
     if row["saved"] <= 0:
         return float("inf")
-    return 0.0 if row["verdict"] == "not told apart" else (row["time_ratio"] - 1) / (row["saved"] / MiB)
+    return (row["time_ratio"] - 1) / (row["saved"] / MiB)
 
 
 def saves_time(row: dict, tolerance: float = TIME_TOLERANCE) -> bool:
     """Return whether a row's ranked step time is below the plain step's by more than `tolerance`."""
-    return (row["time_ranked"] and row["verdict"] != "not told apart" and row["saved"] > 0
-            and row["time_ratio"] < 1 - tolerance)
+    return row["saved"] > 0 and row["time_ratio"] < 1 - tolerance
 
 
 def rank_key(row: dict, tolerance: float = TIME_TOLERANCE) -> tuple:
     """Return the key the order sorts by: techniques that save time first (most time saved first), then those that
-    pay, least extra step time per MiB saved first; last, those whose time is not ranked (most memory saved first)."""
-    if not row["time_ranked"]:
-        return (2, -row["saved"])
+    pay, least extra step time per MiB saved first."""
     if saves_time(row, tolerance):
         return (0, row["time_ratio"])
     return (1, cost_per_mib(row), -row["saved"])
@@ -206,9 +189,9 @@ def cost_order(rows: list[dict], tolerance: float = TIME_TOLERANCE) -> list[dict
 
 
 def tied(a: dict, b: dict, tolerance: float = TIME_TOLERANCE) -> bool:
-    """Return whether two ranked rows are not told apart: their step times, each uncertain by `tolerance` of a step,
-    allow either to come first (compared by time saved when both save time, else by time per MiB saved)."""
-    if not (a["time_ranked"] and b["time_ranked"]) or min(a["saved"], b["saved"]) <= 0:
+    """Return whether two rows are not told apart: their step times, each uncertain by `tolerance` of a step, allow
+    either to come first (compared by time saved when both save time, else by time per MiB saved)."""
+    if min(a["saved"], b["saved"]) <= 0:
         return False
     if saves_time(a, tolerance) != saves_time(b, tolerance):
         return False
@@ -228,23 +211,18 @@ def ties(order: list[dict], tolerance: float = TIME_TOLERANCE) -> dict[str, list
 
 
 def order_line(place: int, row: dict, order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
-    """Return one numbered line of the order: what the row saves, what it pays (or why its time is not ranked)."""
+    """Return one numbered line of the order: what the row saves and what it pays."""
     cost = cost_per_mib(row)
-    if not row["time_ranked"]:
-        paid = f"step time {row['time_ratio']:.2f}x, {row['timing']}"
-    elif cost == float("inf"):
+    if cost == float("inf"):
         paid = "saves nothing here"
     elif saves_time(row, tolerance):
         paid = f"free: the step also got faster, {row['time_ratio']:.2f}x the plain step's time"
-    elif row["verdict"] == "not told apart":
-        paid = f"no cost told apart: its step time ({row['time_ratio']:.2f}x) is within its chapter's noise"
     else:
         paid = f"pays {cost:.2%} of a step per MiB ({row['time_ratio']:.2f}x the step time)"
     with_ = ties(order, tolerance)[row["technique"]]
     return (f"{place}. {row['technique']} (chapter {row['chapter']}): saves {format_bytes(row['saved'])}, {paid}"
             + (f"; tied with place {', '.join(map(str, with_))} within the tolerance" if with_ else "")
-            + (f"; fits the budget alone, {format_bytes(row['headroom'])} to spare" if row["fits"] else "")
-            + (f"; its time is from {row['time_model']}, not the running example" if row["time_model"] else ""))
+            + (f"; fits the budget alone, {format_bytes(row['headroom'])} to spare" if row["fits"] else ""))
 
 
 def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
@@ -252,14 +230,9 @@ def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
     first = order[0]
     if cost_per_mib(first) == float("inf"):
         return "no technique saved memory on this run: nothing to order"
-    if not first["time_ranked"]:
-        return ("no technique's step time was timed in reliable pairs on this run: the order below is by memory "
-                "saved alone, and says nothing about time")
     cost = cost_per_mib(first)
     why = (f"it saved memory and the step got faster ({first['time_ratio']:.2f}x the plain step's time)"
-           if saves_time(first, tolerance) else
-           "it saved memory at no cost told apart from the plain step's time" if first["verdict"] == "not told apart"
-           else f"it pays the least time per MiB it saves ({cost:.2%} of a step)")
+           if saves_time(first, tolerance) else f"it pays the least time per MiB it saves ({cost:.2%} of a step)")
     with_ = ties(order, tolerance)[first["technique"]]
     if with_:
         why += f", tied with {', '.join(order[p - 1]['technique'] for p in with_)} within the tolerance"
@@ -331,18 +304,19 @@ def search_lines(chosen: dict) -> list[str]:
 
 
 def side_by_side_line(rows: list[dict], chosen: dict) -> str:
-    """Return chapter 08's order of the chapters' settings, timed in the same rounds, and the ranked pairs of `rows`
-    (timed apart) it puts the other way round by more than its noise band."""
+    """Return chapter 08's order of the chapters' settings, timed on this machine in the same rounds, and the ranked
+    pairs of `rows` (projected on a GPU) it puts the other way round by more than its noise band."""
     by = {name[:2]: t for name, t in chosen["ratios"].items()}  # chapter -> its step time over the search's choice's
-    line = ("chapter 08 timed the chapters' settings side by side, in the same rounds, on one thread (step time over "
-            "its choice's, fastest first): " + ", ".join(f"{c} {by[c]:.2f}x" for c in sorted(by, key=by.get)))
-    table = {r["chapter"]: r["time_ratio"] for r in rows if r["time_ranked"] and r["chapter"] in by}
+    line = ("chapter 08 timed the chapters' settings on this machine, side by side in the same rounds, on one thread "
+            "(step time over its choice's, fastest first): "
+            + ", ".join(f"{c} {by[c]:.2f}x" for c in sorted(by, key=by.get)))
+    table = {r["chapter"]: r["time_ratio"] for r in rows if r["chapter"] in by}
     flipped = [f"{a} and {b}" for a in sorted(table) for b in sorted(table) if a < b
                and (table[a] - table[b]) * (by[a] - by[b]) < 0 and abs(by[a] / by[b] - 1) > chosen["noise"]]
     if not flipped:
-        return line + "; it orders the ranked times above the same way, or within its noise"
-    return (line + f"; it orders {', '.join(flipped)} the other way round from the times above, which each chapter "
-            "timed separately against its own plain step (02 on a deeper model)")
+        return line + "; it orders the GPU's times above the same way, or within its noise"
+    return (line + f"; it orders {', '.join(flipped)} the other way round from the GPU's times above: this machine's "
+            "order, not the GPU's (a CPU has no tensor cores and its memory is its host)")
 
 
 def _fewest(fit: list[str], comm: dict, chosen: str, pays: dict) -> str:
