@@ -81,35 +81,6 @@ def synchronize(device: torch.device) -> None:
             acc.synchronize(device)
 
 
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # /proc/cpuinfo: x86 AVX-512-BF16, x86 AMX, Arm's BF16 extension
-
-
-def _cpuinfo_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
-    """Return the CPU's feature flags from /proc/cpuinfo (x86 "flags", Arm "Features"), or None where unreadable."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.split(":")[0].strip() in ("flags", "Features"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
-
-
-def cpu_bf16_features(path: str = "/proc/cpuinfo") -> dict:
-    """Return what this CPU offers bf16 matmuls: vector level, cpuinfo flags, PyTorch's probes, `has_bf16_units`."""
-    flags = _cpuinfo_flags(path)
-    found = {
-        "capability": torch.backends.cpu.get_cpu_capability(),  # the vector ISA PyTorch's CPU kernels use
-        "cpuinfo_bf16_flags": None if flags is None else sorted(flags & set(BF16_CPU_FLAGS)),
-        "avx512_bf16": getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: None)(),  # PyTorch's own probe
-        "amx_tile": getattr(torch.cpu, "_is_amx_tile_supported", lambda: None)(),
-    }
-    found["has_bf16_units"] = bool(found["cpuinfo_bf16_flags"] if flags is not None
-                                   else found["avx512_bf16"] or found["amx_tile"])
-    return found
-
-
 @dataclass(frozen=True)
 class HalfPrecision:
     """The 16-bit format a device trains in, and why."""

@@ -67,28 +67,6 @@ def test_a_cpu_always_gets_bf16_and_never_a_scaler():
     assert "never run on a CPU" in choice.reason and choice.scaler("cpu") is None
 
 
-@pytest.mark.parametrize("cpuinfo, flags, units", [
-    ("flags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile\n", ["avx512_bf16"], True),  # Sapphire Rapids-like
-    ("flags\t\t: fpu sse avx2 fma\n", [], False),  # AVX2 only: bf16 matmuls on a generic kernel
-    ("Features\t: fp asimd bf16 i8mm\n", ["bf16"], True),  # Arm with the BF16 extension
-])
-def test_cpu_bf16_features_read_the_cpu_flags(tmp_path, cpuinfo, flags, units):
-    info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\n" + cpuinfo)
-    found = lkdevice.cpu_bf16_features(str(info))
-    assert (found["cpuinfo_bf16_flags"], found["has_bf16_units"]) == (flags, units)
-    assert found["capability"] == torch.backends.cpu.get_cpu_capability()
-
-
-def test_cpu_bf16_features_without_cpuinfo_ask_torch(tmp_path, monkeypatch):
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
-    found = lkdevice.cpu_bf16_features(str(tmp_path / "absent"))
-    assert found["cpuinfo_bf16_flags"] is None and found["has_bf16_units"] is True
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
-    assert lkdevice.cpu_bf16_features(str(tmp_path / "absent"))["has_bf16_units"] is False
-
-
 def test_rank_placement_without_gpus_is_gloo_on_the_cpu(monkeypatch, capsys):
     fake_gpus(monkeypatch, 0)
     p = lkdevice.rank_placement(2)
