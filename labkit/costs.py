@@ -38,7 +38,7 @@ def cost_table(works: Mapping[str, Work], gpu: str | DeviceProfile, baseline: st
     width = max(len("setting"), *(len(str(name)) for name in works))
     half = device.half
     head = (f"{'setting':<{width}} {'GFLOP fp32':>10} {'GFLOP ' + half:>10} {'GB moved':>9} {'kernels':>8} "
-            f"{'MB host':>8} {'MB sent':>8} {('estimate' if estimate else 'bound') + ' (ms)':>13}"
+            f"{'MiB host':>8} {'MiB sent':>8} {('estimate' if estimate else 'bound') + ' (ms)':>13}"
             + (f" {'x base':>7}" if baseline is not None else ""))
     lines = [f"counted per optimizer step; its time on the {device.name}: "
              + (f"an estimate at {device.efficiency.fraction:.1%} of peak ({device.efficiency.source.split(':')[0]})"
@@ -53,7 +53,7 @@ def cost_table(works: Mapping[str, Work], gpu: str | DeviceProfile, baseline: st
             line += f" {seconds[name] / seconds[baseline]:>7.2f}"
         lines.append(line)
     lines.append("GB moved: bytes operators read and write (no fusion); kernels: operators that compute or move data; "
-                 "MB host: over the host link; MB sent: to other GPUs" + (f"; 16-bit FLOPs run as {half} on the "
+                 "MiB host: over the host link (PCIe); MiB sent: to other GPUs" + (f"; 16-bit FLOPs run as {half} on the "
                                                                          f"{device.name}" if half != "bf16" else "")
                  + (f"; x base: the time over {baseline}'s" if baseline is not None else ""))
     return "\n".join(lines)

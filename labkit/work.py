@@ -146,6 +146,8 @@ class WorkCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "prim":  # metadata queries (prim.device: fake tensors ask it): no data, no kernel
+            return func(*args, **kwargs)
         if func.namespace in ("c10d", "_c10d_functional"):
             self._communication(func, args)
             return func(*args, **kwargs)

@@ -72,7 +72,7 @@ def test_rows_are_the_chapters_figures_and_their_work_on_the_gpu(results):
     assert rows["04"]["time_ratio"] == _projected(m, "work_baseline", "work_offload", "t4")
     mp = results["notebooks"]["03_mixed_precision"]["measurements"]
     assert rows["03"]["time_ratio"] == _projected(mp, "work_fp32", "work_half", "t4") < 1  # 16 bits save time on a GPU
-    assert rows["03"]["technique"] == f"{mp['half_precision']} autocast"
+    assert rows["03"]["technique"] == f"{mp['half_precision']} autocast (fp16 on the t4)"  # a T4 has no bf16
     acc = results["notebooks"]["01_gradient_accumulation"]["measurements"]
     k = acc["fitting_accum_steps"]
     assert rows["01"]["time_ratio"] == _projected(acc["work_by_accum_steps"], "1", str(k), "t4") >= 1

@@ -7,9 +7,12 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+import labkit
 from labkit import hosttier
 from labkit.models import Block, GPTConfig
+from labkit.train import create_optimizer_state
 from labkit.work import Work, WorkCounter, count_work
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -96,3 +99,26 @@ def test_work_adds_and_scales_by_micro_batches():
     assert 3 * b == b * 3 == Work({"fp32": 3, "bf16": 18}, 150, 3, 0, 0.0)
     assert (a + b).total_flops == 17
     assert dataclasses.replace(a, flops={}).total_flops == 0
+
+
+def test_a_step_on_fake_tensors_counts_what_the_same_step_counts_on_real_ones():
+    """Fake tensors ask for metadata through the dispatcher (prim.device): no data moves, nothing is counted."""
+    ex = labkit.running_example(n_layer=2, batch_size=4, seq_len=16)
+
+    def step(model, optimizer, batch):
+        _, loss = model(*batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def built():
+        torch.manual_seed(0)
+        model = labkit.build_model(ex.config)
+        optimizer = labkit.make_optimizer("adam", model.parameters())
+        create_optimizer_state(optimizer)
+        return model, optimizer, tuple(torch.zeros(4, 16, dtype=torch.long) for _ in range(2))
+
+    real = count_work(step, *built())
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = count_work(step, *built())
+    assert fake == real and real.kernels > 0 and real.bytes_accessed > 0

@@ -142,7 +142,8 @@ def one_device_rows(results: dict, gpu: str | DeviceProfile = GPU_AUTO) -> list[
         dict(technique="activation checkpointing, every block", chapter="02", before=plain_00,
              after=ck["peak_bytes_checkpointed"], work=(ck["work_plain"], ck["work_every_block"]),
              source="peak: chapter 00's plain step and 02's; work: 02's plain and every-block steps"),
-        dict(technique=f"{mp['half_precision']} autocast", chapter="03", before=mp["peak_bytes_fp32"],
+        dict(technique=f"{mp['half_precision']} autocast" + (f" (fp16 on the {device.name})" if device.half == "fp16"
+                                                              and mp["half_precision"] != "fp16" else ""), chapter="03", before=mp["peak_bytes_fp32"],
              after=mp["peak_bytes_half"], work=(mp["work_fp32"], mp["work_half"]),
              source="peaks, and the work of an fp32 and a 16-bit step (counted on fake tensors)"),
         dict(technique="activation offload", chapter="04", before=off["baseline_peak_bytes"],
@@ -316,7 +317,7 @@ def side_by_side_line(rows: list[dict], chosen: dict) -> str:
     if not flipped:
         return line + "; it orders the GPU's times above the same way, or within its noise"
     return (line + f"; it orders {', '.join(flipped)} the other way round from the GPU's times above: this machine's "
-            "order, not the GPU's (a CPU has no tensor cores and its memory is its host)")
+            "order, not the GPU's (its matmuls run at a CPU's rates, and its memory is its host)")
 
 
 def _fewest(fit: list[str], comm: dict, chosen: str, pays: dict) -> str:
