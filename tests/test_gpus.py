@@ -38,6 +38,8 @@ def test_the_bound_overlaps_everything_and_the_estimate_divides_compute_by_the_p
     assert host_bound.bound_s == host_bound.estimate_s == host_bound.host_s  # the link, not compute, sets the pace
     t4 = gpus.step_time(WORK, "t4")
     assert t4.fraction is None and t4.estimate_s is None  # no published run on a T4 to take a fraction from
+    assert t4.device_s == max(t4.compute_s, t4.memory_s) and a100.device_s == a100.estimate_s  # no transfer bound it
+    assert t4.in_line_s == t4.device_s + t4.host_s + t4.comm_s > t4.bound_s  # in line: the copies add
 
 
 def test_a_cuda_device_is_matched_to_its_profile_by_name(monkeypatch):
