@@ -7,6 +7,7 @@ before it times 16-bit compute on a CPU, and every timing this workbook reports 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -38,11 +39,20 @@ def _cpuinfo(path: str = "/proc/cpuinfo") -> dict:
     return fields
 
 
-def matmul_s(dtype: torch.dtype, n: int = 512, repeats: int = 3) -> float:
-    """Return the median seconds of one n x n `dtype` matmul on one thread, after a warm-up."""
+@contextlib.contextmanager
+def one_thread():
+    """Run the block on one intra-op thread (a rate per thread; fake tensors, which 2 threads only slow), then restore."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def matmul_s(dtype: torch.dtype, n: int = 512, repeats: int = 3) -> float:
+    """Return the median seconds of one n x n `dtype` matmul on one thread, after a warm-up."""
+    with one_thread():
         g = torch.Generator().manual_seed(0)
         a, b = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
         a @ b
@@ -52,8 +62,6 @@ def matmul_s(dtype: torch.dtype, n: int = 512, repeats: int = 3) -> float:
             a @ b
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _flags() -> set:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit.validate import ParameterError, check_choice, check_int
+
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 RANK_BACKENDS = ("auto", "gloo", "nccl")  # auto: NCCL with one GPU per rank, gloo on the CPU
 BF16_MIN_CAPABILITY = (8, 0)  # NVIDIA GPUs compute bf16 natively from Ampere (compute capability 8.0) on
@@ -23,20 +25,21 @@ def as_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_device(name: str | torch.device = "auto", param: str = "device") -> torch.device:
-    """Return the torch device for "auto" | "cpu" | "cuda[:i]" (auto: CUDA, else CPU, saying so over mps/xpu)."""
+    """Return the torch device for "auto" | "cpu" | "cuda[:i]" (auto: CUDA, else CPU, saying so over mps/xpu); raise
+    ParameterError naming `param` (a notebook's "DEVICE") for any other value."""
     if not isinstance(name, (str, torch.device)):
-        raise TypeError(f"{param} must be one of {DEVICE_CHOICES}, got {name!r}")
+        raise ParameterError(f"{param} must be one of {DEVICE_CHOICES}, got {name!r}")
     name = str(name)
     kind = name.split(":")[0]
     if kind not in DEVICE_CHOICES:
-        raise ValueError(f"{param} must be one of {DEVICE_CHOICES}, got {name!r}")
+        raise ParameterError(f"{param} must be one of {DEVICE_CHOICES}, got {name!r}")
     if kind == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"{param}={name!r} but torch sees no CUDA device; use 'auto' or 'cpu'")
+            raise ParameterError(f"{param}={name!r} but torch sees no CUDA device; use 'auto' or 'cpu'")
         dev = as_device(name)
         if dev.index >= torch.cuda.device_count():
-            raise ValueError(f"{param}={name!r} but torch sees {torch.cuda.device_count()} CUDA device(s) "
-                             f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+            raise ParameterError(f"{param}={name!r} but torch sees {torch.cuda.device_count()} CUDA device(s) "
+                                 f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
         return dev
     if kind == "cpu":
         return torch.device("cpu")
@@ -127,8 +130,6 @@ class RankPlacement:
 
 def rank_placement(nproc: int, device: str = "auto", backend: str = "auto") -> RankPlacement:
     """Return where `nproc` local ranks run: NCCL with one GPU per rank when there are enough, else gloo on the CPU."""
-    from labkit.validate import ParameterError, check_choice, check_int
-
     check_int("nproc", nproc, 1)
     check_choice("device", device, DEVICE_CHOICES)
     check_choice("backend", backend, RANK_BACKENDS)

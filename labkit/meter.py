@@ -369,6 +369,8 @@ class MemoryMeter(TorchDispatchMode):
 
     # -- dispatch ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "prim":  # metadata queries (prim.device: fake tensors ask it): nothing allocated
+            return func(*args, **(kwargs or {}))
         # Inputs first seen here (the batch, an untracked weight) are counted, never refused.
         records = self._records
         for a in (args, kwargs.values()) if kwargs else (args,):

@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 
 from labkit.accumulation import split_batch
 from labkit.checkpointing import checkpoint_blocks
+from labkit.cpu import one_thread
 from labkit.estimate import example_batch, fake_sharded, fake_step
 from labkit.work import WorkCounter
 from labkit.gpus import DeviceProfile, device_profile
@@ -560,8 +561,9 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
                                       for c in checkpointing for p in fake_precisions
                                       for o in (offload if shard is None and c == "none" else (False,))))
     fake = {}
-    for shard, mb, n_micro, c, p, o in progress(list(todo), desc="fake steps"):
-        fake[shard, mb, n_micro, c, p, o] = _extrapolated(spec, mb, n_micro, seq_len, c, p, depth, o, shard)
+    with one_thread():  # (FSDP2 sharding meta tensors between the fake steps too: a second thread only slows it)
+        for shard, mb, n_micro, c, p, o in progress(list(todo), desc="fake steps"):
+            fake[shard, mb, n_micro, c, p, o] = _extrapolated(spec, mb, n_micro, seq_len, c, p, depth, o, shard)
     out.fake_steps = len(todo)
     for (shard, mb, n_micro, c, p, o), (peak, split, param_bytes, opt_bytes, n, work, host) in fake.items():
         out.n_params = n

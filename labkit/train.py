@@ -31,11 +31,21 @@ def seeded_model(config: GPTConfig | MLPConfig, seed: int, device: torch.device 
 
 
 def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state without a forward pass: zero gradients, one update, gradients dropped."""
+    """Create the optimizer's state without a forward pass: zero gradients, one update, gradients dropped.
+
+    The update runs multi-tensor (foreach): the same state tensors as the for-loop's, in a dozen operators instead of
+    a dozen per parameter (on fake tensors, where every operator costs the same, many times faster).
+    """
+    foreach = [group.get("foreach") for group in optimizer.param_groups]
     for group in optimizer.param_groups:
+        group["foreach"] = "foreach" in group
         for p in group["params"]:
             p.grad = torch.zeros_like(p)
-    optimizer.step()
+    try:
+        optimizer.step()
+    finally:
+        for group, f in zip(optimizer.param_groups, foreach):
+            group["foreach"] = f
     optimizer.zero_grad(set_to_none=True)
 
 

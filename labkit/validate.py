@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-from labkit.device import resolve_device
 
 
 class ParameterError(ValueError):
@@ -69,11 +68,3 @@ def check_budget(name: str, value, unit: str = "bytes") -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
         raise ParameterError(f"{name} must be None or a positive number of {unit}, got {value!r}")
     return value
-
-
-def check_device(name: str, value):
-    """Return the torch device for "auto" | "cpu" | "cuda"; raise ParameterError naming `name` otherwise."""
-    try:
-        return resolve_device(value, param=name)
-    except (TypeError, ValueError) as e:
-        raise ParameterError(str(e)) from None

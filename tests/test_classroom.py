@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 
 from workbook import classroom
+from workbook.nbcheck import find_notebooks
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
-CHAPTERS = [p.stem for p in classroom.chapters(NOTEBOOKS)]
+CHAPTERS = [p.stem for p in find_notebooks(NOTEBOOKS)]
 GRADED = "01_two_exercises"  # a chapter of two exercises in the chapters' nbgrader form, written below and autograded three times
 
 pytestmark = pytest.mark.notebook

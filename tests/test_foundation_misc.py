@@ -234,7 +234,7 @@ def test_resolve_device_on_cpu():
     with pytest.raises(ValueError, match="device='cuda:1'"):
         resolve_device("cuda:1")
     with pytest.raises(validate.ParameterError, match="DEVICE='cuda' but torch sees no CUDA device"):
-        validate.check_device("DEVICE", "cuda")
+        resolve_device("cuda", "DEVICE")
 
 
 def test_resolve_device_rejects_unknown_naming_the_argument():
@@ -242,11 +242,11 @@ def test_resolve_device_rejects_unknown_naming_the_argument():
         resolve_device("tpu")
     assert str(info.value).startswith("device must be one of")
     assert all(choice in str(info.value) for choice in DEVICE_CHOICES)
-    with pytest.raises(TypeError, match="device"):
+    with pytest.raises(validate.ParameterError, match="^device must be one of"):
         resolve_device(0)
     with pytest.raises(validate.ParameterError, match=r"^DEVICE must be one of \('auto', 'cpu', 'cuda'\), got 'tpu'$"):
-        validate.check_device("DEVICE", "tpu")
-    assert validate.check_device("DEVICE", "cpu") == torch.device("cpu")
+        resolve_device("tpu", "DEVICE")
+    assert resolve_device("cpu", "DEVICE") == torch.device("cpu")
 
 
 def test_hardware_report():

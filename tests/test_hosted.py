@@ -25,6 +25,7 @@ import pytest
 
 from labkit.results import BUILD_DIR_ENV, build_dir
 from workbook import hosted
+from workbook.nbcheck import find_notebooks
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -34,7 +35,7 @@ HOSTED_CHAPTER = "01_gradient_accumulation.ipynb"  # the chapter whose opening r
 
 # -- the cells every chapter carries --------------------------------------------------------------------------
 def test_every_chapter_has_the_links_and_the_canonical_install_cell():
-    chapters = hosted.chapters(NOTEBOOKS)
+    chapters = find_notebooks(NOTEBOOKS)
     assert [p.name[:2] for p in chapters] == [f"{i:02d}" for i in range(11)]
     assert hosted.apply(NOTEBOOKS, check=True) == [], "run: python -m workbook.hosted notebooks"
     for path in chapters:
@@ -95,7 +96,7 @@ def test_readme_links_every_chapter_and_shares_the_binder_placeholder():
     text = README.read_text()
     binder = re.search(r"https://mybinder\.org/v2/gh/(\S+?)/HEAD", text)
     assert binder and binder.group(1) == hosted.REPOSITORY
-    for path in hosted.chapters(NOTEBOOKS):
+    for path in find_notebooks(NOTEBOOKS):
         row = next(ln for ln in text.splitlines() if ln.startswith(f"| `{path.stem}`"))
         assert f"colab.research.google.com/github/{hosted.REPOSITORY}/blob/{hosted.BRANCH}/notebooks/{path.name}" in row
         assert f"kaggle.com/kernels/welcome?src=https://github.com/{hosted.REPOSITORY}/blob/" in row

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import labkit
-from workbook.runner import find_notebooks
+from workbook.nbcheck import find_notebooks
 
 STEMS = [p.stem for p in find_notebooks(Path(__file__).resolve().parents[1] / "notebooks")]
 

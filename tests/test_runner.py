@@ -8,7 +8,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from workbook import report, runner
+from workbook import nbcheck, report, runner
 
 GOOD = "00_good"
 BAD = "01_bad"
@@ -47,8 +47,8 @@ def notebooks(tmp_path):
 
 
 def test_find_notebooks_filters_and_sorts(notebooks):
-    assert [p.name for p in runner.find_notebooks(notebooks)] == [f"{GOOD}.ipynb", f"{BAD}.ipynb"]
-    assert [p.name for p in runner.find_notebooks(notebooks, only=["01"])] == [f"{BAD}.ipynb"]
+    assert [p.name for p in nbcheck.find_notebooks(notebooks)] == [f"{GOOD}.ipynb", f"{BAD}.ipynb"]
+    assert [p.name for p in nbcheck.find_notebooks(notebooks, only=["01"])] == [f"{BAD}.ipynb"]
 
 
 def test_format_value():

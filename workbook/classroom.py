@@ -23,15 +23,12 @@ import shutil
 import sys
 from pathlib import Path
 
+from workbook.nbcheck import find_notebooks
+
 ROOT = Path(__file__).resolve().parents[1]
 CODE_STUB = "# YOUR CODE HERE\npass"  # valid in a function body too; the check cell below then fails
 TEACHER_ONLY = "teacher-only"  # a cell with this tag is left out of the student copy (e.g. "the solution is below")
 CELL_TIMEOUT_S = 900  # nbgrader's default, 30 s a cell, is shorter than the chapters' longest cells
-
-
-def chapters(notebooks: Path) -> list[Path]:
-    """Return the chapter notebooks (NN_name.ipynb) of a folder, in order."""
-    return sorted(p for p in notebooks.glob("[0-9][0-9]_*.ipynb"))
 
 
 def exercise_cells(nb: dict) -> dict[str, dict]:
@@ -67,7 +64,7 @@ def build_student_copies(notebooks: Path, course: Path, out: Path) -> list[Path]
     out.mkdir(parents=True, exist_ok=True)
     api = _api(course)
     written = []
-    for nb_path in chapters(notebooks):
+    for nb_path in find_notebooks(notebooks):
         name = nb_path.stem
         assert exercise_cells(json.loads(nb_path.read_text())), f"{nb_path.name} has no nbgrader cells"
         src = course / "source" / name
@@ -98,7 +95,7 @@ def _submissions(folder: Path) -> dict[tuple[str, str], Path]:
 
 def grade(submissions: Path, notebooks: Path, course: Path, out: Path, student_dir: Path) -> list[dict]:
     """Autograde every submitted chapter with nbgrader; write scores.csv and scores.html to `out`; return the rows."""
-    known = {p.stem for p in chapters(notebooks)}
+    known = {p.stem for p in find_notebooks(notebooks)}
     found = _submissions(submissions)
     unknown = sorted({ch for _, ch in found} - known)
     if unknown:

@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from workbook.nbcheck import find_notebooks
+
 REPOSITORY = "<owner>/<repository>"  # GitHub owner/name; the README's Binder link uses the same placeholder
 BRANCH = "main"  # the branch Colab and Kaggle open
 SOURCE_ENV = "LABKIT_SOURCE"  # the one variable that points the install cell elsewhere (a folder, a git URL)
@@ -87,15 +89,10 @@ def _dump(nb: dict) -> str:
     return json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + "\n"
 
 
-def chapters(folder: str | Path) -> list[Path]:
-    """Return the numbered chapter notebooks of a folder (00_*.ipynb ...)."""
-    return sorted(Path(folder).glob("[0-9][0-9]_*.ipynb"))
-
-
 def apply(folder: str | Path, check: bool = False, repository: str = REPOSITORY, branch: str = BRANCH) -> list[Path]:
     """Write the links and install cell into every chapter of `folder` (check: write nothing); return those changed."""
     differ = []
-    for path in chapters(folder):
+    for path in find_notebooks(folder):
         text = path.read_text(encoding="utf-8")
         new = _dump(with_hosted_cells(json.loads(text), path.name, repository, branch))
         if new != text:
@@ -113,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repository", default=REPOSITORY, help=f"GitHub owner/name (default the placeholder {REPOSITORY})")
     p.add_argument("--branch", default=BRANCH, help=f"branch the links open (default {BRANCH})")
     args = p.parse_args(argv)
-    if not chapters(args.folder):
+    if not find_notebooks(args.folder):
         p.error(f"{args.folder!r}: no chapter notebooks (NN_*.ipynb)")
     differ = apply(args.folder, check=args.check, repository=args.repository, branch=args.branch)
     for path in differ:

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+
+NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
 
 CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"
 EXPECT_HEADER = "# Expected output:"
@@ -77,6 +80,19 @@ def pass_lines_by_section(nb) -> dict[str, int]:
     return counts
 
 
+def find_notebooks(dir: str | Path, only: Iterable[str] = ()) -> list[Path]:
+    """Return the numbered notebooks in `dir`, sorted, keeping those whose name contains any `only` pattern."""
+    only = tuple(only)
+    found = []
+    for path in sorted(Path(dir).glob(NOTEBOOK_GLOB)):
+        if ".student" in path.name or "checkpoints" in path.parts:
+            continue
+        if only and not any(pattern in path.name for pattern in only):
+            continue
+        found.append(path)
+    return found
+
+
 def crowded_sections(nb) -> list[str]:
     """Return "heading: n PASS lines" for each section of an executed notebook that printed more than one."""
     return [f"{s}: {n} PASS lines" for s, n in pass_lines_by_section(nb).items() if n > 1]
@@ -85,8 +101,6 @@ def crowded_sections(nb) -> list[str]:
 def prepare(src_dir: str | Path, out_dir: str | Path, only=()) -> list[Path]:
     """Write a copy of every numbered notebook in `src_dir`, with expected outputs, into `out_dir`."""
     import nbformat
-
-    from workbook.runner import find_notebooks
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -19,30 +19,15 @@ import ast
 import json
 import os
 import sys
-from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 
 from labkit import execute
 from workbook import figcheck
-from workbook.nbcheck import crowded_sections
+from workbook.nbcheck import NOTEBOOK_GLOB, crowded_sections, find_notebooks
 
-NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
 FIGURE_CHECK = "workbook.figcheck"  # the IPython extension every kernel of a run loads
 ROOT = Path(__file__).resolve().parents[1]  # the repository: `workbook` is imported from here
-
-
-def find_notebooks(dir: str | Path, only: Iterable[str] = ()) -> list[Path]:
-    """Return the numbered notebooks in `dir`, sorted, keeping those whose name contains any `only` pattern."""
-    only = tuple(only)
-    found = []
-    for path in sorted(Path(dir).glob(NOTEBOOK_GLOB)):
-        if ".student" in path.name or "checkpoints" in path.parts:
-            continue
-        if only and not any(pattern in path.name for pattern in only):
-            continue
-        found.append(path)
-    return found
 
 
 def run_notebook(path: str | Path, out_dir: str | Path, parameters: dict, timeout_s: float) -> dict:

@@ -1,7 +1,8 @@
 """The workbook's search (notebook 08): one search space, trials predicted then trained under the budget, Optuna studies."""
 
 from labkit.search.space import MEMORY_KNOBS, Param, active, check_params, suggest, workbook_space
-from labkit.search.study import StudyConfig, chapter_settings, plain_setting
+from labkit.search.config import StudyConfig
+from labkit.search.study import chapter_settings, plain_setting
 from labkit.search.trial import (SettingStep, TrialResult, confirm_oom, measure_setting, predict_peak_bytes,
                                  time_settings, train, untrained_loss, validation_batch)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from labkit.children import descendants, kill_pids
 from labkit.search.space import active, from_hyperopt, katib_parameters, suggest, to_hyperopt
-from labkit.search.study import StudyConfig
+from labkit.search.config import StudyConfig
 from labkit.search.trial import train
 from labkit.validate import check_int
 

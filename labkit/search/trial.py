@@ -8,7 +8,6 @@ import functools
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,13 +21,11 @@ from labkit.meter import MemoryMeter, OutOfMemory
 from labkit.models import GPT
 from labkit.offload import OffloadHooks
 from labkit.precision import amp_train_step, check_precision
+from labkit.search.config import StudyConfig
 from labkit.search.space import check_params
 from labkit.throughput import Throughput, measure_throughputs, timed_call
 from labkit.train import create_optimizer_state, make_optimizer
 from labkit.validate import check_int
-
-if TYPE_CHECKING:
-    from labkit.search.study import StudyConfig
 
 
 @dataclass

@@ -1,0 +1,88 @@
+"""labkit and the repository's tooling import without cycles: every import in a file counts, a function's too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("labkit", "workbook")
+
+
+def module_name(path: Path) -> str:
+    """Return the dotted module name of a file under ROOT (a package's __init__: the package)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, modules: set) -> set:
+    """Return the project modules a file imports anywhere in it (a from-import of a module's name: that module)."""
+    out = set()
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:  # labkit.meter.format_bytes -> labkit.meter
+                name = name.rpartition(".")[0]
+            if name and name.split(".")[0] in PACKAGES:
+                out.add(name)
+    return out
+
+
+def graph() -> dict:
+    """Return {module: the project modules it imports}, a package's __init__ left out as an importer's target
+    (importing labkit.meter runs labkit/__init__ first, but that is no edge of meter's own)."""
+    files = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    modules = set(files)
+    return {m: {i for i in imports_of(p, modules) if i != m and i not in PACKAGES and i != m.rpartition(".")[0]}
+            for m, p in files.items()}
+
+
+def cycles(edges: dict) -> list:
+    """Return one cycle (a list of modules, first = last) per strongly connected group of more than one module."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_of_labkit_or_workbook_imports_itself_through_others():
+    edges = graph()
+    assert "labkit.device" in edges and "labkit.validate" in edges["labkit.device"]  # the graph sees imports
+    assert cycles(edges) == []
