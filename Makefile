@@ -31,7 +31,8 @@ run: $(STAMP)  ## execute every notebook (fast defaults) into build/, write buil
 TEST_WORKERS ?= 2
 # LABKIT_RESULTS: the closing page (10) reads the committed figures of a real `make run` (it says so), not
 # whatever build/results.json holds, so that nbval runs it the same on every machine without running a chapter for it
-TEST_ENV := LABKIT_BATCH=1 OMP_NUM_THREADS=1 LABKIT_RESULTS=$(CURDIR)/tests/data/closing_results.json
+# LABKIT_PLAN_WORKERS=1: the planner runs its fake steps in the test's own process (the test processes fill the cores)
+TEST_ENV := LABKIT_BATCH=1 OMP_NUM_THREADS=1 LABKIT_PLAN_WORKERS=1 LABKIT_RESULTS=$(CURDIR)/tests/data/closing_results.json
 
 test: $(STAMP)  ## unit and notebook tests, then nbval over every notebook; the 15 slowest tests are listed at the end
 	$(PY) -m workbook.nbcheck notebooks build/nbval

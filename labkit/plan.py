@@ -10,6 +10,10 @@ import contextlib
 import functools
 import json
 import math
+import os
+import pickle
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -20,6 +24,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 
 from labkit.accumulation import split_batch
 from labkit.checkpointing import checkpoint_blocks
+from labkit.children import ChildProcesses, die_with_parent
 from labkit.cpu import one_thread
 from labkit.estimate import example_batch, fake_sharded, fake_step
 from labkit.work import WorkCounter
@@ -54,9 +59,13 @@ COMM_UNITS = {"single": 0, "ddp": 2, "zero1": 3, "fsdp2": 2, "fsdp2-reshard": 3}
 #   per step for DDP and ZeRO-1 (which all-gathers the updated parameters too), per micro-batch for FSDP2 (chapter 07)
 _AT_OPTIMIZER: dict = {}  # fake_step's key -> (bytes by category when the optimizer step started, (peak, split) so far)
 _FLOPS: dict = {}  # fake run's key -> (fp32 FLOPs, 16-bit FLOPs, bytes accessed, host bytes) per micro-batch, optimizer
-#                   left out (labkit.work.WorkCounter)
+#                   left out (labkit.work.WorkCounter); per micro-batch of n_micro (the second accumulates gradients)
 _FITS: dict = {}  # (model key, n_micro, seq_len, checkpointing, precision, offload, shard) -> _fit's figures or None
 _RISE: dict = {}  # (model key, shard) -> bytes the optimizer step adds to what its start holds
+_PLANNED: dict = {}  # (model key, todo item, seq_len, depth) -> _extrapolated's figures (from this process or a worker)
+PLAN_WORKERS_ENV = "LABKIT_PLAN_WORKERS"  # processes a plan's fake steps run in (plan_workers)
+MIN_GROUPS_PER_WORKER = 4  # fewer groups of fake steps run here: a worker's start (~3 s to import torch) costs more
+WORKER_TIMEOUT_S = 3600  # a plan worker still running after this is stopped (the 7B plan takes ~30 s on 2 cores)
 DEPTHS = ("fast", "full")  # fast: exact arithmetic over runs at FAST_DEPTHS; full: every block (the reference)
 FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "selective": (2, 3)}  # blocks of the small runs, one apart
 SHARDED_DEPTHS = (4, 5)  # the same for FSDP2 (its first two and last blocks stand apart)
@@ -284,7 +293,7 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
     """
     key = None if spec.key is None else ("plan", spec.key, n_layer, micro_batch, n_micro, seq_len, checkpointing,
                                          precision, trace, whole, offload, shard)
-    flops_key = (spec.key, n_layer, micro_batch, seq_len, checkpointing, precision, offload, shard)
+    flops_key = (spec.key, n_layer, micro_batch, n_micro, seq_len, checkpointing, precision, offload, shard)
     count = spec.key is None or flops_key not in _FLOPS
     rows = micro_batch * n_micro
 
@@ -502,11 +511,11 @@ def _divisors(n: int, top: int) -> list:
 
 def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: int = 1024, batch: int = 8,
          precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "fast",
-         offload=(False, True), optimizers=OPTIMIZERS) -> Plan:
+         offload=(False, True), optimizers=OPTIMIZERS, workers: int | None = None) -> Plan:
     """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s.
 
     offload: activation offload off (False) and/or on (True); optimizers: Adam's state on the "device" and/or the
-    "host" (its step too; one device).
+    "host" (its step too; one device); workers: processes the fake steps run in (None: plan_workers()).
     """
     spec = model_spec(model)
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
@@ -560,10 +569,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
             todo.update(dict.fromkeys((shard, mb, min(rows // mb, 2), c, p, o) for mb in _divisors(rows, rows)
                                       for c in checkpointing for p in fake_precisions
                                       for o in (offload if shard is None and c == "none" else (False,))))
-    fake = {}
-    with one_thread():  # (FSDP2 sharding meta tensors between the fake steps too: a second thread only slows it)
-        for shard, mb, n_micro, c, p, o in progress(list(todo), desc="fake steps"):
-            fake[shard, mb, n_micro, c, p, o] = _extrapolated(spec, mb, n_micro, seq_len, c, p, depth, o, shard)
+    fake = _fake_steps(model, spec, list(todo), seq_len, depth, plan_workers() if workers is None else workers)
     out.fake_steps = len(todo)
     for (shard, mb, n_micro, c, p, o), (peak, split, param_bytes, opt_bytes, n, work, host) in fake.items():
         out.n_params = n
@@ -589,6 +595,98 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
                                          param_bytes, opt_bytes - dropped, 4 * n if shard else param_bytes))
     out.elapsed_s = time.perf_counter() - t0
     return out
+
+
+def plan_workers() -> int:
+    """Return the processes a plan's fake steps run in: $LABKIT_PLAN_WORKERS (1: in this process), else this
+    process's CPUs, at most 4 (make test sets 1: its test processes already fill the cores)."""
+    value = os.environ.get(PLAN_WORKERS_ENV, "")
+    if value:
+        if not value.isdigit() or not 1 <= int(value) <= 64:
+            raise ParameterError(f"{PLAN_WORKERS_ENV} must be a whole number from 1 to 64, got {value!r}")
+        return int(value)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cpus))
+
+
+def _groups(spec: ModelSpec, items: list, depth: str) -> list:
+    """Return the todo items in groups that share their fake steps (one fit at fast depth, else one step each), the
+    costliest first (sharded, then checkpointed), each group's largest micro-batch first (its fit serves them all)."""
+    groups = {}
+    for item in items:
+        shard, mb, n_micro, c, p, o = item
+        fast = (depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS
+                and c in FAST_DEPTHS)
+        groups.setdefault((n_micro, c, p, o, shard) if fast else item, []).append(item)
+    return sorted((sorted(g, key=lambda it: -it[1]) for g in groups.values()),
+                  key=lambda g: (g[0][0] is not None, g[0][3] != "none", len(g)), reverse=True)
+
+
+def _run_group(model, group: list, seq_len: int, depth: str, spec: ModelSpec | None = None) -> list:
+    """Return [(item, _extrapolated's figures)] for one group of todo items (in this process or a worker's)."""
+    spec = model_spec(model) if spec is None else spec
+    with one_thread():  # (FSDP2 sharding meta tensors between the fake steps too: a second thread only slows it)
+        return [(item, _extrapolated(spec, item[1], item[2], seq_len, item[3], item[4], depth, item[5], item[0]))
+                for item in group]
+
+
+def _cost(spec: ModelSpec, group: list, depth: str) -> int:
+    """Return a group's fake-step cost in blocks run (what sharing the groups among workers balances)."""
+    shard, mb, n_micro, c, _, _ = group[0]
+    if len(group) > 1 or (depth != "full" and (spec.n_layer or 0) > FULL_MAX_LAYERS and c in FAST_DEPTHS):
+        depths = FAST_DEPTHS[c] if shard is None else SHARDED_DEPTHS
+        return sum(depths) * (1 if mb == 1 else 3) * n_micro
+    return (spec.n_layer or 1) * n_micro
+
+
+def _worker_main(task_path: str, out_path: str) -> None:
+    """Run a plan worker's groups (a pickled (model, groups, seq_len, depth)) and pickle their figures to out_path."""
+    die_with_parent()
+    with open(task_path, "rb") as f:
+        model, groups, seq_len, depth = pickle.load(f)
+    spec = model_spec(model)
+    out = [pair for g in groups for pair in _run_group(model, g, seq_len, depth, spec)]
+    with open(out_path + ".part", "wb") as f:
+        pickle.dump(out, f)
+    os.replace(out_path + ".part", out_path)
+
+
+def _fake_steps(model, spec: ModelSpec, items: list, seq_len: int, depth: str, workers: int) -> dict:
+    """Return {item: _extrapolated's figures} for every todo item: from this process's memo, run here, or shared among
+    `workers` child processes when there are MIN_GROUPS_PER_WORKER groups a worker or more (a preset or GPTConfig
+    model; each worker dies with this process, and leaving stops them)."""
+    memo = {} if spec.key is None else {item: (spec.key, item, seq_len, depth) for item in items}
+    out = {item: _PLANNED[memo[item]] for item in items if memo.get(item) in _PLANNED}
+    groups = _groups(spec, [item for item in items if item not in out], depth)
+    if workers > 1 and len(groups) >= MIN_GROUPS_PER_WORKER * workers and isinstance(model, (str, GPTConfig)):
+        shares, loads = [[] for _ in range(workers)], [0] * workers
+        for g in groups:  # the costliest first, each to the least loaded worker
+            k = loads.index(min(loads))
+            shares[k].append(g)
+            loads[k] += _cost(spec, g, depth)
+        with tempfile.TemporaryDirectory(prefix="labkit-plan-") as tmp, ChildProcesses() as children:
+            paths = []
+            for k, share in enumerate(shares):
+                task, result, log = (os.path.join(tmp, f"{name}{k}") for name in ("task", "result", "log"))
+                with open(task, "wb") as f:
+                    pickle.dump((model, share, seq_len, depth), f)
+                children.start([sys.executable, "-c", f"from labkit.plan import _worker_main; "
+                                f"_worker_main({task!r}, {result!r})"], log_path=log)
+                paths.append((result, log))
+            codes = children.wait(WORKER_TIMEOUT_S)
+            for code, (result, log) in zip(codes, paths):
+                if code != 0 or not os.path.exists(result):
+                    with open(log) as f:
+                        tail = f.read()[-2000:]
+                    raise RuntimeError(f"a plan worker process ended with exit code {code}:\n{tail}")
+                with open(result, "rb") as f:
+                    out.update(pickle.load(f))
+    else:
+        for g in progress(groups, desc="fake steps"):
+            out.update(_run_group(model, g, seq_len, depth, spec))
+    for item, key in memo.items():
+        _PLANNED[key] = out[item]
+    return {item: out[item] for item in items}  # in the todo's order: the plan's rows keep theirs
 
 
 def _row(p: Plan, device: DeviceProfile, comb: Combination, peak: int, split: dict, work: tuple, param_bytes: int,

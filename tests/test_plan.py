@@ -371,3 +371,32 @@ def test_roofline_counts_recomputation_and_the_bytes_it_moves():
             assert ckpt == "selective" or r.flops > plain.flops
         assert r.step_s == r.compute_s + r.comm_s and r.comm_s == 0 and r.bytes_accessed > 0
     assert rows[2, "none", "fp16"].step_s < rows[2, "none", "fp32"].step_s  # 2-byte tensors move half the bytes
+
+
+def test_fake_steps_shared_among_worker_processes_give_the_same_plan(monkeypatch):
+    """Two worker processes (fresh interpreters; the fast depth past FULL_MAX_LAYERS, accumulation, FSDP2): every row
+    as in this process, in the same order (the work of 2 accumulated micro-batches is counted apart from 1's)."""
+    cfg = dataclasses.replace(DEEP_LLAMA, n_layer=P.FULL_MAX_LAYERS + 1)
+    monkeypatch.setattr(P, "MIN_GROUPS_PER_WORKER", 1)  # 4 groups: shared among the 2 workers all the same
+    kwargs = dict(gpu="h100", gpus=2, seq_len=16, batch=2, precisions=("bf16",), checkpointing=("every",),
+                  offload=(False,))
+    P._PLANNED.clear()
+    children = []
+    monkeypatch.setattr(P.ChildProcesses, "start", lambda self, *a, start=P.ChildProcesses.start, **k: children.append(
+        start(self, *a, **k)) or children[-1])
+    shared = P.plan(cfg, workers=2, **kwargs)
+    assert len(children) == 2 and all(c.returncode == 0 for c in children)  # the fake steps ran in 2 workers, ended
+    P._PLANNED.clear()
+    here = P.plan(cfg, workers=1, **kwargs)
+    assert len(here.rows) >= 8 and here.fake_steps == shared.fake_steps
+    assert [dataclasses.asdict(r) for r in shared.rows] == [dataclasses.asdict(r) for r in here.rows]
+
+
+def test_plan_workers_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv(P.PLAN_WORKERS_ENV, "3")
+    assert P.plan_workers() == 3
+    monkeypatch.setenv(P.PLAN_WORKERS_ENV, "many")
+    with pytest.raises(ParameterError, match="LABKIT_PLAN_WORKERS must be a whole number from 1 to 64, got 'many'"):
+        P.plan_workers()
+    monkeypatch.delenv(P.PLAN_WORKERS_ENV)
+    assert 1 <= P.plan_workers() <= 4
