@@ -360,7 +360,8 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
         "per step, "
         f"{ratio:.1f}x what the busiest rank of chapter 06's model-parallel split sent "
         f"({format_bytes(f['pipeline_sent_max'])})"
-        + (": the traffic belongs on the fast link" if ratio > 1 else
+        + (": per step it needs the faster link, NVLink inside a machine (both ran over loopback here: this run "
+           "counted the bytes, it did not compare links)" if ratio > 1 else
            ": at this model's size it did not move more; the rule rests on larger layers, whose all-reduces grow "
            "with the width while a boundary sends one activation"))
     theory = f.get("bubble_theory") or {}
