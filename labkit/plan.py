@@ -622,9 +622,8 @@ def _groups(spec: ModelSpec, items: list, depth: str) -> list:
                   key=lambda g: (g[0][0] is not None, g[0][3] != "none", len(g)), reverse=True)
 
 
-def _run_group(model, group: list, seq_len: int, depth: str, spec: ModelSpec | None = None) -> list:
+def _run_group(spec: ModelSpec, group: list, seq_len: int, depth: str) -> list:
     """Return [(item, _extrapolated's figures)] for one group of todo items (in this process or a worker's)."""
-    spec = model_spec(model) if spec is None else spec
     with one_thread():  # (FSDP2 sharding meta tensors between the fake steps too: a second thread only slows it)
         return [(item, _extrapolated(spec, item[1], item[2], seq_len, item[3], item[4], depth, item[5], item[0]))
                 for item in group]
@@ -645,7 +644,7 @@ def _worker_main(task_path: str, out_path: str) -> None:
     with open(task_path, "rb") as f:
         model, groups, seq_len, depth = pickle.load(f)
     spec = model_spec(model)
-    out = [pair for g in groups for pair in _run_group(model, g, seq_len, depth, spec)]
+    out = [pair for g in groups for pair in _run_group(spec, g, seq_len, depth)]
     with open(out_path + ".part", "wb") as f:
         pickle.dump(out, f)
     os.replace(out_path + ".part", out_path)
@@ -683,7 +682,7 @@ def _fake_steps(model, spec: ModelSpec, items: list, seq_len: int, depth: str, w
                     out.update(pickle.load(f))
     else:
         for g in progress(groups, desc="fake steps"):
-            out.update(_run_group(model, g, seq_len, depth, spec))
+            out.update(_run_group(spec, g, seq_len, depth))
     for item, key in memo.items():
         _PLANNED[key] = out[item]
     return {item: out[item] for item in items}  # in the todo's order: the plan's rows keep theirs
