@@ -64,3 +64,15 @@ def test_the_table_sets_every_figure_beside_its_limit():
                         "| `make run`, all chapters (failed: 01_b) | 20.0 | 360 |",
                         "| `make plan MODEL=llama-7b GPU=a100-80gb GPUS=8` | 9.5 | 30 |",
                         "| `make test`, pytest (None) | failed to run | 600 |"]
+
+
+def test_each_timed_command_compiles_into_a_fresh_inductor_cache(tmp_path):
+    """A kernel cached under one vector level must not be reused under another (inductor does not key its cache by it)."""
+    stale = tmp_path / "inductor-cache" / "stale-kernel"
+    stale.parent.mkdir()
+    stale.write_text("built for another vector level")
+    code = "import os, pathlib; d = os.environ['TORCHINDUCTOR_CACHE_DIR']; print(d, list(pathlib.Path(d).glob('*')))"
+    wall_s, rc, text = bench._timed([sys.executable, "-c", code], tmp_path / "x.log")
+    assert rc == 0 and wall_s > 0
+    assert text.split()[0] == str(tmp_path / "inductor-cache") and "stale-kernel" not in text
+    assert (tmp_path / "x.log").read_text() == text

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -28,10 +29,18 @@ LIMITS_S = {"chapter": 60, "chapters": 360, "plan": 30, "suite": 600}  # issue 3
 PYTEST_LINE = re.compile(r"=+ (?P<counts>.*?) in (?P<s>[\d.]+)s")
 
 
-def _timed(argv: list, log: Path, env: dict | None = None) -> tuple[float, int, str]:
-    """Run `argv` from the repository's root, its output to `log`; return (wall seconds, exit code, output)."""
+def _timed(argv: list, log: Path) -> tuple[float, int, str]:
+    """Run `argv` from the repository's root, its output to `log`; return (wall seconds, exit code, output).
+
+    torch.compile's kernels go to a fresh cache in log's folder: every run compiles as a new user's first run does,
+    and no kernel built for another vector level is reused (inductor's cache is not keyed by ATEN_CPU_CAPABILITY: a
+    kernel cached under the AVX2 variables and run without them crashed the process here, and the reverse gave
+    gradients 1e24 off).
+    """
+    cache = log.parent / "inductor-cache"
+    shutil.rmtree(cache, ignore_errors=True)
     t0 = time.perf_counter()
-    out = subprocess.run(argv, cwd=ROOT, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL,
+    out = subprocess.run(argv, cwd=ROOT, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}, stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall_s = time.perf_counter() - t0
     log.write_text(out.stdout)
