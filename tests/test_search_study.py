@@ -278,13 +278,14 @@ def test_default_build_dir_is_the_repositorys(tmp_path):
 def test_the_front_keeps_settings_no_other_beats_on_speed_and_memory(config, storage):
     study = studies.create_study("front", storage, config, "speed", sampler="random", pruner="none")
     dist = {"technique": optuna.distributions.CategoricalDistribution(search.space.TECHNIQUES)}
-    points = [(100.0, 30), (80.0, 20), (90.0, 40), (100.0, 35), (50.0, 20), (120.0, 50)]  # tokens/s, peak bytes
+    points = [(100.0, 30), (80.0, 20), (90.0, 40), (100.0, 35), (50.0, 20), (120.0, 50), (100.0, 30)]  # speed, peak
     for tokens_per_s, peak in points:
         study.add_trial(optuna.trial.create_trial(params={"technique": "l2l"}, distributions=dist, value=tokens_per_s,
                                                   user_attrs={"peak_bytes": peak}))
     study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL, params={"technique": "l2l"}, distributions=dist))
     front = studies.speed_memory_front(study.trials)
     assert [(t.value, t.user_attrs["peak_bytes"]) for t in front] == [(80.0, 20), (100.0, 30), (120.0, 50)]
+    assert [t.number for t in front] == [1, 0, 5]  # a repeated point once: its first trial
 
 
 def test_fresh_study_names_differ_between_processes_and_seconds():

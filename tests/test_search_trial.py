@@ -6,8 +6,13 @@ import pytest
 import torch
 
 from labkit import search
+from labkit.accumulation import split_batch
+from labkit.estimate import example_batch
+from labkit.gpus import step_time
 from labkit.meter import live_tensor_bytes
+from labkit.models import token_weights
 from labkit.search.trial import SettingStep
+from labkit.work import Work, count_work
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -63,7 +68,7 @@ def test_a_setting_predicted_not_to_fit_is_not_trained(tiny, monkeypatch):
 
 def test_a_wrong_prediction_ends_in_oom_not_a_crash(tiny, monkeypatch):
     """If the estimate says "fits" and the step does not, the budget refuses it: status "oom", a result."""
-    monkeypatch.setattr(search.trial, "predict_peak_bytes", lambda params, config: 1)
+    monkeypatch.setattr(search.trial, "predict_step", lambda params, config: (1, Work()))
     result = search.train(dict(PLAIN, micro_batch=8), tiny)
     assert result.status == "oom" and not result.fits
     assert "budget exceeded" in result.error and result.peak_bytes > tiny.budget_bytes
@@ -87,30 +92,64 @@ def test_report_can_stop_a_trial(tiny):
     assert len(seen) == 1 and seen[0][0] == 2 and seen[0][2] == search.predict_peak_bytes(SETTINGS[1], tiny)
 
 
-def test_measure_setting_meters_then_times(tiny):
+def test_measure_setting_on_a_cpu_meters_then_projects_its_counted_work_timing_nothing(tiny, monkeypatch):
+    monkeypatch.setattr(search.trial, "_timed_step", lambda *a: pytest.fail("a CPU step was timed to rank a setting"))
     result = search.measure_setting(SETTINGS[1], tiny)
     assert result.status == "ok" and result.peak_bytes == result.predicted_peak_bytes <= tiny.budget_bytes
-    assert result.steps_run == tiny.metered_steps + tiny.timed_steps and result.tokens_per_s > 0
-    assert result.val_loss is None and result.relative_speed is None  # no validation; no reference given
+    assert result.steps_run == tiny.metered_steps and result.val_loss is None and result.relative_speed is None
+    assert result.projected_step_s == step_time(result.work, tiny.gpu).time_s > 0
+    assert result.tokens_per_s == tiny.tokens_per_step / result.projected_step_s
+    plain = search.plain_setting(tiny)
+    against = search.measure_setting(SETTINGS[1], tiny, reference=plain)
+    assert against.relative_speed == search.projected_step_s(plain, tiny) / result.projected_step_s < 1  # recomputes
+    half = search.measure_setting(dict(SETTINGS[0], precision="bf16"), tiny, reference=plain)  # the T4's fp16 units
+    full = search.measure_setting(SETTINGS[0], tiny, reference=plain)
+    assert half.relative_speed > full.relative_speed and half.work.flops.get("bf16", 0) > 0
     skipped = search.measure_setting(dict(PLAIN, micro_batch=8), tiny)
     assert (skipped.status, skipped.steps_run, skipped.tokens_per_s) == ("predicted_oom", 0, None)
 
 
-def test_relative_speed_pairs_each_step_with_the_references(tiny, monkeypatch):
-    """The reference's steps alternate with the setting's; a slow moment slows both and the ratio stays."""
-    clock = iter(range(1000))
+def test_a_16_bit_setting_is_predicted_not_run_on_a_cpu_without_16_bit_units(tiny, monkeypatch):
+    monkeypatch.setattr(search.trial, "bf16_native", lambda: False)
+    monkeypatch.setattr(SettingStep, "metered_step", lambda *a: pytest.fail("a 16-bit step ran without 16-bit units"))
+    result = search.measure_setting(SETTINGS[2], tiny, reference=search.plain_setting(tiny))
+    assert (result.status, result.steps_run, result.peak_bytes) == ("predicted", 0, None) and result.fits
+    assert result.relative_speed == search.projected_step_s(search.plain_setting(tiny), tiny) / result.projected_step_s
+    assert search.runs_here(SETTINGS[1], tiny) and not search.runs_here(SETTINGS[2], tiny)
+    monkeypatch.setattr(search.trial, "bf16_native", lambda: True)
+    assert search.runs_here(SETTINGS[2], tiny)
+
+
+def test_the_work_counted_on_fake_tensors_is_the_real_steps(tiny):
+    """predict_step counts the step it predicts: a real step after a warm-up does the same work, to the FLOP and byte,
+    but for the target tokens a real step counts to weigh its micro-batches (fake tensors hold none to count)."""
+    for params in SETTINGS[:2] + SETTINGS[3:]:
+        step = SettingStep(params, tiny, "cpu")
+        batch = example_batch(tiny.gpt, tiny.batch, tiny.seq_len)
+        step.step(batch)  # warm-up: Adam's state exists, as on the fake step
+        real = count_work(step.step, batch)
+        micro = split_batch(batch, params.get("micro_batch", tiny.batch))
+        weigh = count_work(token_weights, [b[-1] for b in micro]) if len(micro) > 1 else Work()
+        fake = search.predict_step(params, tiny)[1] + weigh
+        assert (real.flops, real.bytes_accessed, real.kernels, real.host_bytes) == \
+            (fake.flops, fake.bytes_accessed, fake.kernels, fake.host_bytes), params
+
+
+def test_paired_times_alternate_which_step_goes_first_and_a_slow_moment_cancels(tiny, monkeypatch):
+    """The reference's steps alternate with the setting's (on CUDA); a slow moment slows both and the ratio stays."""
     seen = []
 
     def fake_timed_step(step, batch, device):  # the reference takes 2 units, the setting 1, every other pair 10x slower
-        seen.append(step.technique)
+        seen.append(step.params == search.plain_setting(tiny))
         slow = 10 if (len(seen) - 1) // 2 % 2 else 1
-        next(clock)
-        return (2.0 if step.params == search.plain_setting(tiny) else 1.0) * slow
+        return (2.0 if seen[-1] else 1.0) * slow
 
     monkeypatch.setattr(search.trial, "_timed_step", fake_timed_step)
-    result = search.measure_setting(SETTINGS[0], tiny, reference=search.plain_setting(tiny))
-    assert result.relative_speed == 2.0  # paired: the slow pairs cancel
-    assert len(seen) == 2 * tiny.timed_steps
+    step, ref = SettingStep(SETTINGS[0], tiny, "cpu"), SettingStep(search.plain_setting(tiny), tiny, "cpu")
+    batches = iter(lambda: None, 1)
+    times, ref_times = search.trial._paired_times(step, batches, ref, batches, 4)
+    assert [r / t for r, t in zip(ref_times, times)] == [2.0] * 4  # paired: the slow pairs cancel
+    assert seen == [False, True, True, False, False, True, True, False]  # who goes first alternates
 
 
 def test_time_settings_interleaves_rounds_without_a_budget(tiny):

@@ -4,8 +4,10 @@ from labkit.search.space import MEMORY_KNOBS, Param, active, check_params, sugge
 from labkit.search.config import StudyConfig
 from labkit.search.study import chapter_settings, plain_setting
 from labkit.search.trial import (SettingStep, TrialResult, confirm_oom, measure_setting, predict_peak_bytes,
-                                 time_settings, train, untrained_loss, validation_batch)
+                                 predict_step, projected_step_s, runs_here, time_settings, train, untrained_loss,
+                                 validation_batch)
 
 __all__ = ["MEMORY_KNOBS", "Param", "SettingStep", "StudyConfig", "TrialResult", "active", "chapter_settings",
-           "check_params", "confirm_oom", "measure_setting", "plain_setting", "predict_peak_bytes", "suggest",
+           "check_params", "confirm_oom", "measure_setting", "plain_setting", "predict_peak_bytes", "predict_step",
+           "projected_step_s", "runs_here", "suggest",
            "time_settings", "train", "untrained_loss", "validation_batch", "workbook_space"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from labkit.gpus import GPUS
 from labkit.models import GPTConfig
 from labkit.search.space import workbook_space
 from labkit.validate import check_choice, check_divides, check_int
@@ -28,7 +29,10 @@ class StudyConfig:
     timed_steps: int = 3  # steps timed for the speed objective (after one warm-up step)
     seed: int = 0  # weights and data: every trial starts from the same model and sees the same batches
     device: str = "cpu"  # "cpu" or "cuda" (never "auto": a stored study must mean the same thing on every worker)
-    precisions: tuple = ("fp32", "bf16")  # the precisions searched (fp16 only on CUDA; bf16 where the CPU is fast at it)
+    precisions: tuple = ("fp32", "bf16")  # the precisions searched (fp16 only on CUDA: on a CPU, bf16 stands for the
+    #                                       GPU's 16-bit format, which labkit.gpus.step_time prices at that GPU's rate)
+    gpu: str = "t4"  # the GPU the speed study answers for on a CPU: a key of labkit.gpus.GPUS (its step time projected
+    #                  from the counted work); on CUDA the speed is measured on the device itself
 
     def __post_init__(self):
         for name in ("budget_bytes", "n_layer", "n_embd", "n_head", "vocab_size", "batch", "seq_len", "train_steps",
@@ -38,6 +42,7 @@ class StudyConfig:
         check_int("seed", self.seed, 0)
         check_divides("n_embd", self.n_embd, "n_head", self.n_head)
         check_choice("device", self.device, ("cpu", "cuda"))
+        check_choice("gpu", self.gpu, tuple(GPUS))
         object.__setattr__(self, "precisions", tuple(self.precisions))  # (a stored study gives a list)
         if not self.precisions or any(p not in ("fp32", "bf16", "fp16") for p in self.precisions):
             raise ValueError(f"precisions must be a non-empty subset of ('fp32', 'bf16', 'fp16'), got {self.precisions}")

@@ -292,7 +292,8 @@ def settings_of(study: optuna.Study) -> tuple[StudyConfig, str]:
 def objective(study: optuna.Study):
     """Return the objective function of the study's stored objective (the worker's and the notebook's).
 
-    "speed": speed in units of the plain step's (paired timing), 0 when it does not fit; "loss": the validation loss.
+    "speed": speed in units of the plain step's (on a CPU its projected time on config.gpu over the setting's, on CUDA
+    paired timing), 0 when it does not fit; "loss": the validation loss.
     """
     config, name = settings_of(study)
     fixed = study.user_attrs["settings"].get("fixed") or {}
@@ -302,7 +303,7 @@ def objective(study: optuna.Study):
         params = suggest(trial, config.space(only=MEMORY_KNOBS))
         result = measure_setting({**params, "lr": 1e-3}, config, reference=plain_setting(config))
         _record(trial, result, config)
-        return result.relative_speed or 0.0  # a setting that did not fit ran no timed step: speed 0
+        return result.relative_speed or 0.0  # a setting that does not fit has no speed: 0
 
     def loss(trial):
         trial.set_user_attr("live_tensor_bytes_at_start", live_tensor_bytes(collect=False))
@@ -334,6 +335,7 @@ def _record(trial, result, config: StudyConfig) -> None:
     trial.set_user_attr("peak_bytes", peak)
     trial.set_user_attr("steps_run", result.steps_run)
     trial.set_user_attr("tokens_per_s", result.tokens_per_s)
+    trial.set_user_attr("projected_step_s", result.projected_step_s)  # on config.gpu, from the counted work
     trial.set_constraint("peak_over_budget_bytes", float(peak - config.budget_bytes))
 
 
@@ -362,13 +364,18 @@ def feasible(trial) -> bool:
 
 
 def speed_memory_front(trials) -> list:
-    """Return the completed trials no other beats on both value (more) and user attribute `peak_bytes` (fewer)."""
+    """Return the completed trials no other beats on both value (more) and user attribute `peak_bytes` (fewer), one
+    per point (of trials with the same value and peak, a repeated setting, the first)."""
     done = [t for t in trials if t.state == TrialState.COMPLETE and t.value and "peak_bytes" in t.user_attrs]
 
     def beaten(t):
         return any(o.value >= t.value and o.user_attrs["peak_bytes"] <= t.user_attrs["peak_bytes"]
                    and (o.value > t.value or o.user_attrs["peak_bytes"] < t.user_attrs["peak_bytes"]) for o in done)
-    return sorted((t for t in done if not beaten(t)), key=lambda t: t.user_attrs["peak_bytes"])
+    points = {}
+    for t in sorted(done, key=lambda t: t.number):
+        if not beaten(t):
+            points.setdefault((t.user_attrs["peak_bytes"], t.value), t)
+    return [points[k] for k in sorted(points)]
 
 
 def fresh_study_name(prefix: str) -> str:

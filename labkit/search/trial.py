@@ -1,5 +1,5 @@
-"""One trial of the search (notebook 08): a setting's step built from the chapters, predicted on fake tensors, then
-metered under the budget, trained and timed."""
+"""One trial of the search (notebook 08): a setting's step built from the chapters, predicted on fake tensors (its peak
+and its counted work), then metered under the budget and trained; its speed projected on a GPU (measured on CUDA)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import torch
 
 from labkit.accumulation import split_batch
 from labkit.checkpointing import checkpoint_blocks
+from labkit.cpu import bf16_native
 from labkit.data import MarkovTokens
 from labkit.device import as_device, resolve_device
 from labkit.estimate import example_batch, fake_step
+from labkit.gpus import step_time
 from labkit.l2l import L2LTrainer
 from labkit.meter import MemoryMeter, OutOfMemory
 from labkit.models import GPT
@@ -26,6 +28,7 @@ from labkit.search.space import check_params
 from labkit.throughput import Throughput, measure_throughputs, timed_call
 from labkit.train import create_optimizer_state, make_optimizer
 from labkit.validate import check_int
+from labkit.work import Work, WorkCounter
 
 
 @dataclass
@@ -33,22 +36,26 @@ class TrialResult:
     """What one trial measured."""
 
     params: dict  # the setting
-    status: str  # "ok" trained; "predicted_oom" not run; "oom" refused by the budget; "pruned" stopped by the pruner
+    status: str  # "ok" ran; "predicted_oom" not run; "oom" refused by the budget; "pruned" stopped by the pruner;
+    #              "predicted" fits by its prediction, not run on this machine (16-bit on a CPU without 16-bit units)
     predicted_peak_bytes: int  # the fake-tensor estimate of one steady step
     fits_predicted: bool  # predicted_peak_bytes <= the budget
+    work: Work | None = None  # one optimizer step's counted work on fake tensors (the same on every machine)
+    projected_step_s: float | None = None  # that work's step time on config.gpu (labkit.gpus.step_time)
     peak_bytes: int | None = None  # measured over the metered steps (None when nothing ran)
     val_loss: float | None = None  # after the last step run (the untrained model's when nothing ran)
     val_losses: list = field(default_factory=list)  # [(optimizer steps done, validation loss), ...]
     steps_run: int = 0  # optimizer steps trained
-    step_s: float | None = None  # median seconds per step of the unmetered steps
-    tokens_per_s: float | None = None  # tokens per second from step_s
-    relative_speed: float | None = None  # median over timed rounds of a reference step's seconds over this one's
+    step_s: float | None = None  # median seconds per step of the unmetered steps (measured here)
+    tokens_per_s: float | None = None  # tokens per second from step_s; measure_setting on a CPU: from projected_step_s
+    relative_speed: float | None = None  # a reference step's time over this one's: projected on config.gpu on a CPU,
+    #                                      on CUDA the median over timed rounds of the paired ratios
     error: str = ""  # the budget's message for an "oom"
 
     @property
     def fits(self) -> bool:
-        """Return True when the setting ran its metered steps within the budget."""
-        return self.status in ("ok", "pruned")
+        """Return True when the setting ran its metered steps within the budget (or, not run here, is predicted to)."""
+        return self.status in ("ok", "pruned", "predicted")
 
 
 def check_setting(params: dict, config: StudyConfig) -> dict:
@@ -121,16 +128,45 @@ def _memory_key(params: dict, config: StudyConfig) -> tuple:
     return shape + tuple(sorted((k, v) for k, v in params.items() if k != "lr"))
 
 
-def predict_peak_bytes(params: dict, config: StudyConfig) -> int:
-    """Return the peak bytes of one steady step of the setting, run on fake tensors (cached by setting)."""
-    check_setting(params, config)
+_WORK: dict = {}  # fake_step's key of a setting -> its counted Work (counted on the fake step that gave its peak)
 
-    def build():  # on "cpu": fake CUDA autograd aborts a CPU-only build; the bytes are the same
+
+def predict_step(params: dict, config: StudyConfig) -> tuple[int, Work]:
+    """Return one steady step's peak bytes and counted work (optimizer step included), run once on fake tensors
+    (cached by setting)."""
+    check_setting(params, config)
+    key = ("setting", *_memory_key(params, config))
+
+    def build():  # on "cpu": fake CUDA autograd aborts a CPU-only build; the bytes and the work are the same
         step = SettingStep(params, config, "cpu")
         batch = example_batch(config.gpt, config.batch, config.seq_len)
         create_optimizer_state(step.optimizer)  # as after a first step, at half the cost of running one
-        return step.model, lambda meter: step.attach(meter, batch), lambda: step.step(batch)
-    return fake_step(("setting", *_memory_key(params, config)), build)[0]
+
+        def run():
+            with WorkCounter() as counter:
+                step.step(batch)
+            _WORK[key] = counter.work()
+        return step.model, lambda meter: step.attach(meter, batch), run
+    peak = fake_step(key, build)[0]
+    return peak, _WORK[key]
+
+
+def predict_peak_bytes(params: dict, config: StudyConfig) -> int:
+    """Return the peak bytes of one steady step of the setting, run on fake tensors (cached by setting)."""
+    return predict_step(params, config)[0]
+
+
+def projected_step_s(params: dict, config: StudyConfig) -> float:
+    """Return the setting's step time on config.gpu from its counted work (labkit.gpus.step_time: an estimate at a
+    published run's share of peak where the GPU class has one, else the roofline bound)."""
+    return step_time(predict_step(params, config)[1], config.gpu).time_s
+
+
+def runs_here(params: dict, config: StudyConfig) -> bool:
+    """Return whether this machine computes the setting's precision on its own units: fp32 always; 16-bit on CUDA,
+    or on a CPU with bf16 units (labkit.cpu.bf16_native). Elsewhere a 16-bit step runs generic kernels tens of times
+    slower (chapter 03): the search predicts it and does not run it."""
+    return params.get("precision", "fp32") == "fp32" or config.device == "cuda" or bf16_native()
 
 
 def _batches(config: StudyConfig, device):
@@ -184,32 +220,46 @@ def train(params: dict, config: StudyConfig, report=None) -> TrialResult:
 
 
 def measure_setting(params: dict, config: StudyConfig, reference: dict | None = None) -> TrialResult:
-    """Predict the setting's peak; if it fits, meter `metered_steps` under the budget, then time `timed_steps`.
+    """Predict the setting's peak and work; if it fits, meter `metered_steps` under the budget (where it runs here).
 
-    With a `reference` setting each timed step alternates with one of the reference, and `relative_speed` is the
-    median of the paired ratios.
+    On CUDA it then times `timed_steps`, each alternating with a step of the `reference` setting when one is given
+    (`relative_speed`: the median of the paired ratios). On a CPU nothing is timed: CPU time ranks no setting for a
+    GPU; `relative_speed` is the reference's projected step time on config.gpu over this setting's.
     """
     result, step, batches = _start(params, config)
     if step is None:
         return result
-    try:
-        _metered_steps(step, batches, config, result)
-    except torch.OutOfMemoryError as e:
-        _out_of_memory(result, e)
+    if not runs_here(params, config):
+        result.status = "predicted"
+    else:
+        try:
+            _metered_steps(step, batches, config, result)
+        except torch.OutOfMemoryError as e:
+            _out_of_memory(result, e)
+            return result
+    if step.device.type != "cuda":
+        result.tokens_per_s = config.tokens_per_step / result.projected_step_s
+        if reference is not None:
+            result.relative_speed = projected_step_s(reference, config) / result.projected_step_s
         return result
     if reference is None:
         times = [_timed_step(step, next(batches), step.device) for _ in range(config.timed_steps)]
     else:
-        ref_step, ref_batches = _reference(reference, config, step.device)
-        times, ref_times = [], []
-        for i in range(config.timed_steps):
-            pair = [(step, batches, times), (ref_step, ref_batches, ref_times)]
-            for s, b, out in pair if i % 2 == 0 else pair[::-1]:
-                out.append(_timed_step(s, next(b), step.device))
+        times, ref_times = _paired_times(step, batches, *_reference(reference, config, step.device), config.timed_steps)
         result.relative_speed = statistics.median(r / t for r, t in zip(ref_times, times))
     result.steps_run += len(times)
     _set_speed(result, times, config)
     return result
+
+
+def _paired_times(step: SettingStep, batches, ref_step: SettingStep, ref_batches, n: int) -> tuple[list, list]:
+    """Return n step times of `step` and of `ref_step`, each step beside one of the other (which goes first alternates)."""
+    times, ref_times = [], []
+    for i in range(n):
+        pair = [(step, batches, times), (ref_step, ref_batches, ref_times)]
+        for s, b, out in pair if i % 2 == 0 else pair[::-1]:
+            out.append(_timed_step(s, next(b), step.device))
+    return times, ref_times
 
 
 _REFERENCES: dict = {}  # memory key -> (SettingStep, batches): one warm reference per setting and process
@@ -228,8 +278,9 @@ def _reference(params: dict, config: StudyConfig, device):
 
 def _start(params: dict, config: StudyConfig):
     """Return (result, step, batches) of a setting predicted to fit, or (result, None, None) of one that does not."""
-    predicted = predict_peak_bytes(params, config)
-    result = TrialResult(params, "predicted_oom", predicted, predicted <= config.budget_bytes)
+    predicted, work = predict_step(params, config)
+    result = TrialResult(params, "predicted_oom", predicted, predicted <= config.budget_bytes, work,
+                         step_time(work, config.gpu).time_s)
     if not result.fits_predicted:
         return result, None, None
     device = resolve_device(config.device, "config.device")

@@ -34,8 +34,8 @@ SOURCES = {
     "07_sharded_data_parallel": ("fits_whole_and_1_over_n_budget_by_point", "comm_bytes_per_step_by_stage",
                                  "rank_budget_bytes", "use_when", "pays_by_point"),
     "08_memory_aware_search": ("fastest_fitting_params", "fastest_fitting_peak_bytes",
-                               "fastest_vs_chapters_paired_ratio", "timing_noise_ratio",
-                               "chapters_with_fastest_setting"),
+                               "fastest_vs_chapters_speed_ratio", "timing_noise_ratio",
+                               "chapters_with_fastest_setting", "speed_on"),
 }
 
 
@@ -277,25 +277,29 @@ def several_device_figures(results: dict) -> dict:
 
 
 def search_figures(results: dict) -> dict:
-    """Return chapter 08's choice: knobs, peak, paired speed ratios, `same` (chapters with its setting), `noise`.
+    """Return chapter 08's choice: knobs, peak, speed ratios (each chapter's step time over the choice's), `same`
+    (chapters with its setting), `speed_on` (projected on a GPU, or measured) and `noise`.
 
-    noise: the widest gap between two copies of one setting, the noise control's and those chapters' alike.
+    noise: a timing's widest gap between two copies of one setting, the noise control's and those chapters' alike; 0
+    for a projection (arithmetic on counted work: no noise).
     """
     m = _m(results, "08_memory_aware_search")
     same = list(m.get("chapters_with_fastest_setting") or [])
-    ratios = m["fastest_vs_chapters_paired_ratio"]
-    noise = max([abs(m["timing_noise_ratio"] - 1)] + [abs(ratios[n] - 1) for n in same if n in ratios])
+    ratios = m["fastest_vs_chapters_speed_ratio"]
+    noise = 0.0 if m["timing_noise_ratio"] is None else max(
+        [abs(m["timing_noise_ratio"] - 1)] + [abs(ratios[n] - 1) for n in same if n in ratios])
     return dict(params=m["fastest_fitting_params"], peak_bytes=m["fastest_fitting_peak_bytes"],
-                ratios=ratios, noise=noise, same=same)
+                ratios=ratios, noise=noise, same=same, speed_on=m["speed_on"])
 
 
 def search_lines(chosen: dict) -> list[str]:
-    """Return one line per chapter setting: the chosen setting's paired speed against it, or why there is none."""
+    """Return one line per chapter setting: the chosen setting's speed against it, or why there is none."""
     lines = []
     for name, ratio in chosen["ratios"].items():
         if name in chosen["same"]:
-            lines.append(f"  against {name}: the same setting (timed {ratio:.2f}x apart: two copies of one setting, "
-                         "part of the noise band)")
+            lines.append(f"  against {name}: the same setting" + (
+                f" (timed {ratio:.2f}x apart: two copies of one setting, part of the noise band)" if chosen["noise"]
+                else ""))
         elif abs(ratio - 1) > chosen["noise"]:
             lines.append(f"  against {name}: {ratio:.2f}x as fast")
         else:
@@ -305,19 +309,21 @@ def search_lines(chosen: dict) -> list[str]:
 
 
 def side_by_side_line(rows: list[dict], chosen: dict) -> str:
-    """Return chapter 08's order of the chapters' settings, timed on this machine in the same rounds, and the ranked
-    pairs of `rows` (projected on a GPU) it puts the other way round by more than its noise band."""
+    """Return chapter 08's order of the chapters' settings (its speeds: projected on a GPU, or measured) and the
+    ranked pairs of `rows` (projected on this page's GPU) it puts the other way round by more than its noise band."""
     by = {name[:2]: t for name, t in chosen["ratios"].items()}  # chapter -> its step time over the search's choice's
-    line = ("chapter 08 timed the chapters' settings on this machine, side by side in the same rounds, on one thread "
-            "(step time over its choice's, fastest first): "
-            + ", ".join(f"{c} {by[c]:.2f}x" for c in sorted(by, key=by.get)))
+    line = (f"chapter 08's speeds of the chapters' settings ({chosen['speed_on']}; step time over its choice's, fastest "
+            "first): " + ", ".join(f"{c} {by[c]:.2f}x" for c in sorted(by, key=by.get)))
     table = {r["chapter"]: r["time_ratio"] for r in rows if r["chapter"] in by}
     flipped = [f"{a} and {b}" for a in sorted(table) for b in sorted(table) if a < b
                and (table[a] - table[b]) * (by[a] - by[b]) < 0 and abs(by[a] / by[b] - 1) > chosen["noise"]]
     if not flipped:
-        return line + "; it orders the GPU's times above the same way, or within its noise"
-    return (line + f"; it orders {', '.join(flipped)} the other way round from the GPU's times above: this machine's "
-            "order, not the GPU's (its matmuls run at a CPU's rates, and its memory is its host)")
+        return line + "; it orders the times above the same way" + (", or within its noise" if chosen["noise"] else "")
+    if chosen["speed_on"].startswith("projected"):
+        return (line + f"; it orders {', '.join(flipped)} the other way round from the times above: chapter 08 counted "
+                "the steps of its own settings, projected on its GPU, where the rows above count each chapter's step")
+    return (line + f"; it orders {', '.join(flipped)} the other way round from the GPU's times above: that GPU's "
+            "measured order, not this page's projection")
 
 
 def _fewest(fit: list[str], comm: dict, chosen: str, pays: dict) -> str:
