@@ -26,7 +26,7 @@ from labkit.accumulation import split_batch
 from labkit.checkpointing import checkpoint_blocks
 from labkit.children import ChildProcesses, die_with_parent
 from labkit.cpu import one_thread
-from labkit.estimate import example_batch, fake_sharded, fake_step
+from labkit.estimate import MemoryEstimate, example_batch, fake_sharded, fake_step
 from labkit.work import WorkCounter
 from labkit.gpus import DeviceProfile, device_profile
 from labkit.hosttier import host_tier
@@ -368,7 +368,8 @@ def _checkpoint(model, checkpointing: str) -> None:
 
 def _extrapolated(spec: ModelSpec, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str, precision: str,
                   depth: str = "fast", offload: bool = False, shard=None):
-    """Return (peak, split, param bytes, opt bytes, n, work per micro-batch, host peak) at full depth, exact.
+    """Return (peak, split, param bytes, opt bytes, n, work per micro-batch, host peak, bytes by category where the
+    optimizer step starts) at full depth, exact.
 
     depth="fast" past FULL_MAX_LAYERS blocks: arithmetic over small runs (_fit), else a full-depth run.
     """
@@ -382,7 +383,7 @@ def _extrapolated(spec: ModelSpec, micro_batch: int, n_micro: int, seq_len: int,
     peak, split, states, n, work = _fake_run(spec, full, micro_batch, n_micro, seq_len, checkpointing, precision,
                                              offload=offload, shard=shard)
     return (peak, split, states["parameters"], states["optimizer_state"], n, work,
-            _host_optimizer(*states["before_optimizer"], states["at_optimizer"]))
+            _host_optimizer(*states["before_optimizer"], states["at_optimizer"]), dict(states["at_optimizer"]))
 
 
 def _host_optimizer(peak_before: int, split_before: dict, at_optimizer: dict) -> tuple:
@@ -501,7 +502,7 @@ def _at_rows(fit, micro_batch: int):
     if sum(at_opt) + rise > peak:
         peak, split = sum(at_opt) + rise, at_opt[:3] + (at_opt[3] + rise,)
     work = _line(one[2], two[2], steps)  # (fp32 FLOPs, 16-bit FLOPs, bytes accessed, host bytes) per micro-batch
-    return peak, dict(zip(CATEGORIES, split)), at_opt[0], at_opt[2], one[3], work, host
+    return peak, dict(zip(CATEGORIES, split)), at_opt[0], at_opt[2], one[3], work, host, dict(zip(CATEGORIES, at_opt))
 
 
 def _divisors(n: int, top: int) -> list:
@@ -571,7 +572,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
                                       for o in (offload if shard is None and c == "none" else (False,))))
     fake = _fake_steps(model, spec, list(todo), seq_len, depth, plan_workers() if workers is None else workers)
     out.fake_steps = len(todo)
-    for (shard, mb, n_micro, c, p, o), (peak, split, param_bytes, opt_bytes, n, work, host) in fake.items():
+    for (shard, mb, n_micro, c, p, o), (peak, split, param_bytes, opt_bytes, n, work, host, _) in fake.items():
         out.n_params = n
         for prec in [q for q in precisions if q == p or (q, p) == ("fp16", "bf16")]:
             for ranks in ranks_list if shard is None else [shard[0]]:
@@ -595,6 +596,22 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
                                          param_bytes, opt_bytes - dropped, 4 * n if shard else param_bytes))
     out.elapsed_s = time.perf_counter() - t0
     return out
+
+
+def sharded_estimate(cfg: GPTConfig, batch_size: int, seq_len: int, world_size: int) -> MemoryEstimate:
+    """Return estimate_training_memory(cfg, batch_size, seq_len, world_size=world_size, zero_stage=3), the same bytes,
+    from two shallow fake steps and exact arithmetic (the planner's depth="fast"): seconds for a model of 48 blocks.
+
+    Rank 0 of FSDP2 resharding after forward, fp32 Adam. `states`: the model states where the optimizer step starts
+    (every gradient exists; the step changes no size), and under "other" what else the step holds there (4 bytes more
+    than the estimator's after its step: the planner's step keeps its loss sum).
+    """
+    check_int("world_size", world_size, 2)
+    peak, split, _, _, n, _, _, at_opt = _extrapolated(gpt_spec(cfg), batch_size, 1, seq_len, "none", "fp32",
+                                                       shard=(world_size, True))
+    states = {k: at_opt[k] for k in ("parameters", "gradients", "optimizer_state")}
+    states["other"] = at_opt["activations"]
+    return MemoryEstimate(peak, dict(split), n, batch_size, seq_len, world_size, 3, states)
 
 
 def plan_workers() -> int:

@@ -34,17 +34,22 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state without a forward pass: zero gradients, one update, gradients dropped.
 
     The update runs multi-tensor (foreach): the same state tensors as the for-loop's, in a dozen operators instead of
-    a dozen per parameter (on fake tensors, where every operator costs the same, many times faster). Not over FSDP2's
-    DTensors, whose multi-tensor operators run slower than the loop.
+    a dozen per parameter (on fake tensors, where every operator costs the same, many times faster). Over FSDP2's
+    DTensors, whose multi-tensor operators run slower than the loop, Adam's state is created as its own step creates
+    it (`_init_group`: the same zero tensors), and no update runs.
     """
     foreach = [group.get("foreach") for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["foreach"] = group.get("foreach") or ("foreach" in group and not any(
-            type(p).__name__ == "DTensor" for p in group["params"]))
+    sharded = [any(type(p).__name__ == "DTensor" for p in group["params"]) for group in optimizer.param_groups]
+    for group, dtensors in zip(optimizer.param_groups, sharded):
+        group["foreach"] = group.get("foreach") or ("foreach" in group and not dtensors)
         for p in group["params"]:
             p.grad = torch.zeros_like(p)
     try:
-        optimizer.step()
+        if isinstance(optimizer, torch.optim.Adam) and all(sharded):
+            for group in optimizer.param_groups:  # (an update of zero gradients would change none of these bytes)
+                optimizer._init_group(group, [], [], [], [], [], [])
+        else:
+            optimizer.step()
     finally:
         for group, f in zip(optimizer.param_groups, foreach):
             group["foreach"] = f

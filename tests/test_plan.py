@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from labkit import plan as P
-from labkit.estimate import example_batch
+from labkit.estimate import estimate_training_memory, example_batch
 from labkit.example import running_example
 from labkit.gpus import GPUS, DeviceProfile
 from labkit.models import GPTConfig
@@ -400,3 +400,17 @@ def test_plan_workers_come_from_the_environment(monkeypatch):
         P.plan_workers()
     monkeypatch.delenv(P.PLAN_WORKERS_ENV)
     assert 1 <= P.plan_workers() <= 4
+
+
+def test_the_sharded_estimate_from_shallow_runs_is_the_full_depth_estimate():
+    """labkit.plan.sharded_estimate (chapter 07's deep models): two shallow FSDP2 runs and arithmetic, the same bytes."""
+    cfg = GPTConfig(n_layer=14, n_embd=64, n_head=2, vocab_size=512, block_size=64)
+    for n in (4, 16):
+        full = estimate_training_memory(cfg, 2, 64, world_size=n, zero_stage=3)
+        fast = P.sharded_estimate(cfg, 2, 64, n)
+        assert (fast.peak_bytes, fast.split, fast.n_params) == (full.peak_bytes, full.split, full.n_params)
+        assert {k: v for k, v in fast.states.items() if k != "other"} == {k: v for k, v in full.states.items()
+                                                                          if k != "other"}
+        assert fast.states["other"] - full.states["other"] == 4  # the planner's step keeps its loss sum: one fp32
+    with pytest.raises(ValueError, match="world_size"):
+        P.sharded_estimate(cfg, 2, 64, 1)
