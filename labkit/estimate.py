@@ -102,16 +102,25 @@ def estimate_training_memory(cfg: GPTConfig | MLPConfig, batch_size: int, seq_le
         peak, split, states, n = fake_step(("model", repr(cfg), batch_size, seq_len, optimizer),
                                            lambda: _plain_step(build_model(cfg), optimizer, cfg, batch_size, seq_len))
     states["other"] = states.pop("activations")  # at rest: no activations, the batch and the last logits
-    if world_size > 1 and zero_stage not in (2, 3):  # DDP keeps its gradient buckets: as many bytes as the gradients
-        buckets = states["gradients"]
-        peak, split["activations"], states["other"] = (peak + buckets, split["activations"] + buckets,
-                                                       states["other"] + buckets)
-        if zero_stage == 1:  # ZeroRedundancyOptimizer: each rank keeps the state of 1/N of the parameters
-            kept = states["optimizer_state"] // world_size
-            peak -= states["optimizer_state"] - kept
-            split["optimizer_state"] -= states["optimizer_state"] - kept
-            states["optimizer_state"] = kept
+    if world_size > 1 and zero_stage not in (2, 3):
+        peak, split, states = data_parallel_rank(peak, split, states, world_size, zero_stage)
     return MemoryEstimate(peak, split, n, batch_size, T, world_size, zero_stage if world_size > 1 else None, states)
+
+
+def data_parallel_rank(peak: int, split: dict, states: dict, world_size: int, zero_stage: int | None):
+    """Return (peak, split, states) of one DDP rank (zero_stage None or 0) or ZeRO-1 rank from the one-process step's:
+    DDP's gradient buckets added (as many bytes as the gradients), ZeRO-1 keeping Adam's state of 1/N of the
+    parameters. `states`: the model states at rest by category, what else the step holds under "other"."""
+    split, states = dict(split), dict(states)
+    buckets = states["gradients"]
+    peak, split["activations"], states["other"] = (peak + buckets, split["activations"] + buckets,
+                                                   states["other"] + buckets)
+    if zero_stage == 1:  # ZeroRedundancyOptimizer: each rank keeps the state of 1/N of the parameters
+        kept = states["optimizer_state"] // world_size
+        peak -= states["optimizer_state"] - kept
+        split["optimizer_state"] -= states["optimizer_state"] - kept
+        states["optimizer_state"] = kept
+    return peak, split, states
 
 
 def _plain_step(model, optimizer: str, cfg, batch_size: int, seq_len: int | None):

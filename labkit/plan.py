@@ -26,7 +26,7 @@ from labkit.accumulation import split_batch
 from labkit.checkpointing import checkpoint_blocks
 from labkit.children import ChildProcesses, die_with_parent
 from labkit.cpu import one_thread
-from labkit.estimate import MemoryEstimate, example_batch, fake_sharded, fake_step
+from labkit.estimate import MemoryEstimate, data_parallel_rank, example_batch, fake_sharded, fake_step
 from labkit.work import WorkCounter
 from labkit.gpus import DeviceProfile, device_profile
 from labkit.hosttier import host_tier
@@ -598,20 +598,31 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     return out
 
 
-def sharded_estimate(cfg: GPTConfig, batch_size: int, seq_len: int, world_size: int) -> MemoryEstimate:
-    """Return estimate_training_memory(cfg, batch_size, seq_len, world_size=world_size, zero_stage=3), the same bytes,
+def deep_estimate(cfg: GPTConfig, batch_size: int, seq_len: int, world_size: int = 1,
+                  zero_stage: int | None = None) -> MemoryEstimate:
+    """Return what estimate_training_memory(cfg, batch_size, seq_len, world_size, zero_stage) returns, the same bytes,
     from two shallow fake steps and exact arithmetic (the planner's depth="fast"): seconds for a model of 48 blocks.
 
-    Rank 0 of FSDP2 resharding after forward, fp32 Adam. `states`: the model states where the optimizer step starts
-    (every gradient exists; the step changes no size), and under "other" what else the step holds there (4 bytes more
-    than the estimator's after its step: the planner's step keeps its loss sum).
+    fp32 Adam; stage 2 and 3: rank 0 of FSDP2, resharding after forward at stage 3; 0 and 1: the one-process step with
+    DDP's buckets (and ZeRO-1's 1/N of Adam's state). `states`: the model states where the optimizer step starts
+    (every gradient exists; the step changes no size), and under "other" what else the step holds there (4 bytes
+    more than the estimator's after its step: the planner's step keeps its loss sum).
     """
-    check_int("world_size", world_size, 2)
+    check_int("world_size", world_size, 1)
+    if zero_stage is not None:
+        check_int("zero_stage", zero_stage, 0, 3)
+        if world_size == 1:
+            raise ValueError("zero_stage needs world_size > 1: one process has nothing to shard")
+    shard = (world_size, zero_stage == 3) if zero_stage in (2, 3) else None
     peak, split, _, _, n, _, _, at_opt = _extrapolated(gpt_spec(cfg), batch_size, 1, seq_len, "none", "fp32",
-                                                       shard=(world_size, True))
+                                                       shard=shard)
     states = {k: at_opt[k] for k in ("parameters", "gradients", "optimizer_state")}
     states["other"] = at_opt["activations"]
-    return MemoryEstimate(peak, dict(split), n, batch_size, seq_len, world_size, 3, states)
+    split = dict(split)
+    if world_size > 1 and shard is None:
+        peak, split, states = data_parallel_rank(peak, split, states, world_size, zero_stage)
+    return MemoryEstimate(peak, split, n, batch_size, seq_len, world_size, zero_stage if world_size > 1 else None,
+                          states)
 
 
 def plan_workers() -> int:

@@ -402,15 +402,17 @@ def test_plan_workers_come_from_the_environment(monkeypatch):
     assert 1 <= P.plan_workers() <= 4
 
 
-def test_the_sharded_estimate_from_shallow_runs_is_the_full_depth_estimate():
-    """labkit.plan.sharded_estimate (chapter 07's deep models): two shallow FSDP2 runs and arithmetic, the same bytes."""
-    cfg = GPTConfig(n_layer=14, n_embd=64, n_head=2, vocab_size=512, block_size=64)
-    for n in (4, 16):
-        full = estimate_training_memory(cfg, 2, 64, world_size=n, zero_stage=3)
-        fast = P.sharded_estimate(cfg, 2, 64, n)
-        assert (fast.peak_bytes, fast.split, fast.n_params) == (full.peak_bytes, full.split, full.n_params)
+def test_the_deep_estimate_from_shallow_runs_is_the_full_depth_estimate(monkeypatch):
+    """labkit.plan.deep_estimate (chapter 07's deep models): two shallow runs and arithmetic, the same bytes."""
+    monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)  # take the fast path on a small model
+    cfg = GPTConfig(n_layer=7, n_embd=64, n_head=2, vocab_size=512, block_size=64)
+    for n, stage in ((1, None), (4, 0), (4, 1), (4, 2), (16, 3)):
+        full = estimate_training_memory(cfg, 1, 64, world_size=n, zero_stage=stage)
+        fast = P.deep_estimate(cfg, 1, 64, n, stage)
+        assert (fast.peak_bytes, fast.split, fast.n_params, fast.zero_stage) == \
+            (full.peak_bytes, full.split, full.n_params, full.zero_stage), (n, stage)
         assert {k: v for k, v in fast.states.items() if k != "other"} == {k: v for k, v in full.states.items()
                                                                           if k != "other"}
         assert fast.states["other"] - full.states["other"] == 4  # the planner's step keeps its loss sum: one fp32
-    with pytest.raises(ValueError, match="world_size"):
-        P.sharded_estimate(cfg, 2, 64, 1)
+    with pytest.raises(ValueError, match="zero_stage"):
+        P.deep_estimate(cfg, 1, 64, 1, 3)
