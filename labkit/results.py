@@ -12,6 +12,7 @@ from labkit.runmode import in_kernel
 
 MIME_TYPE = "application/vnd.labkit.record+json"  # a record's output in a kernel: hidden, collected by execute
 BUILD_DIR_ENV = "LABKIT_BUILD_DIR"  # where the workbook writes what it builds (studies, logs); overrides the rest
+RESULTS_ENV = "LABKIT_RESULTS"  # the results.json a chapter reads others' figures from (a run's own, the tests' fixture)
 
 _RECORDS: dict[str, object] = {}
 
@@ -130,3 +131,9 @@ VALUE_CHARS = 80  # a record's value in show_records' table, shortened past this
 def _short(value) -> str:
     text = value if isinstance(value, str) else json.dumps(value)
     return text if len(text) <= VALUE_CHARS else text[:VALUE_CHARS - 3] + "..."
+
+
+def results_path(path: str | Path | None = None) -> Path:
+    """Return the results.json to read other chapters' figures from: `path`, else $LABKIT_RESULTS (set by
+    `workbook.runner` to its run's own), else build/results.json."""
+    return Path(path or os.environ.get(RESULTS_ENV) or build_dir() / "results.json")

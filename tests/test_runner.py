@@ -162,11 +162,11 @@ def test_a_later_notebook_reads_this_runs_results_of_the_earlier_ones(tmp_path, 
     out = tmp_path / "out"
     out.mkdir()
     (out / "results.json").write_text(json.dumps({"notebooks": {"00_first": {"measurements": {"x": "stale"}}}}))
-    monkeypatch.setenv("RUNNER_TEST_OUT", str(out))
+    monkeypatch.setenv("LABKIT_RESULTS", str(tmp_path / "another-run.json"))  # the run's own wins, wherever OUT is
     _write(folder / "00_first.ipynb", [new_code_cell("from labkit import record\nrecord('x', 'fresh')")])
-    _write(folder / "01_later.ipynb", [new_code_cell(
-        "import json, os\nfrom labkit import record\n"
-        "r = json.load(open(os.path.join(os.environ['RUNNER_TEST_OUT'], 'results.json')))\n"
+    _write(folder / "01_later.ipynb", [new_code_cell(  # as chapters 07 and 10 read the others' figures
+        "import json\nfrom labkit import record\nfrom labkit.results import results_path\n"
+        "r = json.load(open(results_path()))\n"
         "record('seen', r['notebooks']['00_first']['measurements']['x'])")])
     assert runner.main(["--notebooks", str(folder), "--out", str(out)]) == 0
     assert json.loads((out / "results.json").read_text())["notebooks"]["01_later"]["measurements"] == {"seen": "fresh"}

@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from labkit import execute
+from labkit.results import RESULTS_ENV
 from workbook import figcheck
 from workbook.nbcheck import NOTEBOOK_GLOB, crowded_sections, find_notebooks
 
@@ -40,7 +41,8 @@ def run_notebook(path: str | Path, out_dir: str | Path, parameters: dict, timeou
     checks = executed.with_suffix(".figures.jsonl")
     checks.unlink(missing_ok=True)
     env = {figcheck.OUT_ENV: str(checks.resolve()),  # the kernel finds `workbook` from any working directory
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           RESULTS_ENV: str((out_dir / "results.json").resolve())}  # a chapter reads this run's figures, wherever OUT is
     entry = execute.run_notebook(path, executed, parameters, timeout_s, extensions=[FIGURE_CHECK], env=env)
     if executed.exists():
         try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from labkit.costs import work_from_record
@@ -11,10 +10,9 @@ from labkit.gpus import GPU_AUTO, DeviceProfile, device_profile, step_time
 from labkit.meter import format_bytes
 from labkit.plan import RESERVE_FRACTION
 from labkit.pipeline import BUBBLE_LEVEL
-from labkit.results import build_dir
+from labkit.results import RESULTS_ENV, results_path  # noqa: F401  (the page reads them here)
 from labkit.trend import describe_trend
 
-RESULTS_ENV = "LABKIT_RESULTS"  # another results.json to read (the tests' fixture); default build/results.json
 MiB = 2**20
 FIXTURE_NOTE = ("these figures are a real `make run`'s results.json, cut to the records this page reads "
                 "(tests/data/closing_results.json, the tests' copy): run `make run` for your own")
@@ -37,11 +35,6 @@ SOURCES = {
                                "fastest_vs_chapters_speed_ratio", "timing_noise_ratio",
                                "chapters_with_fastest_setting", "speed_on"),
 }
-
-
-def results_path(path: str | Path | None = None) -> Path:
-    """Return the results.json to read: `path`, else $LABKIT_RESULTS, else the workbook's build/results.json."""
-    return Path(path or os.environ.get(RESULTS_ENV) or build_dir() / "results.json")
 
 
 def load(path: str | Path | None = None) -> dict | None:
