@@ -10,7 +10,7 @@ from labkit.gpus import GPU_AUTO, DeviceProfile, device_profile, step_time
 from labkit.meter import format_bytes
 from labkit.plan import RESERVE_FRACTION
 from labkit.pipeline import BUBBLE_LEVEL
-from labkit.results import RESULTS_ENV, results_path  # noqa: F401  (the page reads them here)
+from labkit.results import results_path  # noqa: F401  (the closing page reads it here)
 from labkit.trend import describe_trend
 
 MiB = 2**20
