@@ -446,7 +446,9 @@ class MemoryMeter(TorchDispatchMode):
             for inner in _inner(t):
                 self._see(inner, check_budget)
             return
-        dev = t.device.type
+        # a fake tensor's device read directly: t.device dispatches prim.device through every mode (a third of a
+        # fake step's dispatches, for the planner)
+        dev = (t.fake_device if isinstance(t, FakeTensor) else t.device).type
         if dev != self.device.type and dev != "cpu" and dev != "meta":
             return
         if dev == "meta" and not isinstance(t, FakeTensor):  # real meta tensors hold no memory

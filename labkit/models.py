@@ -100,11 +100,15 @@ def _norm(cfg: GPTConfig) -> nn.Module:
     return nn.LayerNorm(cfg.n_embd, bias=cfg.bias) if cfg.norm == "layer" else RMSNorm(cfg.n_embd)
 
 
-def _rope(x, T):  # x: (B, H, T, D)
-    D = x.size(-1)
-    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))  # (D/2,)
-    ang = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv  # (T, D/2)
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+def _rope_table(T: int, D: int, device, dtype):  # -> cos, sin: (T, D/2) each
+    """Return the rotary embedding's cosines and sines of T positions for heads of width D."""
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D))  # (D/2,)
+    ang = torch.arange(T, device=device, dtype=torch.float32)[:, None] * inv  # (T, D/2)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def _rope(x, cos, sin):  # x: (B, H, T, D); cos, sin: (T, D/2)
+    """Rotate each pair of x's channels by its position's angle (RoPE)."""
     x1, x2 = x[..., 0::2], x[..., 1::2]  # (B, H, T, D/2) each
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
@@ -132,7 +136,8 @@ class CausalSelfAttention(nn.Module):
         H = q.size(-1) // D  # the heads this process computes: n_head, or n_head/K under tensor parallelism
         q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         if self.cfg.pos == "rope":
-            q, k = _rope(q, T), _rope(k, T)
+            cos, sin = _rope_table(T, D, q.device, q.dtype)  # one table for q and k
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if self.cfg.attn == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                dropout_p=self.cfg.dropout if self.training else 0.0)

@@ -814,12 +814,17 @@ def main(argv=None) -> int:
 def combination_step(cfg: GPTConfig, combination: Combination, seed: int = 0, device="cpu"):
     """Return (model, optimizer, step_fn) running a one-device combination for real: what the meter checks a row by.
 
-    With the optimizer on the host, measure without a warm-up: its first step creates Adam's state in the host tier.
+    Measure its step without a warm-up (labkit.measure_step(..., warmup=False)): with the optimizer on the device,
+    Adam's state is created here as a first step leaves it (train.create_optimizer_state, no forward: a warm-up step
+    of bf16 on a CPU without bf16 units costs tens of fp32 steps); on the host, its first step creates the state in
+    the host tier.
     """
     model = seeded_model(cfg, seed, device)
     _checkpoint(model, combination.checkpointing)
     optimizer = make_optimizer("adam", model.parameters())
-    if combination.optimizer == "host":
+    if combination.optimizer == "device":
+        create_optimizer_state(optimizer)
+    else:
         device_step = optimizer.step
 
         def host_step(*args, **kwargs):

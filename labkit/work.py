@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 aten = torch.ops.aten
@@ -57,12 +56,20 @@ def ring_factor(kind: str, world_size: int) -> float:
 
 def _nbytes(values) -> int:
     """Return the bytes of the tensors among `values`, nested lists and tuples included (an operator's arguments)."""
-    return sum(v.numel() * v.element_size() for v in tree_leaves(values) if isinstance(v, torch.Tensor))
+    total = 0
+    for v in values:  # (a loop, not torch's tree_leaves: this runs for every operator of every fake step)
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+        elif isinstance(v, (list, tuple)):
+            total += _nbytes(v)
+    return total
 
 
 def _precision(args) -> str:
     """Return the precision an operator computes in: that of its first floating-point tensor input (fp32 if none)."""
-    for v in tree_leaves(args):
+    for v in args:
+        if isinstance(v, (list, tuple)):
+            v = next((u for u in v if isinstance(u, torch.Tensor) and u.is_floating_point()), None)
         if isinstance(v, torch.Tensor) and v.is_floating_point():
             return PRECISION_OF.get(v.dtype, "fp32")
     return "fp32"
@@ -157,7 +164,7 @@ class WorkCounter(TorchDispatchMode):
             p = _precision(args)
             self.flops[p] = self.flops.get(p, 0) + int(formula(*args, **kwargs, out_val=out))
         if self.counting_bytes and not func.is_view and func.overloadpacket.__name__ not in NO_KERNEL:
-            self.bytes_accessed += _nbytes(list(args)) + _nbytes(list(kwargs.values())) + _nbytes([out])
+            self.bytes_accessed += _nbytes(args) + _nbytes(kwargs.values()) + _nbytes((out,))
             self.kernels += 1
         return out
 
