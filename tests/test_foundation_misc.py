@@ -531,6 +531,24 @@ def test_create_optimizer_state_makes_adams_state_and_leaves_no_gradient():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # a zero gradient moves no weight
 
 
+def test_create_optimizer_state_makes_no_update_for_adamw_and_one_for_other_optimizers():
+    """AdamW's state comes from its own _init_group (its weight decay moves no weight); SGD's momentum buffer from one
+    foreach update of zero gradients, its foreach setting restored afterwards."""
+    from labkit.train import create_optimizer_state
+
+    model = torch.nn.Linear(4, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    create_optimizer_state(adamw)
+    assert all(set(adamw.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in model.parameters())
+    assert all(float(adamw.state[p]["step"]) == 0 and not adamw.state[p]["exp_avg"].any() for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no decay: no update ran
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    create_optimizer_state(sgd)
+    assert all(set(sgd.state[p]) == {"momentum_buffer"} for p in model.parameters())
+    assert sgd.param_groups[0]["foreach"] is False and all(p.grad is None for p in model.parameters())
+
+
 def test_seeded_model_builds_the_same_weights_as_seeding_by_hand():
     from labkit.models import GPTConfig, MLPConfig
     from labkit.train import seeded_model
