@@ -106,6 +106,7 @@ class ModelSpec:
     key: str | None  # identifies the model in fake_step's cache (None: not cached)
     max_seq_len: int | None = None  # longest sequence the model takes (a learned position table), None: any
     checkpointing: tuple = CHECKPOINTING  # the choices it takes (a transformers model: none, every)
+    batch: Callable | None = None  # (rows, seq_len) -> the batch alone, no model built (None: build's batch)
 
 
 def gpt_spec(cfg: GPTConfig, name: str = "GPTConfig") -> ModelSpec:
@@ -115,7 +116,8 @@ def gpt_spec(cfg: GPTConfig, name: str = "GPTConfig") -> ModelSpec:
         if c.pos == "rope":
             c = replace(c, block_size=seq_len)  # rotary positions: no table, any length
         return build_model(c), example_batch(c, rows, seq_len)
-    return ModelSpec(name, build, cfg.n_layer, repr(cfg), cfg.block_size if cfg.pos == "learned" else None)
+    return ModelSpec(name, build, cfg.n_layer, repr(cfg), cfg.block_size if cfg.pos == "learned" else None,
+                     batch=lambda rows, seq_len: example_batch(cfg, rows, seq_len))
 
 
 def callable_spec(fn: Callable, name: str = "model") -> ModelSpec:
@@ -557,8 +559,10 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
                                                            "only (--depth full plans every rank count)")
     t0 = time.perf_counter()
     ranks_list = _divisors(batch, gpus)
-    with torch.device("meta"):  # one batch row's input tensors
-        row_bytes = sum(t.numel() * t.element_size() for t in spec.build(1 if spec.n_layer else None, 1, seq_len)[1])
+    with torch.device("meta"):  # one batch row's input tensors (without a model where the spec can: initialising
+        #                         meta weights imports torch._dynamo, 2 s of `make plan` whose fake steps run in workers)
+        row = spec.batch(1, seq_len) if spec.batch else spec.build(1 if spec.n_layer else None, 1, seq_len)[1]
+        row_bytes = sum(t.numel() * t.element_size() for t in row)
     out = Plan(spec.name, device.name, gpus, seq_len, batch, 0, int(device.memory_bytes * (1 - reserve_fraction)),
                reserve_fraction, left_out=left_out)
     fake_precisions = sorted({"bf16" if p == "fp16" else p for p in precisions})
