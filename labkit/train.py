@@ -31,7 +31,7 @@ def seeded_model(config: GPTConfig | MLPConfig, seed: int, device: torch.device 
 
 
 def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state as a first step leaves it, without a forward pass; leave no gradient.
+    """Create the state tensors a first step leaves (Adam's step count stays 0), without a forward; leave no gradient.
 
     Adam (and AdamW) creates its state as its own step does (`_init_group` over zero gradients: the same zero
     tensors), and no update runs (an update of zero gradients changes none of these bytes, and on fake tensors it
