@@ -2,8 +2,9 @@
 FLOP counter on eager code; why they are needed (Dynamo does not compile under a dispatch mode); which
 backends can run here.
 
-No test compiles with inductor (a C++ compile takes seconds); notebook 02 does, and
-tests/test_checkpointing.py runs it with the partitioner-only backend.
+No test here compiles with inductor (a C++ compile takes seconds): tests/test_nb02.py runs notebook 02 with
+COMPILE="inductor", and tests/test_checkpointing.py and notebook 02's defaults on a CPU run the partitioner-only
+backend.
 """
 
 from __future__ import annotations

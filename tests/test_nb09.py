@@ -6,8 +6,10 @@ STEM = "09_will_it_fit"
 
 
 def test_notebook_09_verdicts_with_another_size_and_budget(execute_notebook):
-    entry = execute_notebook(STEM, timeout_s=300, SEED=3, N_LAYER=1, BATCH=4, SEQ_LEN=128, GPU="l4", PLAN_SEQ_LEN=256,
-                             PLAN_BATCH=1, PEERS=False)
+    # a 24-block model: its plans take the fast depth (fake steps of a few blocks, exact arithmetic), where the
+    # defaults' 12-block GPT-2 (nbval) runs every block
+    entry = execute_notebook(STEM, timeout_s=300, SEED=3, N_LAYER=1, BATCH=4, SEQ_LEN=128, MODEL="gpt2-medium", GPU="l4",
+                             PLAN_SEQ_LEN=256, PLAN_BATCH=1, PEERS=False)
     assert entry["status"] == "ok", entry.get("error")
     m = entry["measurements"]
     ex = labkit.running_example(n_layer=1, batch_size=4, seq_len=128)

@@ -31,8 +31,9 @@ def test_cpu_peaks_match_the_meter_within_one_percent():
                precisions=("fp32",), offload=(False,), optimizers=("device",))  # (offload, host: the test after next)
     combos = {(r.combination.micro_batch, r.combination.checkpointing) for r in p.rows}
     assert {c for _, c in combos} == set(P.CHECKPOINTING) and {m for m, _ in combos} == {1, 2, 4, 8, 16}
-    # real steps at 1, 4 and 16 rows: the planner runs 2 and 8 as it runs 4 and 16 (16 real steps fewer)
-    _check_against_the_meter([r for r in p.rows if r.combination.micro_batch in (1, 4, 16)], ex)
+    # real steps at 4 and 16 rows: the planner runs 1, 2 and 8 as it runs 4 (two micro-batches, the rest of the
+    # batch's rows held) and 16 as one micro-batch; a real step of 1 row runs 16 micro-batches for no other path
+    _check_against_the_meter([r for r in p.rows if r.combination.micro_batch in (4, 16)], ex)
     assert any(r.fits for r in p.rows) and not all(r.fits for r in p.rows)  # the budget decides
 
 
@@ -88,10 +89,10 @@ def test_fast_depth_equals_a_full_depth_run(cfg, monkeypatch):
     spec = P.gpt_spec(cfg)
     for checkpointing in ("none", "every", "selective"):
         for precision in ("fp32", "bf16"):
-            for micro_batch in (1, 3):
-                fast = P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "fast")
-                assert P._FITS[repr(cfg), 2, 16, checkpointing, precision, False, None] is not None  # no fallback
-                assert fast == P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "full")
+            # 3 rows: beyond the fit's rows (1 and 2) and beyond its depths, both extrapolations at once
+            fast = P._extrapolated(spec, 3, 2, 16, checkpointing, precision, "fast")
+            assert P._FITS[repr(cfg), 2, 16, checkpointing, precision, False, None] is not None  # no fallback
+            assert fast == P._extrapolated(spec, 3, 2, 16, checkpointing, precision, "full")
 
 
 @pytest.mark.parametrize("micro_batch", [3, 8])
@@ -250,10 +251,9 @@ def test_a_transformers_model_takes_the_fast_depth_exactly(monkeypatch):
                                    num_key_value_heads=1, vocab_size=128)  # grouped-query attention
     spec = P.hf_spec(cfg)
     for precision, checkpointing in (("fp32", "none"), ("bf16", "none"), ("fp32", "every")):
-        for micro_batch in (1, 3):
-            fast = P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "fast")
-            assert P._FITS[spec.key, 2, 16, checkpointing, precision, False, None] is not None  # no full-depth fallback
-            assert fast == P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "full")
+        fast = P._extrapolated(spec, 3, 2, 16, checkpointing, precision, "fast")  # beyond the fit's rows and depths
+        assert P._FITS[spec.key, 2, 16, checkpointing, precision, False, None] is not None  # no full-depth fallback
+        assert fast == P._extrapolated(spec, 3, 2, 16, checkpointing, precision, "full")
 
 
 def test_a_transformers_model_checkpointed_by_its_own_switch_matches_the_meter():
@@ -371,7 +371,8 @@ def test_bad_offload_and_optimizer_choices_are_refused():
 
 def test_roofline_counts_recomputation_and_the_bytes_it_moves():
     """Checkpointing never makes a step faster: more FLOPs and more bytes accessed, the same micro-batch and precision."""
-    p = P.plan(SMALL, "t4", gpus=1, seq_len=32, batch=2, reserve_fraction=0.0, offload=(False,), optimizers=("device",))
+    p = P.plan(SMALL, "t4", gpus=1, seq_len=32, batch=2, reserve_fraction=0.0, offload=(False,), optimizers=("device",),
+               checkpointing=("none", "every", "selective"))  # the choices asserted below
     rows = {(r.combination.micro_batch, r.combination.checkpointing, r.combination.precision): r for r in p.rows}
     for (mb, ckpt, prec), r in rows.items():
         plain = rows[mb, "none", prec]

@@ -38,11 +38,12 @@ def chapter_settings(config: StudyConfig, lr: float = 1e-3) -> dict[str, dict]:
     01: the fewest accumulation steps predicted to fit; 03: bf16, else fp16 where searched, else left out.
     """
     choices = next(p.choices for p in config.space() if p.name == "micro_batch")  # largest first
-    micro = [m for m in choices
-             if predict_peak_bytes(dict(plain_setting(config, lr), micro_batch=m), config) <= config.budget_bytes]
+    micro = next((m for m in choices  # the largest that fits: smaller ones are not predicted (a fake step each)
+                  if predict_peak_bytes(dict(plain_setting(config, lr), micro_batch=m), config) <= config.budget_bytes),
+                 None)
     out = {}
-    if micro:
-        out["01 gradient accumulation"] = dict(plain_setting(config, lr), micro_batch=micro[0])
+    if micro is not None:
+        out["01 gradient accumulation"] = dict(plain_setting(config, lr), micro_batch=micro)
     out["02 activation checkpointing"] = {"technique": "checkpoint", "segments": config.n_layer, "precision": "fp32",
                                           "micro_batch": config.batch, "lr": lr}
     half = next((p for p in ("bf16", "fp16") if p in config.precisions), None)
