@@ -574,8 +574,14 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
             todo.update(dict.fromkeys((shard, mb, min(rows // mb, 2), c, p, o) for mb in _divisors(rows, rows)
                                       for c in checkpointing for p in fake_precisions
                                       for o in (offload if shard is None and c == "none" else (False,))))
-    fake = _fake_steps(model, spec, list(todo), seq_len, depth, plan_workers() if workers is None else workers)
-    out.fake_steps = len(todo)
+    # sqrt(n) segments round to one at n <= 2 blocks: that segment is the last, kept whole (checkpoint_blocks), so the
+    # step is the one without checkpointing, operation for operation: its fake step serves both
+    same = {item: item[:3] + ("none",) + item[4:] for item in todo
+            if item[3] == "sqrt" and spec.n_layer is not None and round(math.sqrt(spec.n_layer)) <= 1}
+    run = list(dict.fromkeys(same.get(item, item) for item in todo))
+    fake = _fake_steps(model, spec, run, seq_len, depth, plan_workers() if workers is None else workers)
+    fake = {item: fake[same.get(item, item)] for item in todo}
+    out.fake_steps = len(run)
     for (shard, mb, n_micro, c, p, o), (peak, split, param_bytes, opt_bytes, n, work, host, _) in fake.items():
         out.n_params = n
         for prec in [q for q in precisions if q == p or (q, p) == ("fp16", "bf16")]:
@@ -661,22 +667,21 @@ def _run_group(spec: ModelSpec, group: list, seq_len: int, depth: str) -> list:
                 for item in group]
 
 
-def _cost(spec: ModelSpec, group: list, depth: str) -> int:
-    """Return a group's fake-step cost in blocks run (what sharing the groups among workers balances)."""
-    shard, mb, n_micro, c, _, _ = group[0]
-    if len(group) > 1 or (depth != "full" and (spec.n_layer or 0) > FULL_MAX_LAYERS and c in FAST_DEPTHS):
-        depths = FAST_DEPTHS[c] if shard is None else SHARDED_DEPTHS
-        return sum(depths) * (1 if mb == 1 else 3) * n_micro
-    return (spec.n_layer or 1) * n_micro
-
-
 def _worker_main(task_path: str, out_path: str) -> None:
-    """Run a plan worker's groups (a pickled (model, groups, seq_len, depth)) and pickle their figures to out_path."""
+    """Run plan groups (a pickled (model, groups, seq_len, depth, claims folder)) in their order, each one this worker
+    claims first (a file created in the claims folder, or not at all: another worker has it), and pickle their
+    figures to out_path. Claiming as they go, the workers finish together whatever each group costs."""
     die_with_parent()
     with open(task_path, "rb") as f:
-        model, groups, seq_len, depth = pickle.load(f)
+        model, groups, seq_len, depth, claims = pickle.load(f)
     spec = model_spec(model)
-    out = [pair for g in groups for pair in _run_group(spec, g, seq_len, depth)]
+    out = []
+    for i, g in enumerate(groups):
+        try:
+            os.close(os.open(os.path.join(claims, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        out.extend(_run_group(spec, g, seq_len, depth))
     with open(out_path + ".part", "wb") as f:
         pickle.dump(out, f)
     os.replace(out_path + ".part", out_path)
@@ -690,17 +695,13 @@ def _fake_steps(model, spec: ModelSpec, items: list, seq_len: int, depth: str, w
     out = {item: _PLANNED[memo[item]] for item in items if memo.get(item) in _PLANNED}
     groups = _groups(spec, [item for item in items if item not in out], depth)
     if workers > 1 and len(groups) >= MIN_GROUPS_PER_WORKER * workers and isinstance(model, (str, GPTConfig)):
-        shares, loads = [[] for _ in range(workers)], [0] * workers
-        for g in groups:  # the costliest first, each to the least loaded worker
-            k = loads.index(min(loads))
-            shares[k].append(g)
-            loads[k] += _cost(spec, g, depth)
         with tempfile.TemporaryDirectory(prefix="labkit-plan-") as tmp, ChildProcesses() as children:
-            paths = []
-            for k, share in enumerate(shares):
-                task, result, log = (os.path.join(tmp, f"{name}{k}") for name in ("task", "result", "log"))
-                with open(task, "wb") as f:
-                    pickle.dump((model, share, seq_len, depth), f)
+            task, claims, paths = os.path.join(tmp, "task"), os.path.join(tmp, "claims"), []
+            os.mkdir(claims)
+            with open(task, "wb") as f:  # every group for every worker: each runs those it claims first
+                pickle.dump((model, groups, seq_len, depth, claims), f)
+            for k in range(workers):
+                result, log = os.path.join(tmp, f"result{k}"), os.path.join(tmp, f"log{k}")
                 children.start([sys.executable, "-c", f"from labkit.plan import _worker_main; "
                                 f"_worker_main({task!r}, {result!r})"], log_path=log)
                 paths.append((result, log))

@@ -218,6 +218,23 @@ class _WithLoss(torch.nn.Module):
         return logits, torch.nn.functional.cross_entropy(logits, y)
 
 
+def test_sqrt_at_two_blocks_reuses_the_fake_step_without_checkpointing():
+    """round(sqrt(2)) = 1 segment, the last, kept whole: the step without checkpointing, run once for both rows."""
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=128)
+    p = P.plan(cfg, "h100", 1, 16, 2, precisions=("fp32",), checkpointing=("none", "sqrt"), offload=(False,),
+               optimizers=("device",))
+    rows = {(r.combination.micro_batch, r.combination.checkpointing): r for r in p.rows}
+    assert p.fake_steps == 2 and len(rows) == 4  # micro-batches 1 and 2, each run once
+    spec = P.gpt_spec(cfg)
+    for mb in (1, 2):
+        none, sqrt = rows[mb, "none"], rows[mb, "sqrt"]
+        assert (sqrt.peak_bytes, sqrt.split, sqrt.flops, sqrt.bytes_accessed) == \
+            (none.peak_bytes, none.split, none.flops, none.bytes_accessed)
+        # and the sqrt step itself, run: the same figures
+        assert P._extrapolated(spec, mb, 2 // mb, 16, "sqrt", "fp32", "full") == \
+            P._extrapolated(spec, mb, 2 // mb, 16, "none", "fp32", "full")
+
+
 def test_another_size_and_budget_give_the_same_verdicts():
     small = P.plan(SMALL, cpu_profile(10**12), 1, 16, 4, checkpointing=("none", "every"), precisions=("fp32",))
     cut = sorted(r.peak_bytes for r in small.rows)[len(small.rows) // 2]
