@@ -6,6 +6,7 @@ import pytest
 
 import labkit
 import labkit.costs
+from labkit.compiled import compile_unavailable_reason
 
 STEM = "02_activation_checkpointing"
 
@@ -42,9 +43,12 @@ def test_notebook_invariants_hold_for_other_seeds_and_sizes(execute_notebook):
     assert saved[0.0] == 5 * 32 * 128 * 4  # the MLP's (B, T, C) fp32 input: the running example is 128 wide
     assert saved[0.0] <= saved[0.5] <= saved[1.0]
     assert m["compile_flop_ratio_by_budget"]["1.0"] == 1.0 < m["compile_flop_ratio_by_budget"]["0.0"]
-    assert m["compile_backend"] == "inductor"
-    assert m["compile_saved_bytes_ratio"] == 1.0 and m["compile_grad_rel_diff"] <= 1e-4
-    assert m["compile_peak_bytes_ratio"] > 0
+    if compile_unavailable_reason("cpu", "inductor") is None:  # a C++ compiler here: 8b compiled with inductor
+        assert m["compile_backend"] == "inductor"
+        assert m["compile_saved_bytes_ratio"] == 1.0 and m["compile_grad_rel_diff"] <= 1e-4
+        assert m["compile_peak_bytes_ratio"] > 0
+    else:  # 8b printed why it skipped, and recorded nothing
+        assert "compile_backend" not in m
     assert "compile_step_time_ratio" not in m  # timed on CUDA only: a CPU's kernels say nothing about a GPU's
 
 
