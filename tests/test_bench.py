@@ -29,6 +29,15 @@ def test_bf16_is_native_only_with_its_units_and_a_dispatch_that_uses_them(flags,
     assert cpu.bf16_native(flags, capability, env) is native
 
 
+@pytest.mark.parametrize("flags, capability, words", [
+    ((), "AVX2", "this CPU has no bf16 units"),
+    (("avx512_bf16", "amx_bf16"), "AVX2", "torch's kernels here (AVX2) use none of this CPU's bf16 units "
+                                          "(avx512_bf16, amx_bf16)"),
+])
+def test_the_chapters_say_whether_the_cpu_lacks_bf16_units_or_torch_does_not_use_them(flags, capability, words):
+    assert cpu.no_bf16_words(flags, capability) == words
+
+
 def test_the_line_names_the_cpu_its_vector_level_the_dispatch_variables_and_the_ratio():
     line = dataclasses.replace(REPORT, dispatch_env={"ATEN_CPU_CAPABILITY": "avx2"}, bf16_matmul_s=0.18,
                                bf16_native=False).line()
@@ -64,6 +73,22 @@ def test_the_table_sets_every_figure_beside_its_limit():
                         "| `make run`, all chapters (failed: 01_b) | 20.0 | 360 |",
                         "| `make plan MODEL=llama-7b GPU=a100-80gb GPUS=8` | 9.5 | 30 |",
                         "| `make test`, pytest (None) | failed to run | 600 |"]
+
+
+def test_repeated_rounds_give_medians_with_their_range():
+    rounds = [{"by_chapter_s": {"00_a": s, "01_b": t}, "failed": f, "total_s": s + t, "exit_code": int(bool(f))}
+              for s, t, f in ((12.0, 5.0, []), (14.0, 4.0, ["01_b"]), (11.0, 6.0, []))]
+    chapters = bench.combined("chapters", rounds)
+    assert chapters["by_chapter_s"] == {"00_a": 12.0, "01_b": 5.0} and chapters["total_s"] == 17.0
+    assert chapters["by_chapter_runs_s"]["00_a"] == [12.0, 14.0, 11.0] and chapters["total_runs_s"] == [17.0, 18.0, 17.0]
+    assert chapters["failed"] == ["01_b"] and chapters["exit_code"] == 1  # a failure in any round is reported
+    plan = bench.combined("plan", [{"wall_s": w, "exit_code": 0} for w in (31.0, 36.5, 29.0)])
+    assert plan["wall_s"] == 31.0 and plan["wall_runs_s"] == [31.0, 36.5, 29.0]
+    rows = bench.table({"repeats": 3, "chapters": chapters, "plan": plan}).splitlines()
+    assert rows[0] == "| what | seconds, median of 3 (range) | limit on the 2-core AVX2 machine |"
+    assert rows[2] == "| chapter 00_a | 12.0 (11.0–14.0) | 60 |"
+    assert rows[-1] == "| `make plan MODEL=llama-7b GPU=a100-80gb GPUS=8` | 31.0 (29.0–36.5) | 30 |"
+    assert bench.combined("plan", [{"wall_s": 9.0, "exit_code": 0}]) == {"wall_s": 9.0, "exit_code": 0}  # one round
 
 
 def test_each_timed_command_compiles_into_a_fresh_inductor_cache(tmp_path):

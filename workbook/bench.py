@@ -1,11 +1,13 @@
 """Time the workbook on this machine: the CPU, each chapter's defaults, the 7B plan and the test suite (`make bench`).
 
-    python -m workbook.bench [--only cpu chapters plan suite] [--out build/bench]
+    python -m workbook.bench [--only cpu chapters plan suite] [--out build/bench] [--repeats N]
 
 Prints a header line (`labkit.cpu.CpuReport.line`: the CPU model, torch's vector level, bf16 flags, the AVX2 dispatch
 variables when set, a bf16 matmul's time over fp32's), then a table: each chapter's `make run` time (its own run of
 `workbook.runner` into OUT/run), `make plan MODEL=llama-7b GPU=a100-80gb GPUS=8` (the whole command) and the pytest
-time of `make test` (its closing line). Writes OUT/bench.json. Every timing figure reported with an issue comes with
+time of `make test` (its closing line). With --repeats N the parts run N times, interleaved (chapters, plan,
+suite, then again), and each figure is their median, its range beside it: a shared machine's times vary by a fifth
+from run to run. Writes OUT/bench.json. Every timing figure reported with an issue comes with
 this header: on an AVX-512/AMX machine, set ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2 to dispatch as a 2-core AVX2 machine does (the bf16/fp32 ratio then reads 30-50x).
 """
@@ -17,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -74,22 +77,48 @@ def bench_suite(out: Path) -> dict:
             "wall_s": wall_s, "exit_code": code}
 
 
+def combined(part: str, rounds: list) -> dict:
+    """Return one part's figures over its repeated rounds: each time the median of the rounds, their values kept in
+    a `runs` list beside it (`by_chapter_runs_s` for the chapters); failures and exit codes from every round."""
+    if len(rounds) == 1:
+        return rounds[0]
+    med = lambda xs: statistics.median(xs) if xs and None not in xs else None  # noqa: E731 (None: a round failed)
+    out = {**rounds[-1], "exit_code": max(r["exit_code"] for r in rounds)}
+    key = {"chapters": "total_s", "plan": "wall_s", "suite": "pytest_s"}[part]
+    out[key], out[key.replace("_s", "_runs_s")] = med([r[key] for r in rounds]), [r[key] for r in rounds]
+    if part == "chapters":
+        runs = {stem: [r["by_chapter_s"].get(stem) for r in rounds] for stem in rounds[0]["by_chapter_s"]}
+        out["by_chapter_s"], out["by_chapter_runs_s"] = {stem: med(v) for stem, v in runs.items()}, runs
+        out["failed"] = sorted({stem for r in rounds for stem in r["failed"]})
+    return out
+
+
+def _seconds(value, runs=None) -> str:
+    """Return a time for the table: the median, and the range of the runs when there were several."""
+    if value is None:
+        return "not run"
+    return f"{value:.1f}" + (f" ({min(runs):.1f}–{max(runs):.1f})" if runs and len(runs) > 1 else "")
+
+
 def table(results: dict) -> str:
     """Return the bench's figures as a markdown table, each against its limit (issue 34's targets)."""
-    rows = ["| what | seconds | limit on the 2-core AVX2 machine |", "|---|---:|---:|"]
+    repeats = results.get("repeats", 1)
+    head = "seconds" if repeats == 1 else f"seconds, median of {repeats} (range)"
+    rows = [f"| what | {head} | limit on the 2-core AVX2 machine |", "|---|---:|---:|"]
     chapters = results.get("chapters")
     if chapters:
+        runs = chapters.get("by_chapter_runs_s", {})
         for stem, s in chapters["by_chapter_s"].items():
-            rows.append(f"| chapter {stem} | {s:.1f} | {LIMITS_S['chapter']} |" if s is not None else
-                        f"| chapter {stem} | not run | {LIMITS_S['chapter']} |")
+            rows.append(f"| chapter {stem} | {_seconds(s, runs.get(stem))} | {LIMITS_S['chapter']} |")
         rows.append(f"| `make run`, all chapters{' (failed: ' + ', '.join(chapters['failed']) + ')' if chapters['failed'] else ''} "
-                    f"| {chapters['total_s']:.1f} | {LIMITS_S['chapters']} |")
+                    f"| {_seconds(chapters['total_s'], chapters.get('total_runs_s'))} | {LIMITS_S['chapters']} |")
     plan = results.get("plan")
     if plan:
-        rows.append(f"| `make plan MODEL=llama-7b GPU=a100-80gb GPUS=8` | {plan['wall_s']:.1f} | {LIMITS_S['plan']} |")
+        rows.append(f"| `make plan MODEL=llama-7b GPU=a100-80gb GPUS=8` | {_seconds(plan['wall_s'], plan.get('wall_runs_s'))} "
+                    f"| {LIMITS_S['plan']} |")
     suite = results.get("suite")
     if suite:
-        s = "failed to run" if suite["pytest_s"] is None else f"{suite['pytest_s']:.1f}"
+        s = "failed to run" if suite["pytest_s"] is None else _seconds(suite["pytest_s"], suite.get("pytest_runs_s"))
         rows.append(f"| `make test`, pytest ({suite['counts']}) | {s} | {LIMITS_S['suite']} |")
     return "\n".join(rows)
 
@@ -99,7 +128,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m workbook.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="the parts to measure")
     ap.add_argument("--out", default="build/bench", help="folder for the logs, the chapters' run and bench.json")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of the parts, interleaved: medians (1 to 9)")
     args = ap.parse_args(argv)
+    if not 1 <= args.repeats <= 9:
+        ap.error(f"--repeats must be a whole number from 1 to 9, got {args.repeats}")
     from labkit.cpu import cpu_report
 
     out = (ROOT / args.out).resolve()
@@ -107,11 +139,15 @@ def main(argv=None) -> int:
     report = cpu_report()
     print(report.line(), flush=True)
     results = {"cpu": {**report.__dict__, "bf16_ratio": report.bf16_ratio, "bf16_native": report.bf16_native,
-                       "line": report.line()}, "load_average_before": os.getloadavg()[0]}
-    for part, fn in (("chapters", bench_chapters), ("plan", bench_plan), ("suite", bench_suite)):
-        if part in args.only:
-            print(f"{part} ...", flush=True)
-            results[part] = fn(out)
+                       "line": report.line()}, "load_average_before": os.getloadavg()[0], "repeats": args.repeats}
+    parts = [(part, fn) for part, fn in (("chapters", bench_chapters), ("plan", bench_plan), ("suite", bench_suite))
+             if part in args.only]
+    rounds = {part: [] for part, _ in parts}
+    for k in range(args.repeats):  # interleaved: a slow spell of a shared machine falls on every part alike
+        for part, fn in parts:
+            print(f"{part} ..." + (f" (round {k + 1} of {args.repeats})" if args.repeats > 1 else ""), flush=True)
+            rounds[part].append(fn(out))
+    results.update({part: combined(part, r) for part, r in rounds.items()})
     (out / "bench.json").write_text(json.dumps(results, indent=1))
     print(table(results))
     failed = [p for p in ("chapters", "plan", "suite") if p in results and results[p]["exit_code"] != 0]
