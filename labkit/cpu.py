@@ -92,7 +92,7 @@ def bf16_native(flags=None, capability: str | None = None, env=None) -> bool:
 
 def no_bf16_words(flags=None, capability: str | None = None) -> str:
     """Return why torch computes no bf16 on 16-bit units here, in the chapters' words (where bf16_native is False):
-    the CPU has none, or torch's kernels do not use those it has (chapters 03, 08, 09)."""
+    the CPU has none, or torch's kernels do not use those it has (chapters 03 and 09)."""
     found = [f for f in BF16_CPU_FLAGS if f in (_flags() if flags is None else set(flags))]
     capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
     if not found:

@@ -670,7 +670,7 @@ def _run_group(spec: ModelSpec, group: list, seq_len: int, depth: str) -> list:
 def _worker_main(task_path: str, out_path: str) -> None:
     """Run plan groups (a pickled (model, groups, seq_len, depth, claims folder)) in their order, each one this worker
     claims first (a file created in the claims folder, or not at all: another worker has it), and pickle their
-    figures to out_path. Claiming as they go, the workers finish together whatever each group costs."""
+    figures to out_path. Claiming as they go, the workers end within one group of each other whatever each costs."""
     die_with_parent()
     with open(task_path, "rb") as f:
         model, groups, seq_len, depth, claims = pickle.load(f)
