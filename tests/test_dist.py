@@ -468,3 +468,38 @@ def test_cpu_join_passes_no_device_id(monkeypatch):
         pass
     (label, a, b), = rank_mod._spans()
     assert label == "x" and 0 <= a <= b
+
+
+PRELOADED = textwrap.dedent('''
+    import sys
+    imported_before = "torch" in sys.modules  # this script has imported nothing yet
+    import os
+    import labkit.dist as ld
+
+    def main(x):
+        return {"torch_imported_before": imported_before, "x": x, "threads": __import__("torch").get_num_threads(),
+                "argv": sys.argv[1:], "cwd": os.getcwd(), "main": __name__}
+
+    if __name__ == "__main__":
+        ld.run(main)
+''')
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server: Linux here")
+def test_ranks_start_from_a_fork_server_that_imported_torch_once(tmp_path, monkeypatch):
+    """A rank forks from a server that has imported torch: it runs its script as `python -u script args` would, on
+    the threads it was given, in the launcher's folder; the server ends when asked (and with the launcher)."""
+    from labkit.dist.launch import _stop_rank_server
+    script = tmp_path / "preloaded.py"
+    script.write_text(PRELOADED)
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):  # the second launch reuses the server the first started
+        results = ld.launch(script, 2, device="cpu", echo=False, threads_per_rank=1, params={"x": 1})
+        for r in results:
+            assert r.value == {"torch_imported_before": True, "threads": 1, "argv": ["--x", "1"],
+                               "x": 1, "cwd": str(tmp_path), "main": "__main__"}
+    from multiprocessing import forkserver
+    server = forkserver._forkserver._forkserver_pid
+    assert server is not None and _alive(server)
+    _stop_rank_server()
+    assert not os.path.exists(f"/proc/{server}") or not _alive(server)

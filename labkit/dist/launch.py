@@ -6,14 +6,17 @@ A rank that fails, dies or outlives `timeout_s` stops the others; no rank outliv
 from __future__ import annotations
 
 import contextlib
+import io
 import json
-import logging
+import multiprocessing
+import multiprocessing.connection
+from multiprocessing import forkserver, spawn
 import os
+import runpy
 import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,7 +106,6 @@ def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = N
     check_int("threads_per_rank", threads, 1)
 
     from torch.distributed import TCPStore
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
     workdir = tempfile.mkdtemp(prefix="labkit-launch-")
     results_dir = os.path.join(workdir, "results")
@@ -118,30 +120,34 @@ def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = N
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             if name not in os.environ:
                 common[name] = "lo"
-    envs = {r: {**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)}
-    args = {r: ("-u", str(script), *cli) for r in range(nproc)}
-    quiet = logging.getLogger("torch.distributed.elastic")
-    level, quiet.level = quiet.level, logging.CRITICAL  # its "sending SIGTERM" lines are our report's job
+    logs = [(os.path.join(workdir, f"rank{r}.out"), os.path.join(workdir, f"rank{r}.err")) for r in range(nproc)]
+    procs: list = []
     timed_out = False
-    context = None
     try:
-        with _own_signal_handlers():
-            context = start_processes("labkit", sys.executable, args, envs,
-                                      DefaultLogsSpecs(log_dir=os.path.join(workdir, "logs"), redirects=Std.ALL))
+        context = _rank_context()
+        for r in range(nproc):
+            env = {**common, "RANK": str(r), "LOCAL_RANK": str(r)}
+            proc = context.Process(target=rank_main, args=(str(script), cli, env, *logs[r]), name=f"labkit-rank{r}")
+            with _main_left_alone():
+                proc.start()
+            procs.append(proc)
         deadline = time.monotonic() + timeout_s
-        run = None
-        while run is None and time.monotonic() < deadline:
-            run = context.wait(timeout=min(0.5, max(deadline - time.monotonic(), 0.01)), period=0.05)
-        timed_out = run is None
-        if timed_out:
-            context.close(death_sig=signal.SIGTERM, timeout=5)
-            run = context.wait(timeout=0)  # every rank has ended now: their exit statuses
-        results = _collect(run, nproc, results_dir, timed_out, timeout_s)
+        while True:  # until every rank has ended, one has failed, or the time is up
+            codes = [p.exitcode for p in procs]
+            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+                break
+            if time.monotonic() >= deadline:
+                timed_out = True
+                break
+            multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None],
+                                            timeout=min(0.5, max(deadline - time.monotonic(), 0.01)))
     finally:  # also on KeyboardInterrupt: every rank is stopped before the interrupt goes on
-        if context is not None:
-            context.close(death_sig=signal.SIGTERM, timeout=5)
-        quiet.setLevel(level)
+        _stop(procs)
         del store
+    try:
+        results = _collect([p.exitcode for p in procs], [_tail(path) for path, _ in logs],
+                           [_tail(path) for _, path in logs], results_dir, timed_out, timeout_s)
+    finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if echo:
         for r in results:
@@ -153,19 +159,84 @@ def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = N
     return results
 
 
+RANK_PRELOAD = ("labkit.dist.rank", "labkit.meter", "labkit.models", "torch.distributed.fsdp",
+                "torch.distributed.tensor", "torch.distributed.checkpoint.state_dict", "torch.distributed.pipelining",
+                "torch.distributed.optim", "torch.nn.parallel")  # imported once, in the fork server, for every rank
+STOP_GRACE_S = 5.0  # seconds between SIGTERM and SIGKILL for a rank being stopped
+
+
+def _rank_context():
+    """Return the multiprocessing context ranks start in: a fork server that has imported RANK_PRELOAD, or spawn
+    where the platform has no fork server.
+
+    A rank forked from the server starts in milliseconds instead of the ~3 s of importing torch and its distributed
+    modules (4 ranks on 2 cores: ~7 s). The server is started by this process's first launch and runs no rank code;
+    it ends when this process ends (a kernel: on shutdown, restart or death), or at _stop_rank_server().
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(RANK_PRELOAD))  # read when the server starts: once per launching process
+    return context
+
+
 @contextlib.contextmanager
-def _own_signal_handlers():
-    """Keep this process's signal handlers (SIGINT stays KeyboardInterrupt): torch's launcher replaces them."""
-    names = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
-    main = threading.current_thread() is threading.main_thread()
-    saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names if hasattr(signal, n))}
+def _main_left_alone():
+    """Start a process without multiprocessing re-running this process's __main__ in it (a script, or the module run
+    with -m): a rank runs its own script, and a launching script needs no `if __name__ == "__main__"` guard."""
+    prepare = spawn.get_preparation_data
+
+    def without_main(name):
+        data = prepare(name)
+        data.pop("init_main_from_name", None)
+        data.pop("init_main_from_path", None)
+        return data
+    spawn.get_preparation_data = without_main
     try:
         yield
     finally:
-        if main:
-            for sig, handler in saved.items():
-                if handler is not None:
-                    signal.signal(sig, handler)
+        spawn.get_preparation_data = prepare
+
+
+def rank_main(script: str, argv: list, env: dict, stdout_path: str, stderr_path: str) -> None:
+    """In a rank's process: run `script` as `python -u script *argv` would, in `env`, its output to the two files."""
+    for fd, path in ((1, stdout_path), (2, stderr_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)  # -u: unbuffered
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    os.environ.update(env)
+    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)  # (none under spawn)
+    if alive is not None:  # the fork server ends when no process holds this: the launcher only, not its ranks
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
+    # the process that started this one: the fork server, which ends when the launcher does (die_with_parent)
+    os.environ[PARENT_ENV] = str(os.getppid())
+    import torch
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # OpenMP read its variable when the server imported torch
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+def _stop_rank_server() -> None:
+    """Stop this process's fork server if it started one (the next launch starts another)."""
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+        forkserver._forkserver._stop()
+
+
+def _stop(procs: list) -> None:
+    """Stop every rank still running (SIGTERM, then SIGKILL after STOP_GRACE_S) and reap them all."""
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0.0))
+        if p.exitcode is None:
+            p.kill()
+            p.join()
 
 
 def _tail(path: str | None) -> str:
@@ -175,17 +246,16 @@ def _tail(path: str | None) -> str:
         return f.read()[-OUTPUT_CHARS:]
 
 
-def _collect(run, nproc: int, results_dir: str, timed_out: bool, timeout_s: float) -> list[RankResult]:
+def _collect(codes: list, stdouts: list, stderrs: list, results_dir: str, timed_out: bool,
+             timeout_s: float) -> list[RankResult]:
     """Read each rank's report and exit status into RankResults, naming what happened to each."""
-    stdouts, stderrs = (run.stdouts, run.stderrs) if run is not None else ({}, {})
     out = []
-    for r in range(nproc):
+    for r in range(len(codes)):
         path = os.path.join(results_dir, f"rank{r}.json")
         report = json.loads(Path(path).read_text(encoding="utf-8")) if os.path.exists(path) else {}
         kept = {k: report[k] for k in ("value", "records", "meters", "spans", "core_waits", "device", "failed_at")
                 if k in report}
-        out.append(RankResult(rank=r, **kept, stdout=_tail(stdouts.get(r)), stderr=_tail(stderrs.get(r)),
-                              exitcode=None if run is None else getattr(run.failures.get(r), "exitcode", 0),
+        out.append(RankResult(rank=r, **kept, stdout=stdouts[r], stderr=stderrs[r], exitcode=codes[r],
                               error=report.get("error") if report else "no report"))
     if timed_out:
         for res in out:
