@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib
 import json
 import math
 import os
 import pickle
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -702,8 +702,10 @@ def _fake_steps(model, spec: ModelSpec, items: list, seq_len: int, depth: str, w
                 pickle.dump((model, groups, seq_len, depth, claims), f)
             for k in range(workers):
                 result, log = os.path.join(tmp, f"result{k}"), os.path.join(tmp, f"log{k}")
-                children.start([sys.executable, "-c", f"from labkit.plan import _worker_main; "
-                                f"_worker_main({task!r}, {result!r})"], log_path=log)
+                open(log, "w").close()  # (there even if the worker fails before it writes)
+                # labkit.plan's own _worker_main, never __main__'s (python -m labkit.plan): the child imports it by name
+                worker = importlib.import_module("labkit.plan")._worker_main
+                children.start_forked(worker, (task, result), stdout_path=log)
                 paths.append((result, log))
             codes = children.wait(WORKER_TIMEOUT_S)
             for code, (result, log) in zip(codes, paths):

@@ -143,13 +143,13 @@ def leftover_processes(tag: str | None = None, wait_s: float = 10.0) -> list[str
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run if a process it started (a rank, a kernel, a worker) is still alive at the end.
 
-    First this process's own helpers go: labkit.dist's fork server and multiprocessing's resource tracker live as long
+    First this process's own helpers go: labkit.children's fork server and multiprocessing's resource tracker live as long
     as the process that launched ranks (here a test process, which is still running).
     """
     from multiprocessing import resource_tracker
 
-    from labkit.dist.launch import _stop_rank_server
-    _stop_rank_server()
+    from labkit.children import stop_fork_server
+    stop_fork_server()
     resource_tracker._resource_tracker._stop()
     if hasattr(session.config, "workerinput"):
         return

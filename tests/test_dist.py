@@ -489,7 +489,7 @@ PRELOADED = textwrap.dedent('''
 def test_ranks_start_from_a_fork_server_that_imported_torch_once(tmp_path, monkeypatch):
     """A rank forks from a server that has imported torch: it runs its script as `python -u script args` would, on
     the threads it was given, in the launcher's folder; the server ends when asked (and with the launcher)."""
-    from labkit.dist.launch import _stop_rank_server
+    from labkit.children import stop_fork_server
     script = tmp_path / "preloaded.py"
     script.write_text(PRELOADED)
     monkeypatch.chdir(tmp_path)
@@ -501,5 +501,5 @@ def test_ranks_start_from_a_fork_server_that_imported_torch_once(tmp_path, monke
     from multiprocessing import forkserver
     server = forkserver._forkserver._forkserver_pid
     assert server is not None and _alive(server)
-    _stop_rank_server()
+    stop_fork_server()
     assert not os.path.exists(f"/proc/{server}") or not _alive(server)

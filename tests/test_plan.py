@@ -401,16 +401,17 @@ def test_roofline_counts_recomputation_and_the_bytes_it_moves():
 
 
 def test_fake_steps_shared_among_worker_processes_give_the_same_plan(monkeypatch):
-    """Two worker processes (fresh interpreters; the fast depth past FULL_MAX_LAYERS, accumulation, FSDP2): every row
-    as in this process, in the same order (the work of 2 accumulated micro-batches is counted apart from 1's)."""
+    """Two worker processes (forked from the fork server, which never ran a fake step; the fast depth past
+    FULL_MAX_LAYERS, accumulation, FSDP2): every row as in this process, in the same order (the work of 2 accumulated
+    micro-batches is counted apart from 1's)."""
     cfg = dataclasses.replace(DEEP_LLAMA, n_layer=P.FULL_MAX_LAYERS + 1)
     monkeypatch.setattr(P, "MIN_GROUPS_PER_WORKER", 1)  # 4 groups: shared among the 2 workers all the same
     kwargs = dict(gpu="h100", gpus=2, seq_len=16, batch=2, precisions=("bf16",), checkpointing=("every",),
                   offload=(False,))
     P._PLANNED.clear()
     children = []
-    monkeypatch.setattr(P.ChildProcesses, "start", lambda self, *a, start=P.ChildProcesses.start, **k: children.append(
-        start(self, *a, **k)) or children[-1])
+    monkeypatch.setattr(P.ChildProcesses, "start_forked", lambda self, *a, start=P.ChildProcesses.start_forked, **k:
+                        children.append(start(self, *a, **k)) or children[-1])
     shared = P.plan(cfg, workers=2, **kwargs)
     assert len(children) == 2 and all(c.returncode == 0 for c in children)  # the fake steps ran in 2 workers, ended
     P._PLANNED.clear()

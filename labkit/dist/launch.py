@@ -5,12 +5,8 @@ A rank that fails, dies or outlives `timeout_s` stops the others; no rank outliv
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import multiprocessing
 import multiprocessing.connection
-from multiprocessing import forkserver, spawn
 import os
 import runpy
 import shutil
@@ -21,8 +17,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from labkit.children import ChildProcesses
 from labkit.device import rank_placement
-from labkit.dist.rank import BACKEND_ENV, DEVICE_ENV, PARENT_ENV, RESULT_DIR_ENV, TIMEOUT_ENV
+from labkit.dist.rank import BACKEND_ENV, DEVICE_ENV, RESULT_DIR_ENV, TIMEOUT_ENV
 from labkit.validate import ParameterError, check_float, check_int
 
 OUTPUT_CHARS = 20_000  # the tail of each rank's stdout/stderr kept in its result
@@ -113,7 +110,7 @@ def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = N
     store = TCPStore("127.0.0.1", 0, nproc, True, wait_for_workers=False)  # port 0: the OS picks a free one
     common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(nproc),
               "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
-              "TORCHELASTIC_RUN_ID": "labkit", RESULT_DIR_ENV: results_dir, PARENT_ENV: str(os.getpid()),
+              "TORCHELASTIC_RUN_ID": "labkit", RESULT_DIR_ENV: results_dir,
               DEVICE_ENV: dev, BACKEND_ENV: backend, TIMEOUT_ENV: str(timeout_s), "OMP_NUM_THREADS": str(threads),
               "PYTHONUNBUFFERED": "1"}
     if sys.platform.startswith("linux"):  # the ranks talk over loopback only (gloo, and NCCL's bootstrap sockets)
@@ -121,31 +118,27 @@ def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = N
             if name not in os.environ:
                 common[name] = "lo"
     logs = [(os.path.join(workdir, f"rank{r}.out"), os.path.join(workdir, f"rank{r}.err")) for r in range(nproc)]
-    procs: list = []
     timed_out = False
+    children = ChildProcesses()  # each rank forked from the fork server (labkit.children.fork_context)
     try:
-        context = _rank_context()
-        for r in range(nproc):
-            env = {**common, "RANK": str(r), "LOCAL_RANK": str(r)}
-            proc = context.Process(target=rank_main, args=(str(script), cli, env, *logs[r]), name=f"labkit-rank{r}")
-            with _main_left_alone():
-                proc.start()
-            procs.append(proc)
-        deadline = time.monotonic() + timeout_s
-        while True:  # until every rank has ended, one has failed, or the time is up
-            codes = [p.exitcode for p in procs]
-            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
-                break
-            if time.monotonic() >= deadline:
-                timed_out = True
-                break
-            multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None],
-                                            timeout=min(0.5, max(deadline - time.monotonic(), 0.01)))
-    finally:  # also on KeyboardInterrupt: every rank is stopped before the interrupt goes on
-        _stop(procs)
+        with children:  # also on KeyboardInterrupt: every rank is stopped before the interrupt goes on
+            for r in range(nproc):
+                children.start_forked(rank_main, (str(script), cli), {**common, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                      *logs[r])
+            deadline = time.monotonic() + timeout_s
+            while True:  # until every rank has ended, one has failed, or the time is up
+                codes = [p.poll() for p in children.procs]
+                if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+                    break
+                if time.monotonic() >= deadline:
+                    timed_out = True
+                    break
+                multiprocessing.connection.wait([p.sentinel for p in children.procs if p.poll() is None],
+                                                timeout=min(0.5, max(deadline - time.monotonic(), 0.01)))
+    finally:
         del store
     try:
-        results = _collect([p.exitcode for p in procs], [_tail(path) for path, _ in logs],
+        results = _collect([p.returncode for p in children.procs], [_tail(path) for path, _ in logs],
                            [_tail(path) for _, path in logs], results_dir, timed_out, timeout_s)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -159,84 +152,11 @@ def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = N
     return results
 
 
-RANK_PRELOAD = ("labkit.dist.rank", "labkit.meter", "labkit.models", "torch.distributed.fsdp",
-                "torch.distributed.tensor", "torch.distributed.checkpoint.state_dict", "torch.distributed.pipelining",
-                "torch.distributed.optim", "torch.nn.parallel")  # imported once, in the fork server, for every rank
-STOP_GRACE_S = 5.0  # seconds between SIGTERM and SIGKILL for a rank being stopped
-
-
-def _rank_context():
-    """Return the multiprocessing context ranks start in: a fork server that has imported RANK_PRELOAD, or spawn
-    where the platform has no fork server.
-
-    A rank forked from the server starts in milliseconds instead of the ~3 s of importing torch and its distributed
-    modules (4 ranks on 2 cores: ~7 s). The server is started by this process's first launch and runs no rank code;
-    it ends when this process ends (a kernel: on shutdown, restart or death), or at _stop_rank_server().
-    """
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(RANK_PRELOAD))  # read when the server starts: once per launching process
-    return context
-
-
-@contextlib.contextmanager
-def _main_left_alone():
-    """Start a process without multiprocessing re-running this process's __main__ in it (a script, or the module run
-    with -m): a rank runs its own script, and a launching script needs no `if __name__ == "__main__"` guard."""
-    prepare = spawn.get_preparation_data
-
-    def without_main(name):
-        data = prepare(name)
-        data.pop("init_main_from_name", None)
-        data.pop("init_main_from_path", None)
-        return data
-    spawn.get_preparation_data = without_main
-    try:
-        yield
-    finally:
-        spawn.get_preparation_data = prepare
-
-
-def rank_main(script: str, argv: list, env: dict, stdout_path: str, stderr_path: str) -> None:
-    """In a rank's process: run `script` as `python -u script *argv` would, in `env`, its output to the two files."""
-    for fd, path in ((1, stdout_path), (2, stderr_path)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(target, fd)
-        os.close(target)
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)  # -u: unbuffered
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
-    os.environ.update(env)
-    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)  # (none under spawn)
-    if alive is not None:  # the fork server ends when no process holds this: the launcher only, not its ranks
-        os.close(alive)
-        forkserver._forkserver._forkserver_alive_fd = None
-    # the process that started this one: the fork server, which ends when the launcher does (die_with_parent)
-    os.environ[PARENT_ENV] = str(os.getppid())
-    import torch
-    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # OpenMP read its variable when the server imported torch
+def rank_main(script: str, argv: list) -> None:
+    """In a rank's process: run `script` as `python -u script *argv` would."""
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
-
-
-def _stop_rank_server() -> None:
-    """Stop this process's fork server if it started one (the next launch starts another)."""
-    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
-        forkserver._forkserver._stop()
-
-
-def _stop(procs: list) -> None:
-    """Stop every rank still running (SIGTERM, then SIGKILL after STOP_GRACE_S) and reap them all."""
-    for p in procs:
-        if p.exitcode is None:
-            p.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
-    for p in procs:
-        p.join(max(deadline - time.monotonic(), 0.0))
-        if p.exitcode is None:
-            p.kill()
-            p.join()
 
 
 def _tail(path: str | None) -> str:
