@@ -20,10 +20,6 @@ import time
 import uuid
 
 PARENT_ENV = "LABKIT_PARENT_PID"  # the starting process's pid: a child that calls die_with_parent dies with it
-FORK_PRELOAD = ("labkit.dist.rank", "labkit.meter", "labkit.models", "labkit.plan", "torch.distributed.fsdp",
-                "torch.distributed.tensor", "torch.distributed.checkpoint.state_dict", "torch.distributed.pipelining",
-                "torch.distributed.optim", "torch.nn.parallel")  # what the fork server imports once: what ranks
-#                 (labkit.dist) and plan workers (labkit.plan) import, so that they start without importing
 
 
 def die_with_parent() -> None:
@@ -54,10 +50,10 @@ class ChildProcesses:
         self.procs: list[subprocess.Popen] = []
 
     def start_forked(self, target, args: tuple = (), env: dict | None = None, stdout_path=None,
-                     stderr_path=None) -> "Forked":
-        """Start target(*args) in a child forked from this process's fork server (fork_context), `env` added to its
-        environment, stdout and stderr to their files (the same file for both if stderr_path is None)."""
-        process = fork_context().Process(target=_forked_main, args=(target, args, env or {}, stdout_path,
+                     stderr_path=None, preload: tuple = ()) -> "Forked":
+        """Start target(*args) in a child forked from this process's fork server (fork_context(preload)), `env` added
+        to its environment, stdout and stderr to their files (the same file for both if stderr_path is None)."""
+        process = fork_context(preload).Process(target=_forked_main, args=(target, args, env or {}, stdout_path,
                                                                      stderr_path))
         with _main_left_alone():
             process.start()
@@ -138,18 +134,19 @@ class Forked:
         self.process.kill()
 
 
-def fork_context():
-    """Return the multiprocessing context children start in: a fork server that has imported FORK_PRELOAD, or spawn
-    where the platform has no fork server.
+def fork_context(preload: tuple = ()):
+    """Return the multiprocessing context children start in: a fork server that has imported torch and the modules
+    `preload` names, or spawn where the platform has no fork server.
 
     A child forked from the server starts in milliseconds instead of the ~3 s of importing torch (4 ranks on 2
-    cores: ~7 s). The server is started by this process's first forked child and runs no child's code itself; it
-    ends when this process ends (a kernel: on shutdown, restart or death), or at stop_fork_server().
+    cores: ~7 s). The server is started by this process's first forked child, with that caller's `preload` (a later
+    caller's children import what else they need), and runs no child's code itself; it ends when this process ends
+    (a kernel: on shutdown, restart or death), or at stop_fork_server().
     """
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(FORK_PRELOAD))  # read when the server starts: once per starting process
+    context.set_forkserver_preload(["torch", *preload])  # read when the server starts only
     return context
 
 

@@ -65,6 +65,7 @@ _RISE: dict = {}  # (model key, shard) -> bytes the optimizer step adds to what 
 _PLANNED: dict = {}  # (model key, todo item, seq_len, depth) -> _extrapolated's figures (from this process or a worker)
 PLAN_WORKERS_ENV = "LABKIT_PLAN_WORKERS"  # processes a plan's fake steps run in (plan_workers)
 MIN_GROUPS_PER_WORKER = 4  # fewer groups of fake steps run here: a worker's start (~3 s to import torch) costs more
+PLAN_PRELOAD = ("labkit.plan", "torch.distributed.fsdp")  # what a plan worker imports (FSDP2 rows: fully_shard)
 WORKER_TIMEOUT_S = 3600  # a plan worker still running after this is stopped (the 7B plan: ~35 s each, 2 cores)
 DEPTHS = ("fast", "full")  # fast: exact arithmetic over runs at FAST_DEPTHS; full: every block (the reference)
 FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "selective": (2, 3)}  # blocks of the small runs, one apart
@@ -667,14 +668,10 @@ def _run_group(spec: ModelSpec, group: list, seq_len: int, depth: str) -> list:
                 for item in group]
 
 
-def _worker_main(task_path: str, out_path: str) -> None:
-    """Run plan groups (a pickled (model, groups, seq_len, depth, claims folder)) in their order, each one this worker
-    claims first (a file created in the claims folder, or not at all: another worker has it), and pickle their
-    figures to out_path. Claiming as they go, the workers end within one group of each other whatever each costs."""
-    die_with_parent()
-    with open(task_path, "rb") as f:
-        model, groups, seq_len, depth, claims = pickle.load(f)
-    spec = model_spec(model)
+def _run_claimed(spec: ModelSpec, groups: list, seq_len: int, depth: str, claims: str) -> list:
+    """Run the groups this process claims first, in their order (a file created in the claims folder, or not at all:
+    another process has it); return [(item, _extrapolated's figures)]. Claiming as they go, the processes end within
+    one group of each other whatever each group costs."""
     out = []
     for i, g in enumerate(groups):
         try:
@@ -682,6 +679,16 @@ def _worker_main(task_path: str, out_path: str) -> None:
         except FileExistsError:
             continue
         out.extend(_run_group(spec, g, seq_len, depth))
+    return out
+
+
+def _worker_main(task_path: str, out_path: str) -> None:
+    """Run the plan groups (a pickled (model, groups, seq_len, depth, claims folder)) this worker claims first
+    (_run_claimed) and pickle their figures to out_path."""
+    die_with_parent()
+    with open(task_path, "rb") as f:
+        model, groups, seq_len, depth, claims = pickle.load(f)
+    out = _run_claimed(model_spec(model), groups, seq_len, depth, claims)
     with open(out_path + ".part", "wb") as f:
         pickle.dump(out, f)
     os.replace(out_path + ".part", out_path)
@@ -689,8 +696,8 @@ def _worker_main(task_path: str, out_path: str) -> None:
 
 def _fake_steps(model, spec: ModelSpec, items: list, seq_len: int, depth: str, workers: int) -> dict:
     """Return {item: _extrapolated's figures} for every todo item: from this process's memo, run here, or shared among
-    `workers` child processes when there are MIN_GROUPS_PER_WORKER groups a worker or more (a preset or GPTConfig
-    model; each worker dies with this process, and leaving stops them)."""
+    this process and `workers` - 1 child processes when there are MIN_GROUPS_PER_WORKER groups a worker or more (a
+    preset or GPTConfig model; each child dies with this process, and leaving stops them)."""
     memo = {} if spec.key is None else {item: (spec.key, item, seq_len, depth) for item in items}
     out = {item: _PLANNED[memo[item]] for item in items if memo.get(item) in _PLANNED}
     groups = _groups(spec, [item for item in items if item not in out], depth)
@@ -700,13 +707,15 @@ def _fake_steps(model, spec: ModelSpec, items: list, seq_len: int, depth: str, w
             os.mkdir(claims)
             with open(task, "wb") as f:  # every group for every worker: each runs those it claims first
                 pickle.dump((model, groups, seq_len, depth, claims), f)
-            for k in range(workers):
+            for k in range(workers - 1):  # this process is the last worker
                 result, log = os.path.join(tmp, f"result{k}"), os.path.join(tmp, f"log{k}")
                 open(log, "w").close()  # (there even if the worker fails before it writes)
                 # labkit.plan's own _worker_main, never __main__'s (python -m labkit.plan): the child imports it by name
                 worker = importlib.import_module("labkit.plan")._worker_main
-                children.start_forked(worker, (task, result), stdout_path=log)
+                children.start_forked(worker, (task, result), stdout_path=log, preload=PLAN_PRELOAD)
                 paths.append((result, log))
+            with one_thread():  # (the children start meanwhile: the server's imports overlap this one's fake steps)
+                out.update(_run_claimed(spec, groups, seq_len, depth, claims))
             codes = children.wait(WORKER_TIMEOUT_S)
             for code, (result, log) in zip(codes, paths):
                 if code != 0 or not os.path.exists(result):

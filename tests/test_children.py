@@ -68,3 +68,20 @@ def test_a_process_record_is_gone_only_here_and_only_when_its_process_ended():
     gone.wait()
     assert children.process_gone(dict(here, pid=gone.pid, start=None))
     assert not children.process_gone(dict(here, pid=gone.pid, machine="linux:another-boot:pid:[1]"))  # not ours to say
+
+
+def test_the_fork_servers_imports_query_no_cuda_device():
+    """A child forked after its parent queried CUDA cannot use CUDA ("Cannot re-initialize CUDA in forked
+    subprocess"): importing what the fork server preloads for ranks and plan workers must not ask torch.cuda anything."""
+    code = ("import importlib, torch\n"
+            "def asked(*a, **k):\n"
+            "    raise SystemExit('torch.cuda queried while importing')\n"
+            "torch.cuda.is_available = torch.cuda.device_count = torch.cuda._lazy_init = asked\n"
+            "from labkit.dist.launch import RANK_PRELOAD\n"
+            "from labkit.plan import PLAN_PRELOAD\n"
+            "for name in RANK_PRELOAD + PLAN_PRELOAD:\n"
+            "    importlib.import_module(name)\n"
+            "print(len(RANK_PRELOAD + PLAN_PRELOAD))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout) >= 5

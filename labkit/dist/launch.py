@@ -23,6 +23,10 @@ from labkit.dist.rank import BACKEND_ENV, DEVICE_ENV, RESULT_DIR_ENV, TIMEOUT_EN
 from labkit.validate import ParameterError, check_float, check_int
 
 OUTPUT_CHARS = 20_000  # the tail of each rank's stdout/stderr kept in its result
+RANK_PRELOAD = ("labkit.dist.rank", "labkit.meter", "labkit.models", "torch.distributed.fsdp",
+                "torch.distributed.tensor", "torch.distributed.checkpoint.state_dict", "torch.distributed.pipelining",
+                "torch.distributed.optim", "torch.nn.parallel")  # what the ranks of 06 and 07 import: the fork server
+#                                                                   imports it once for them all
 
 
 @dataclass
@@ -124,7 +128,7 @@ def launch(script: str | os.PathLike, nproc: int = 2, *, params: dict | None = N
         with children:  # also on KeyboardInterrupt: every rank is stopped before the interrupt goes on
             for r in range(nproc):
                 children.start_forked(rank_main, (str(script), cli), {**common, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                      *logs[r])
+                                      *logs[r], preload=RANK_PRELOAD)
             deadline = time.monotonic() + timeout_s
             while True:  # until every rank has ended, one has failed, or the time is up
                 codes = [p.poll() for p in children.procs]
