@@ -51,10 +51,11 @@ class ChildProcesses:
 
     def start_forked(self, target, args: tuple = (), env: dict | None = None, stdout_path=None,
                      stderr_path=None, preload: tuple = ()) -> "Forked":
-        """Start target(*args) in a child forked from this process's fork server (fork_context(preload)), `env` added
-        to its environment, stdout and stderr to their files (the same file for both if stderr_path is None)."""
-        process = fork_context(preload).Process(target=_forked_main, args=(target, args, env or {}, stdout_path,
-                                                                     stderr_path))
+        """Start target(*args) in a child forked from this process's fork server (fork_context(preload)), in this
+        process's environment as it is now with `env` added (as subprocess would), stdout and stderr to their files
+        (the same file for both if stderr_path is None)."""
+        process = fork_context(preload).Process(target=_forked_main, args=(
+            target, args, {**os.environ, **(env or {})}, stdout_path, stderr_path))
         with _main_left_alone():
             process.start()
         proc = Forked(process)
@@ -141,7 +142,8 @@ def fork_context(preload: tuple = ()):
     A child forked from the server starts in milliseconds instead of the ~3 s of importing torch (4 ranks on 2
     cores: ~7 s). The server is started by this process's first forked child, with that caller's `preload` (a later
     caller's children import what else they need), and runs no child's code itself; it ends when this process ends
-    (a kernel: on shutdown, restart or death), or at stop_fork_server().
+    (a kernel: on shutdown, restart or death), or at stop_fork_server(). Preload torch's modules only: labkit's take
+    ~0.1 s and each child imports them afresh (an edited labkit reaches the next child, as with a new process).
     """
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
@@ -177,7 +179,8 @@ def _main_left_alone():
 
 
 def _forked_main(target, args: tuple, env: dict, stdout_path, stderr_path) -> None:
-    """In a forked child: output to the files (unbuffered), `env` set, dying with the fork server, then target(*args).
+    """In a forked child: output to the files (unbuffered), `env` its whole environment (the server's is the one the
+    starting process had when the server started), dying with the fork server, then target(*args).
 
     OMP_NUM_THREADS in `env` sets torch's threads: OpenMP read the variable when the server imported torch.
     """
@@ -188,6 +191,7 @@ def _forked_main(target, args: tuple, env: dict, stdout_path, stderr_path) -> No
             os.close(target_fd)
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)  # as python -u
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    os.environ.clear()
     os.environ.update(env)
     from multiprocessing import forkserver
     alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)  # (private; none under spawn)

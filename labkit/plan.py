@@ -35,7 +35,7 @@ from labkit.models import GPTConfig, blocks_of, build_model
 from labkit.offload import OffloadHooks
 from labkit.precision import PRECISIONS, amp_train_step
 from labkit.progress import progress
-from labkit.train import create_optimizer_state, make_optimizer, seeded_model
+from labkit.train import ADAM_IMPLS, create_optimizer_state, make_optimizer, seeded_model
 from labkit.validate import ParameterError, check_choice, check_divides, check_float, check_int
 
 RESERVE_FRACTION = 0.10  # share of device memory kept for what tensors do not show (CUDA context, fragmentation)
@@ -60,12 +60,12 @@ COMM_UNITS = {"single": 0, "ddp": 2, "zero1": 3, "fsdp2": 2, "fsdp2-reshard": 3}
 _AT_OPTIMIZER: dict = {}  # fake_step's key -> (bytes by category when the optimizer step started, (peak, split) so far)
 _FLOPS: dict = {}  # fake run's key -> (fp32 FLOPs, 16-bit FLOPs, bytes accessed, host bytes) per micro-batch, optimizer
 #                   left out (labkit.work.WorkCounter); per micro-batch of n_micro (the second accumulates gradients)
-_FITS: dict = {}  # (model key, n_micro, seq_len, checkpointing, precision, offload, shard) -> _fit's figures or None
-_RISE: dict = {}  # (model key, shard) -> bytes the optimizer step adds to what its start holds
-_PLANNED: dict = {}  # (model key, todo item, seq_len, depth) -> _extrapolated's figures (from this process or a worker)
+_FITS: dict = {}  # (model key, Step with micro_batch 0) -> _fit's figures or None
+_RISE: dict = {}  # (model key, shard, Adam's implementation, depth) -> bytes its update adds to what its start holds
+_PLANNED: dict = {}  # (model key, Step, depth) -> _extrapolated's figures (from this process or a worker)
 PLAN_WORKERS_ENV = "LABKIT_PLAN_WORKERS"  # processes a plan's fake steps run in (plan_workers)
 MIN_GROUPS_PER_WORKER = 4  # fewer groups of fake steps run here: a worker's start (~3 s to import torch) costs more
-PLAN_PRELOAD = ("labkit.plan", "torch.distributed.fsdp")  # what a plan worker imports (FSDP2 rows: fully_shard)
+PLAN_PRELOAD = ("torch.distributed.fsdp",)  # torch's modules a plan worker imports beyond torch (FSDP2 rows)
 WORKER_TIMEOUT_S = 3600  # a plan worker still running after this is stopped (the 7B plan: ~35 s each, 2 cores)
 DEPTHS = ("fast", "full")  # fast: exact arithmetic over runs at FAST_DEPTHS; full: every block (the reference)
 FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "selective": (2, 3)}  # blocks of the small runs, one apart
@@ -187,6 +187,25 @@ class Combination:
     precision: str  # "fp32", "bf16" (autocast) or "fp16" (autocast + GradScaler)
     offload: bool = False  # activation offload: every saved tensor but the parameters to the host (OffloadHooks)
     optimizer: str = "device"  # one of OPTIMIZERS: Adam's state and step on the device, or on the host
+    adam_impl: str = "for-loop"  # one of labkit.train.ADAM_IMPLS: for-loop, foreach (CUDA's default) or fused
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one device runs in a training step, as a fake step takes it: every knob a plan's fake steps vary.
+
+    A Combination (a plan's row) runs the Step with n_micro = min(accum_steps, 2) (micro-batches beyond the second add
+    only their input rows: plan() adds them) and fp16 rows run bf16's Step (plus GradScaler's scalars).
+    """
+
+    micro_batch: int  # rows per micro-batch
+    n_micro: int = 1  # micro-batches run (1, or 2: the second accumulates into the first's gradients)
+    seq_len: int = 1024  # tokens per row
+    checkpointing: str = "none"  # one of CHECKPOINTING
+    precision: str = "fp32"  # "fp32" or "bf16" (autocast over fp32 weights)
+    offload: bool = False  # activation offload: every saved tensor but the parameters to the host (OffloadHooks)
+    shard: tuple | None = None  # (ranks, reshard_after_forward): rank 0 of FSDP2; None: one process
+    adam_impl: str = "for-loop"  # one of labkit.train.ADAM_IMPLS: what Adam's update allocates (its "rise")
 
 
 @dataclass
@@ -238,10 +257,11 @@ class Plan:
         return front
 
 
-def plan_step(model, optimizer, batch, micro_batch: int, precision: str, offload: OffloadHooks | None = None):
-    """Run one optimizer step over `batch` in micro-batches of `micro_batch` rows, under `offload`'s hooks if given."""
+def plan_step(model, optimizer, batch, step: Step, offload: OffloadHooks | None = None):
+    """Run one optimizer step over `batch` in micro-batches of step.micro_batch rows at step.precision, under
+    `offload`'s hooks if given (the model is checkpointed and sharded as `step` says already)."""
     with offload if offload is not None else contextlib.nullcontext():
-        return amp_train_step(model, optimizer, split_batch(batch, micro_batch), precision=precision)
+        return amp_train_step(model, optimizer, split_batch(batch, step.micro_batch), precision=step.precision)
 
 
 class _AtOptimizer(Exception):
@@ -287,31 +307,29 @@ def _tag_blocks(meter, model) -> None:
         block.register_forward_hook(functools.partial(block_post, i))
 
 
-def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str,
-              precision: str, trace: bool = False, whole: bool = True, offload: bool = False, shard=None):
-    """Run the step on fake tensors (estimate.fake_step); return peak, split, states, n, work per micro-batch.
+def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: bool = True):
+    """Run `step` with `n_layer` blocks on fake tensors (estimate.fake_step); return peak, split, states, n, work per
+    micro-batch.
 
-    shard: (ranks, reshard_after_forward), rank 0 of FSDP2; trace: a sixth item, the events tagged by block;
-    whole=False: stop where the optimizer step starts.
+    trace: a sixth item, the events tagged by block; whole=False: stop where the optimizer step starts.
     """
-    key = None if spec.key is None else ("plan", spec.key, n_layer, micro_batch, n_micro, seq_len, checkpointing,
-                                         precision, trace, whole, offload, shard)
-    flops_key = (spec.key, n_layer, micro_batch, n_micro, seq_len, checkpointing, precision, offload, shard)
+    key = None if spec.key is None else ("plan", spec.key, n_layer, step, trace, whole)
+    flops_key = (spec.key, n_layer, step)
     count = spec.key is None or flops_key not in _FLOPS
-    rows = micro_batch * n_micro
+    rows, n_micro, seq_len, shard = step.micro_batch * step.n_micro, step.n_micro, step.seq_len, step.shard
 
     def build():
         if shard is None:
             model, batch = spec.build(n_layer, rows, seq_len)
-            _checkpoint(model, checkpointing)
+            _checkpoint(model, step.checkpointing)
         else:
             model = meta_model
             model.to_empty(device="cpu")  # the meta shards become fake cpu ones: FSDP2's meta init
             batch = tuple(torch.empty_like(t, device="cpu") for t in meta_batch)
-        opt = make_optimizer("adam", model.parameters())
+        opt = make_optimizer("adam", model.parameters(), implementation=step.adam_impl)
         create_optimizer_state(opt)
         counter = WorkCounter()
-        hooks = OffloadHooks(model, min_bytes=OFFLOAD_MIN_BYTES) if offload else None
+        hooks = OffloadHooks(model, min_bytes=OFFLOAD_MIN_BYTES) if step.offload else None
 
         def at_optimizer(*_):  # keep what the step holds where its optimizer step starts (its bytes: by formula)
             counter.counting_bytes = False
@@ -328,7 +346,7 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
 
         def run():
             with counter if count else contextlib.nullcontext(), contextlib.suppress(_AtOptimizer):
-                plan_step(model, opt, batch, micro_batch, precision, hooks)
+                plan_step(model, opt, batch, step, hooks)
             if count:
                 w = counter.work()
                 half = sum(n for p, n in w.flops.items() if p != "fp32")
@@ -341,7 +359,7 @@ def _fake_run(spec: ModelSpec, n_layer, micro_batch: int, n_micro: int, seq_len:
         else:
             with torch.device("meta"):  # FSDP2 splits every parameter N ways: cheap on meta tensors only
                 meta_model, meta_batch = spec.build(n_layer, rows, seq_len)
-            _checkpoint(meta_model, checkpointing)
+            _checkpoint(meta_model, step.checkpointing)
             with fake_sharded(meta_model, _repeated_blocks(meta_model), *shard):
                 peak, split, states, n, *events = fake_step(key, build, trace)
     except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as e:
@@ -369,24 +387,57 @@ def _checkpoint(model, checkpointing: str) -> None:
         checkpoint_blocks(model, segments=n, selective=checkpointing == "selective")
 
 
-def _extrapolated(spec: ModelSpec, micro_batch: int, n_micro: int, seq_len: int, checkpointing: str, precision: str,
-                  depth: str = "fast", offload: bool = False, shard=None):
+def _extrapolated(spec: ModelSpec, step: Step, depth: str = "fast"):
     """Return (peak, split, param bytes, opt bytes, n, work per micro-batch, host peak, bytes by category where the
-    optimizer step starts) at full depth, exact.
+    optimizer step starts) of `step` at full depth, exact.
 
     depth="fast" past FULL_MAX_LAYERS blocks: arithmetic over small runs (_fit), else a full-depth run.
     """
     full = spec.n_layer
-    if depth != "full" and full is not None and full > FULL_MAX_LAYERS and checkpointing in FAST_DEPTHS:
-        fit_key = (spec.key, n_micro, seq_len, checkpointing, precision, offload, shard)
-        if fit_key not in _FITS or _FITS[fit_key] is not None and min(micro_batch, 2) not in _FITS[fit_key][0]:
-            _FITS[fit_key] = _fit(spec, n_micro, seq_len, checkpointing, precision, offload, shard, micro_batch)
+    base = replace(step, adam_impl=ADAM_IMPLS[0])  # what every Adam implementation shares: all but the update
+    if depth != "full" and full is not None and full > FULL_MAX_LAYERS and step.checkpointing in FAST_DEPTHS:
+        fit_key = (spec.key, replace(base, micro_batch=0))  # one fit serves every micro-batch and implementation
+        if fit_key not in _FITS or _FITS[fit_key] is not None and min(step.micro_batch, 2) not in _FITS[fit_key]:
+            _FITS[fit_key] = _fit(spec, base)
         if _FITS[fit_key] is not None:
-            return _at_rows(_FITS[fit_key], micro_batch)
-    peak, split, states, n, work = _fake_run(spec, full, micro_batch, n_micro, seq_len, checkpointing, precision,
-                                             offload=offload, shard=shard)
+            return _at_rows(_FITS[fit_key], step.micro_batch, _rise(spec, step.shard, step.adam_impl, full))
+    reuse = depth != "full" and full is not None and step != base  # the base step's run, the update's rise added
+    peak, split, states, n, work = _fake_run(spec, base if reuse else step, full)
+    at_opt = dict(states["at_optimizer"])
+    if reuse:
+        peak, split = _with_rise(*states["before_optimizer"], at_opt, _rise(spec, step.shard, step.adam_impl, full))
     return (peak, split, states["parameters"], states["optimizer_state"], n, work,
-            _host_optimizer(*states["before_optimizer"], states["at_optimizer"]), dict(states["at_optimizer"]))
+            _host_optimizer(*states["before_optimizer"], at_opt), at_opt)
+
+
+def _with_rise(peak: int, split: dict, at_optimizer: dict, rise: int) -> tuple:
+    """Return the step's (peak, split): the peak before its optimizer step, or where the update's temporaries (`rise`
+    bytes, counted as activations as the meter counts them) top what the optimizer step starts with."""
+    if sum(at_optimizer.values()) + rise > peak:
+        return sum(at_optimizer.values()) + rise, {**at_optimizer, "activations": at_optimizer["activations"] + rise}
+    return peak, dict(split)
+
+
+def _rise(spec: ModelSpec, shard, adam_impl: str, n_layer: int) -> int:
+    """Return the bytes Adam's update (`adam_impl`) adds, at its peak, to what the optimizer step starts with, for
+    `n_layer` blocks: a line through two shallow steps (one row, one token), exact.
+
+    for-loop: temporaries of one parameter at a time (the largest's: the same at any depth, one step measures it);
+    foreach: a list of temporaries of every parameter (one block's more per block: two steps); fused: none. The
+    optimizer's Python code is the same on CUDA and on a CPU: what it allocates here it allocates there.
+    """
+    depths = (FAST_DEPTHS["none"] if shard is None else SHARDED_DEPTHS) if spec.n_layer is not None else (None,)
+    depths = depths if adam_impl == "foreach" else depths[:1]
+    at = []
+    for d in depths:
+        key = (spec.key, shard, adam_impl, d)
+        if key not in _RISE or spec.key is None:
+            run = _fake_run(spec, Step(1, 1, 1, shard=shard, adam_impl=adam_impl), d, trace=True)
+            start = next((k for k, (phase, _, _) in enumerate(run[5]) if phase == "optimizer"), len(run[5]))
+            held = sum(run[2]["at_optimizer"].values())  # (fused: no allocation, no event in the update)
+            _RISE[key] = max((sum(v) for _, _, v in run[5][start:]), default=held) - held
+        at.append(_RISE[key])
+    return at[0] if len(at) == 1 else at[0] + (at[1] - at[0]) * (n_layer - depths[0]) // (depths[1] - depths[0])
 
 
 def _host_optimizer(peak_before: int, split_before: dict, at_optimizer: dict) -> tuple:
@@ -459,20 +510,20 @@ def _full_depth_events(small, big, n_layer: int, depths, apart: tuple) -> list |
     return out
 
 
-def _fit(spec: ModelSpec, n_micro: int, seq_len: int, checkpointing: str, precision: str, offload: bool = False,
-         shard=None, micro_batch: int = 2):
-    """Return full-depth figures for micro-batches of 1, 2 (and 3) rows from traced runs at FAST_DEPTHS (None: inexact).
+def _fit(spec: ModelSpec, step: Step):
+    """Return full-depth figures of `step` at micro-batches of 1, 2 (and 3) rows from traced runs at FAST_DEPTHS
+    (None: inexact).
 
-    micro_batch 1: for 1 row only. Where 1 and 2 rows raise the bytes at other events, the line goes through 2 and 3.
+    step.micro_batch 1: for 1 row only. Where 1 and 2 rows raise the bytes at other events, the line goes through 2
+    and 3.
     """
-    L = spec.n_layer
-    d0, d1 = depths = FAST_DEPTHS[checkpointing] if shard is None else SHARDED_DEPTHS
+    L, shard = spec.n_layer, step.shard
+    d0, d1 = depths = FAST_DEPTHS[step.checkpointing] if shard is None else SHARDED_DEPTHS
     rows = {}
-    for mb in (1,) if micro_batch == 1 else (1, 2, 3):
+    for mb in (1,) if step.micro_batch == 1 else (1, 2, 3):
         if mb == 3 and [k for k, _ in rows[1][0]] == [k for k, _ in rows[2][0]]:
             break
-        runs = [_fake_run(spec, d, mb, n_micro, seq_len, checkpointing, precision, trace=True, whole=False,
-                          offload=offload, shard=shard) for d in depths]
+        runs = [_fake_run(spec, replace(step, micro_batch=mb), d, trace=True, whole=False) for d in depths]
         events = next((e for apart in ((0, False), (0, True), (2, True))
                        if (e := _full_depth_events(runs[0][5], runs[1][5], L, depths, apart)) is not None), None)
         if events is None:
@@ -482,16 +533,12 @@ def _fit(spec: ModelSpec, n_micro: int, seq_len: int, checkpointing: str, precis
                     _line((runs[0][3],), (runs[1][3],), L - d0)[0])
     if 3 in rows and [k for k, _ in rows[2][0]] != [k for k, _ in rows[3][0]]:
         return None
-    if (spec.key, shard) not in _RISE:
-        run = _fake_run(spec, depths[0], 1, 1, 1, "none", "fp32", trace=True, shard=shard)
-        start = next(k for k, (phase, _, _) in enumerate(run[5]) if phase == "optimizer")
-        _RISE[spec.key, shard] = max(sum(v) for _, _, v in run[5][start:]) - sum(run[2]["at_optimizer"].values())
-    return rows, _RISE[spec.key, shard]
+    return rows
 
 
-def _at_rows(fit, micro_batch: int):
-    """Return _extrapolated's tuple at `micro_batch` rows from _fit's figures (a line in the rows)."""
-    rows, rise = fit
+def _at_rows(rows: dict, micro_batch: int, rise: int):
+    """Return _extrapolated's tuple at `micro_batch` rows from _fit's figures (a line in the rows), the optimizer's
+    update adding `rise` bytes (_rise)."""
     if micro_batch == 1:
         one, two, steps = rows[1], rows[1], 0
     elif 3 in rows:
@@ -501,11 +548,11 @@ def _at_rows(fit, micro_batch: int):
     split = max((_line(a, b, steps) for (_, a), (_, b) in zip(one[0], two[0])), key=sum)
     peak = sum(split)
     at_opt = _line(one[1], two[1], steps)
-    host = _host_optimizer(peak, dict(zip(CATEGORIES, split)), dict(zip(CATEGORIES, at_opt)))
-    if sum(at_opt) + rise > peak:
-        peak, split = sum(at_opt) + rise, at_opt[:3] + (at_opt[3] + rise,)
+    at_split = dict(zip(CATEGORIES, at_opt))
+    host = _host_optimizer(peak, dict(zip(CATEGORIES, split)), at_split)
+    peak, split = _with_rise(peak, dict(zip(CATEGORIES, split)), at_split, rise)
     work = _line(one[2], two[2], steps)  # (fp32 FLOPs, 16-bit FLOPs, bytes accessed, host bytes) per micro-batch
-    return peak, dict(zip(CATEGORIES, split)), at_opt[0], at_opt[2], one[3], work, host, dict(zip(CATEGORIES, at_opt))
+    return peak, split, at_opt[0], at_opt[2], one[3], work, host, at_split
 
 
 def _divisors(n: int, top: int) -> list:
@@ -515,11 +562,14 @@ def _divisors(n: int, top: int) -> list:
 
 def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: int = 1024, batch: int = 8,
          precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "fast",
-         offload=(False, True), optimizers=OPTIMIZERS, workers: int | None = None) -> Plan:
+         offload=(False, True), optimizers=OPTIMIZERS, workers: int | None = None,
+         adam_impls=ADAM_IMPLS[:1]) -> Plan:
     """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s.
 
     offload: activation offload off (False) and/or on (True); optimizers: Adam's state on the "device" and/or the
-    "host" (its step too; one device); workers: processes the fake steps run in (None: plan_workers()).
+    "host" (its step too; one device); workers: processes the fake steps run in (None: plan_workers()); adam_impls:
+    Adam's implementations (labkit.train.ADAM_IMPLS), each a row of its own on the device (they differ only in what
+    the update allocates: no fake step more, two small ones for foreach).
     """
     spec = model_spec(model)
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
@@ -540,6 +590,11 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
         check_choice("offload", o, (False, True))
     for o in optimizers:
         check_choice("optimizers", o, OPTIMIZERS)
+    adam_impls = tuple(adam_impls)
+    if not adam_impls:
+        raise ParameterError(f"adam_impls: give one or more of {ADAM_IMPLS}")
+    for a in adam_impls:
+        check_choice("adam_impls", a, ADAM_IMPLS)
     checkpointing = spec.checkpointing if checkpointing is None else checkpointing
     for c in checkpointing:
         check_choice("checkpointing", c, spec.checkpointing)
@@ -569,21 +624,26 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     fake_precisions = sorted({"bf16" if p == "fp16" else p for p in precisions})
     shards = [None] + [(r, reshard) for r in ranks_list if r > 1 and spec.n_layer is not None
                        and (not deep or r == gpus) for reshard in (False, True)]
-    todo = {}  # (shard, micro-batch, micro-batches run, checkpointing, precision, offload): each a fake step, once
+    todo = {}  # every Step the rows need: each a fake step, once
     for shard in shards:
         for rows in [batch // r for r in ranks_list] if shard is None else [batch // shard[0]]:
-            todo.update(dict.fromkeys((shard, mb, min(rows // mb, 2), c, p, o) for mb in _divisors(rows, rows)
-                                      for c in checkpointing for p in fake_precisions
-                                      for o in (offload if shard is None and c == "none" else (False,))))
+            todo.update(dict.fromkeys(Step(mb, min(rows // mb, 2), seq_len, c, p, o, shard, a)
+                                      for mb in _divisors(rows, rows) for c in checkpointing for p in fake_precisions
+                                      for o in (offload if shard is None and c == "none" else (False,))
+                                      for a in adam_impls))
     # sqrt(n) segments round to one at n <= 2 blocks: that segment is the last, kept whole (checkpoint_blocks), so the
     # step is the one without checkpointing, operation for operation: its fake step serves both
-    same = {item: item[:3] + ("none",) + item[4:] for item in todo
-            if item[3] == "sqrt" and spec.n_layer is not None and round(math.sqrt(spec.n_layer)) <= 1}
-    run = list(dict.fromkeys(same.get(item, item) for item in todo))
-    fake = _fake_steps(model, spec, run, seq_len, depth, plan_workers() if workers is None else workers)
-    fake = {item: fake[same.get(item, item)] for item in todo}
-    out.fake_steps = len(run)
-    for (shard, mb, n_micro, c, p, o), (peak, split, param_bytes, opt_bytes, n, work, host, _) in fake.items():
+    same = {st: replace(st, checkpointing="none") for st in todo
+            if st.checkpointing == "sqrt" and spec.n_layer is not None and round(math.sqrt(spec.n_layer)) <= 1}
+    run = list(dict.fromkeys(same.get(st, st) for st in todo))
+    fake = _fake_steps(model, spec, run, depth, plan_workers() if workers is None else workers)
+    fake = {st: fake[same.get(st, st)] for st in todo}
+    out.fake_steps = len({replace(st, adam_impl=ADAM_IMPLS[0]) for st in run})  # (Adam's implementations: one)
+    if "foreach" in adam_impls and gpus > 1:
+        left_out["zero1 with foreach Adam"] = ("ZeroRedundancyOptimizer's update lists 1/N of the parameters, not "
+                                               "the whole list a foreach update allocates here: not modelled")
+    for st, (peak, split, param_bytes, opt_bytes, n, work, host, _) in fake.items():
+        shard, mb, n_micro, c, p, o = st.shard, st.micro_batch, st.n_micro, st.checkpointing, st.precision, st.offload
         out.n_params = n
         for prec in [q for q in precisions if q == p or (q, p) == ("fp16", "bf16")]:
             for ranks in ranks_list if shard is None else [shard[0]]:
@@ -594,17 +654,18 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
                 extra = (rows - mb * n_micro) * row_bytes + (GRADSCALER_BYTES if prec == "fp16" else 0)
                 parallels = (("fsdp2-reshard" if shard[1] else "fsdp2",) if shard else ("single",) if ranks == 1
                              else ("ddp", "zero1"))
-                variants = [(parallel, "device", (peak, split)) for parallel in parallels if "device" in optimizers]
-                if ranks == 1 and "host" in optimizers:
-                    variants.append(("single", "host", host))
+                variants = [(parallel, "device", (peak, split)) for parallel in parallels if "device" in optimizers
+                            and not (parallel == "zero1" and st.adam_impl == "foreach")]
+                if ranks == 1 and "host" in optimizers and st.adam_impl == adam_impls[0]:  # (the update on the host:
+                    variants.append(("single", "host", host))  # one row, whatever the device's Adam would have been)
                 for parallel, where, (at_peak, at_split) in variants:
                     buckets = param_bytes if parallel in ("ddp", "zero1") else 0  # DDP's gradient buckets
                     dropped = opt_bytes - opt_bytes // ranks if parallel == "zero1" else 0  # ZeRO-1 keeps 1/N of Adam
                     rank_split = {**at_split, "activations": at_split["activations"] + extra + buckets,
                                   "optimizer_state": at_split["optimizer_state"] - dropped}
-                    comb = Combination(ranks, parallel, mb, rows // mb, c, prec, o, where)
-                    out.rows.append(_row(out, device, comb, at_peak + extra + buckets - dropped, rank_split, work,
-                                         param_bytes, opt_bytes - dropped, 4 * n if shard else param_bytes))
+                    comb = Combination(ranks, parallel, mb, rows // mb, c, prec, o, where, st.adam_impl)
+                    out.rows.append(_row(out, device, comb, at_peak + extra + buckets - dropped, rank_split,
+                                         work, param_bytes, opt_bytes - dropped, 4 * n if shard else param_bytes))
     out.elapsed_s = time.perf_counter() - t0
     return out
 
@@ -625,8 +686,7 @@ def deep_estimate(cfg: GPTConfig, batch_size: int, seq_len: int, world_size: int
         if world_size == 1:
             raise ValueError("zero_stage needs world_size > 1: one process has nothing to shard")
     shard = (world_size, zero_stage == 3) if zero_stage in (2, 3) else None
-    peak, split, _, _, n, _, _, at_opt = _extrapolated(gpt_spec(cfg), batch_size, 1, seq_len, "none", "fp32",
-                                                       shard=shard)
+    peak, split, _, _, n, _, _, at_opt = _extrapolated(gpt_spec(cfg), Step(batch_size, 1, seq_len, shard=shard))
     states = {k: at_opt[k] for k in ("parameters", "gradients", "optimizer_state")}
     states["other"] = at_opt["activations"]
     split = dict(split)
@@ -648,27 +708,26 @@ def plan_workers() -> int:
     return max(1, min(4, cpus))
 
 
-def _groups(spec: ModelSpec, items: list, depth: str) -> list:
-    """Return the todo items in groups that share their fake steps (one fit at fast depth, else one step each), the
+def _groups(spec: ModelSpec, steps: list, depth: str) -> list:
+    """Return the steps in groups that share their fake steps (one fit at fast depth, else one step each), the
     costliest first (sharded, then checkpointed), each group's largest micro-batch first (its fit serves them all)."""
     groups = {}
-    for item in items:
-        shard, mb, n_micro, c, p, o = item
+    for step in steps:
         fast = (depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS
-                and c in FAST_DEPTHS)
-        groups.setdefault((n_micro, c, p, o, shard) if fast else item, []).append(item)
-    return sorted((sorted(g, key=lambda it: -it[1]) for g in groups.values()),
-                  key=lambda g: (g[0][0] is not None, g[0][3] != "none", len(g)), reverse=True)
+                and step.checkpointing in FAST_DEPTHS)
+        base = replace(step, adam_impl=ADAM_IMPLS[0])  # Adam's implementations share the rest of their steps
+        groups.setdefault(replace(base, micro_batch=0) if fast else base, []).append(step)
+    return sorted((sorted(g, key=lambda st: -st.micro_batch) for g in groups.values()),
+                  key=lambda g: (g[0].shard is not None, g[0].checkpointing != "none", len(g)), reverse=True)
 
 
-def _run_group(spec: ModelSpec, group: list, seq_len: int, depth: str) -> list:
-    """Return [(item, _extrapolated's figures)] for one group of todo items (in this process or a worker's)."""
+def _run_group(spec: ModelSpec, group: list, depth: str) -> list:
+    """Return [(step, _extrapolated's figures)] for one group of steps (in this process or a worker's)."""
     with one_thread():  # (FSDP2 sharding meta tensors between the fake steps too: a second thread only slows it)
-        return [(item, _extrapolated(spec, item[1], item[2], seq_len, item[3], item[4], depth, item[5], item[0]))
-                for item in group]
+        return [(step, _extrapolated(spec, step, depth)) for step in group]
 
 
-def _run_claimed(spec: ModelSpec, groups: list, seq_len: int, depth: str, claims: str) -> list:
+def _run_claimed(spec: ModelSpec, groups: list, depth: str, claims: str) -> list:
     """Run the groups this process claims first, in their order (a file created in the claims folder, or not at all:
     another process has it); return [(item, _extrapolated's figures)]. Claiming as they go, the processes end within
     one group of each other whatever each group costs."""
@@ -678,35 +737,35 @@ def _run_claimed(spec: ModelSpec, groups: list, seq_len: int, depth: str, claims
             os.close(os.open(os.path.join(claims, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             continue
-        out.extend(_run_group(spec, g, seq_len, depth))
+        out.extend(_run_group(spec, g, depth))
     return out
 
 
 def _worker_main(task_path: str, out_path: str) -> None:
-    """Run the plan groups (a pickled (model, groups, seq_len, depth, claims folder)) this worker claims first
-    (_run_claimed) and pickle their figures to out_path."""
+    """Run the plan groups (a pickled (model, groups, depth, claims folder)) this worker claims first (_run_claimed)
+    and pickle their figures to out_path."""
     die_with_parent()
     with open(task_path, "rb") as f:
-        model, groups, seq_len, depth, claims = pickle.load(f)
-    out = _run_claimed(model_spec(model), groups, seq_len, depth, claims)
+        model, groups, depth, claims = pickle.load(f)
+    out = _run_claimed(model_spec(model), groups, depth, claims)
     with open(out_path + ".part", "wb") as f:
         pickle.dump(out, f)
     os.replace(out_path + ".part", out_path)
 
 
-def _fake_steps(model, spec: ModelSpec, items: list, seq_len: int, depth: str, workers: int) -> dict:
-    """Return {item: _extrapolated's figures} for every todo item: from this process's memo, run here, or shared among
+def _fake_steps(model, spec: ModelSpec, steps: list, depth: str, workers: int) -> dict:
+    """Return {step: _extrapolated's figures} for every step: from this process's memo, run here, or shared among
     this process and `workers` - 1 child processes when there are MIN_GROUPS_PER_WORKER groups a worker or more (a
     preset or GPTConfig model; each child dies with this process, and leaving stops them)."""
-    memo = {} if spec.key is None else {item: (spec.key, item, seq_len, depth) for item in items}
-    out = {item: _PLANNED[memo[item]] for item in items if memo.get(item) in _PLANNED}
-    groups = _groups(spec, [item for item in items if item not in out], depth)
+    memo = {} if spec.key is None else {step: (spec.key, step, depth) for step in steps}
+    out = {step: _PLANNED[memo[step]] for step in steps if memo.get(step) in _PLANNED}
+    groups = _groups(spec, [step for step in steps if step not in out], depth)
     if workers > 1 and len(groups) >= MIN_GROUPS_PER_WORKER * workers and isinstance(model, (str, GPTConfig)):
         with tempfile.TemporaryDirectory(prefix="labkit-plan-") as tmp, ChildProcesses() as children:
             task, claims, paths = os.path.join(tmp, "task"), os.path.join(tmp, "claims"), []
             os.mkdir(claims)
             with open(task, "wb") as f:  # every group for every worker: each runs those it claims first
-                pickle.dump((model, groups, seq_len, depth, claims), f)
+                pickle.dump((model, groups, depth, claims), f)
             for k in range(workers - 1):  # this process is the last worker
                 result, log = os.path.join(tmp, f"result{k}"), os.path.join(tmp, f"log{k}")
                 open(log, "w").close()  # (there even if the worker fails before it writes)
@@ -715,7 +774,7 @@ def _fake_steps(model, spec: ModelSpec, items: list, seq_len: int, depth: str, w
                 children.start_forked(worker, (task, result), stdout_path=log, preload=PLAN_PRELOAD)
                 paths.append((result, log))
             with one_thread():  # (the children start meanwhile: the server's imports overlap this one's fake steps)
-                out.update(_run_claimed(spec, groups, seq_len, depth, claims))
+                out.update(_run_claimed(spec, groups, depth, claims))
             codes = children.wait(WORKER_TIMEOUT_S)
             for code, (result, log) in zip(codes, paths):
                 if code != 0 or not os.path.exists(result):
@@ -726,10 +785,10 @@ def _fake_steps(model, spec: ModelSpec, items: list, seq_len: int, depth: str, w
                     out.update(pickle.load(f))
     else:
         for g in progress(groups, desc="fake steps"):
-            out.update(_run_group(spec, g, seq_len, depth))
-    for item, key in memo.items():
-        _PLANNED[key] = out[item]
-    return {item: out[item] for item in items}  # in the todo's order: the plan's rows keep theirs
+            out.update(_run_group(spec, g, depth))
+    for step, key in memo.items():
+        _PLANNED[key] = out[step]
+    return {step: out[step] for step in steps}  # in the todo's order: the plan's rows keep theirs
 
 
 def _row(p: Plan, device: DeviceProfile, comb: Combination, peak: int, split: dict, work: tuple, param_bytes: int,
@@ -767,7 +826,7 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
             f"batch {p.batch}: budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s")
     cols = (f"{'#':>3} {'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'offl':>4} "
-            f"{'opt':>6} {'peak':>10} {'fits':>4} {'step (ms)':>10} {'comm (ms)':>10} {'host (ms)':>10} "
+            f"{'opt':>6} {'adam':>8} {'peak':>10} {'fits':>4} {'step (ms)':>10} {'comm (ms)':>10} {'host (ms)':>10} "
             f"{'tokens/s':>10}")
     shown, title = (p.rows, "all combinations:") if all_rows else (
         p.pareto, "Pareto front (memory against predicted step time):")
@@ -779,6 +838,7 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
         c = r.combination
         lines.append(f"{front.get(id(r), ''):>3} {c.ranks:>5} {c.parallel:>13} {c.micro_batch:>5} {c.accum_steps:>5} "
                      f"{c.checkpointing:>9} {c.precision:>4} {'on' if c.offload else 'off':>4} {c.optimizer:>6} "
+                     f"{c.adam_impl:>8} "
                      f"{format_bytes(r.peak_bytes):>10} {'yes' if r.fits else 'no':>4} {r.step_s * 1e3:>10,.2f} "
                      f"{r.comm_s * 1e3:>10,.2f} {r.host_s * 1e3:>10,.2f} {r.tokens_per_s:>10,.0f}")
     best = p.fastest
@@ -791,8 +851,8 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
               "#: the row's place on the Pareto front (1: the fastest; blank: not on it, or a tie of a row on it); "
               "peak: per device; step = roofline + comm + host, each in ms per optimizer step; comm: between GPUs",
               "host: over the host link, the offloaded activations and, with opt = host, also Adam's gradients, "
-              "parameters and update; offl: activation offload; opt: where Adam's state and update live; tokens/s: "
-              "the global batch's",
+              "parameters and update; offl: activation offload; opt: where Adam's state and update live; adam: its "
+              "implementation (for-loop, foreach, fused: what its update allocates); tokens/s: the global batch's",
               "left out: " + "; ".join(f"{k} ({v})" for k, v in p.left_out.items())]
     return "\n".join(lines)
 
@@ -815,12 +875,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reserve", type=float, default=RESERVE_FRACTION, help="share of device memory held back")
     ap.add_argument("--depth", choices=DEPTHS, default="fast",
                     help="fast: exact arithmetic over a few blocks; full: every block on fake tensors (the reference)")
+    ap.add_argument("--adam-impl", nargs="+", choices=ADAM_IMPLS, default=list(ADAM_IMPLS[:1]),
+                    help="Adam's implementations to plan, each a row of its own (foreach: CUDA's default; fused: "
+                         "torchtitan's)")
     ap.add_argument("--all", action="store_true", help="print every combination, not only the Pareto front")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
     try:
         p = plan(args.model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
-                 depth=args.depth)
+                 depth=args.depth, adam_impls=args.adam_impl)
     except ParameterError as e:
         ap.error(str(e))
     print(json.dumps(plan_json(p), indent=1) if args.json else format_plan(p, args.all))
@@ -837,7 +900,7 @@ def combination_step(cfg: GPTConfig, combination: Combination, seed: int = 0, de
     """
     model = seeded_model(cfg, seed, device)
     _checkpoint(model, combination.checkpointing)
-    optimizer = make_optimizer("adam", model.parameters())
+    optimizer = make_optimizer("adam", model.parameters(), implementation=combination.adam_impl)
     if combination.optimizer == "device":
         create_optimizer_state(optimizer)
     else:
@@ -849,8 +912,11 @@ def combination_step(cfg: GPTConfig, combination: Combination, seed: int = 0, de
         optimizer.step = host_step
     hooks = OffloadHooks(model, min_bytes=OFFLOAD_MIN_BYTES) if combination.offload else None
 
+    step = Step(combination.micro_batch, precision=combination.precision, checkpointing=combination.checkpointing,
+                offload=combination.offload, adam_impl=combination.adam_impl)
+
     def step_fn(model, optimizer, batch):
-        return plan_step(model, optimizer, batch, combination.micro_batch, combination.precision, hooks)
+        return plan_step(model, optimizer, batch, step, hooks)
     return model, optimizer, step_fn
 
 

@@ -11,16 +11,21 @@ from labkit.meter import MemoryMeter
 from labkit.models import GPTConfig, MLPConfig, build_model
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
+ADAM_IMPLS = ("for-loop", "foreach", "fused")  # torch.optim.Adam(foreach=False), (foreach=True), (fused=True): one
+#             tensor at a time, every tensor per operation (CUDA's default), one kernel per update (torchtitan's "fused")
 
 
-def make_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimizer:
-    """Return SGD ("sgd"), SGD with momentum 0.9 ("momentum") or Adam ("adam") over `params`."""
+def make_optimizer(name: str, params, lr: float = 1e-3, implementation: str = "for-loop") -> torch.optim.Optimizer:
+    """Return SGD ("sgd"), SGD with momentum 0.9 ("momentum") or Adam ("adam", one of ADAM_IMPLS) over `params`."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if name == "momentum":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, foreach=False)
+        if implementation not in ADAM_IMPLS:
+            raise ValueError(f"implementation must be one of {ADAM_IMPLS}, got {implementation!r}")
+        return torch.optim.Adam(params, lr=lr, foreach=implementation == "foreach",
+                                fused=True if implementation == "fused" else None)
     raise ValueError(f"optimizer name must be one of {OPTIMIZERS}, got {name!r}")
 
 

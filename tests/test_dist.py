@@ -477,7 +477,8 @@ PRELOADED = textwrap.dedent('''
     import labkit.dist as ld
 
     def main(x):
-        return {"torch_imported_before": imported_before, "x": x, "threads": __import__("torch").get_num_threads(),
+        return {"torch_imported_before": imported_before, "x": x, "late": os.environ.get("LABKIT_TEST_LATE"),
+                "threads": __import__("torch").get_num_threads(),
                 "argv": sys.argv[1:], "cwd": os.getcwd(), "main": __name__}
 
     if __name__ == "__main__":
@@ -488,15 +489,18 @@ PRELOADED = textwrap.dedent('''
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server: Linux here")
 def test_ranks_start_from_a_fork_server_that_imported_torch_once(tmp_path, monkeypatch):
     """A rank forks from a server that has imported torch: it runs its script as `python -u script args` would, on
-    the threads it was given, in the launcher's folder; the server ends when asked (and with the launcher)."""
+    the threads it was given, in the launcher's folder and environment; the server ends when asked (and with the
+    launcher)."""
     from labkit.children import stop_fork_server
     script = tmp_path / "preloaded.py"
     script.write_text(PRELOADED)
     monkeypatch.chdir(tmp_path)
-    for _ in range(2):  # the second launch reuses the server the first started
+    for late in (None, "set after the server started"):  # the second launch reuses the server the first started
+        if late:  # a rank sees the launcher's environment as it is at the launch, not as the server found it
+            monkeypatch.setenv("LABKIT_TEST_LATE", late)
         results = ld.launch(script, 2, device="cpu", echo=False, threads_per_rank=1, params={"x": 1})
         for r in results:
-            assert r.value == {"torch_imported_before": True, "threads": 1, "argv": ["--x", "1"],
+            assert r.value == {"torch_imported_before": True, "threads": 1, "argv": ["--x", "1"], "late": late,
                                "x": 1, "cwd": str(tmp_path), "main": "__main__"}
     from multiprocessing import forkserver
     server = forkserver._forkserver._forkserver_pid

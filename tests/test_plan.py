@@ -13,7 +13,7 @@ from labkit.estimate import estimate_training_memory, example_batch
 from labkit.example import running_example
 from labkit.gpus import GPUS, DeviceProfile
 from labkit.models import GPTConfig
-from labkit.train import make_optimizer, measure_step
+from labkit.train import ADAM_IMPLS, make_optimizer, measure_step
 from labkit.validate import ParameterError
 
 SMALL = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=32, vocab_size=128)
@@ -92,9 +92,9 @@ def test_fast_depth_equals_a_full_depth_run(cfg, monkeypatch):
     for checkpointing in ("none", "every", "selective"):
         for precision in ("fp32", "bf16"):
             # 3 rows: beyond the fit's rows (1 and 2) and beyond its depths, both extrapolations at once
-            fast = P._extrapolated(spec, 3, 2, 16, checkpointing, precision, "fast")
-            assert P._FITS[repr(cfg), 2, 16, checkpointing, precision, False, None] is not None  # no fallback
-            assert fast == P._extrapolated(spec, 3, 2, 16, checkpointing, precision, "full")
+            fast = P._extrapolated(spec, P.Step(3, 2, 16, checkpointing, precision), "fast")
+            assert P._FITS[repr(cfg), P.Step(0, 2, 16, checkpointing, precision)] is not None  # no fallback
+            assert fast == P._extrapolated(spec, P.Step(3, 2, 16, checkpointing, precision), "full")
 
 
 @pytest.mark.parametrize("micro_batch", [3, 8])
@@ -103,8 +103,8 @@ def test_rows_are_a_line_through_small_micro_batches(micro_batch, monkeypatch):
     monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)
     for cfg, checkpointing, precision in ((DEEP_LLAMA, "none", "bf16"), (DEEP, "every", "fp32")):
         spec = P.gpt_spec(cfg)
-        fast = P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "fast")
-        assert fast == P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "full")
+        fast = P._extrapolated(spec, P.Step(micro_batch, 2, 16, checkpointing, precision), "fast")
+        assert fast == P._extrapolated(spec, P.Step(micro_batch, 2, 16, checkpointing, precision), "full")
 
 
 def test_deep_models_leave_out_what_only_full_depth_gives(monkeypatch):
@@ -233,8 +233,8 @@ def test_sqrt_at_two_blocks_reuses_the_fake_step_without_checkpointing():
         assert (sqrt.peak_bytes, sqrt.split, sqrt.flops, sqrt.bytes_accessed) == \
             (none.peak_bytes, none.split, none.flops, none.bytes_accessed)
         # and the sqrt step itself, run: the same figures
-        assert P._extrapolated(spec, mb, 2 // mb, 16, "sqrt", "fp32", "full") == \
-            P._extrapolated(spec, mb, 2 // mb, 16, "none", "fp32", "full")
+        assert P._extrapolated(spec, P.Step(mb, 2 // mb, 16, "sqrt", "fp32"), "full") == \
+            P._extrapolated(spec, P.Step(mb, 2 // mb, 16, "none", "fp32"), "full")
 
 
 def test_another_size_and_budget_give_the_same_verdicts():
@@ -270,9 +270,10 @@ def test_a_transformers_model_takes_the_fast_depth_exactly(monkeypatch):
                                    num_key_value_heads=1, vocab_size=128)  # grouped-query attention
     spec = P.hf_spec(cfg)
     for precision, checkpointing in (("fp32", "none"), ("bf16", "none"), ("fp32", "every")):
-        fast = P._extrapolated(spec, 3, 2, 16, checkpointing, precision, "fast")  # beyond the fit's rows and depths
-        assert P._FITS[spec.key, 2, 16, checkpointing, precision, False, None] is not None  # no full-depth fallback
-        assert fast == P._extrapolated(spec, 3, 2, 16, checkpointing, precision, "full")
+        # beyond the fit's rows and depths
+        fast = P._extrapolated(spec, P.Step(3, 2, 16, checkpointing, precision), "fast")
+        assert P._FITS[spec.key, P.Step(0, 2, 16, checkpointing, precision)] is not None  # no full-depth fallback
+        assert fast == P._extrapolated(spec, P.Step(3, 2, 16, checkpointing, precision), "full")
 
 
 def test_a_transformers_model_checkpointed_by_its_own_switch_matches_the_meter():
@@ -287,8 +288,8 @@ def test_a_transformers_model_checkpointed_by_its_own_switch_matches_the_meter()
         model, batch = spec.build(None, 4, 16)
         P._checkpoint(model, checkpointing)
         opt = make_optimizer("adam", model.parameters())
-        measured = measure_step(model, opt, batch, lambda m, o, b: P.plan_step(m, o, b, 2, "fp32")).peak_bytes
-        peaks[checkpointing] = P._extrapolated(spec, 2, 2, 16, checkpointing, "fp32", "full")[0]
+        measured = measure_step(model, opt, batch, lambda m, o, b: P.plan_step(m, o, b, P.Step(2))).peak_bytes
+        peaks[checkpointing] = P._extrapolated(spec, P.Step(2, 2, 16, checkpointing, "fp32"), "full")[0]
         assert abs(peaks[checkpointing] - measured) <= 0.01 * measured, (checkpointing, peaks[checkpointing], measured)
     assert peaks["every"] < peaks["none"]
     p = P.plan(cfg, "a100-80gb", 1, 16, 2, offload=(False,), optimizers=("device",))
@@ -352,18 +353,18 @@ def test_sharded_fast_depth_equals_a_full_depth_run(monkeypatch):
     monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)
     spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=7))
     for checkpointing, precision, shard, micro_batch in (("none", "bf16", (2, True), 3), ("every", "fp32", (2, False), 1)):
-        fast = P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "fast", shard=shard)
-        assert P._FITS[spec.key, 2, 16, checkpointing, precision, False, shard] is not None  # no full-depth fallback
-        assert fast == P._extrapolated(spec, micro_batch, 2, 16, checkpointing, precision, "full", shard=shard)
+        fast = P._extrapolated(spec, P.Step(micro_batch, 2, 16, checkpointing, precision, shard=shard), "fast")
+        assert P._FITS[spec.key, P.Step(0, 2, 16, checkpointing, precision, shard=shard)] is not None  # no fallback
+        assert fast == P._extrapolated(spec, P.Step(micro_batch, 2, 16, checkpointing, precision, shard=shard), "full")
 
 
 def test_offload_fast_depth_equals_a_full_depth_run(monkeypatch):
     monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)
     spec = P.gpt_spec(DEEP)
     for precision, micro_batch in (("bf16", 3), ("fp32", 1)):
-        fast = P._extrapolated(spec, micro_batch, 2, 16, "none", precision, "fast", offload=True)
-        assert P._FITS[spec.key, 2, 16, "none", precision, True, None] is not None
-        assert fast == P._extrapolated(spec, micro_batch, 2, 16, "none", precision, "full", offload=True)
+        fast = P._extrapolated(spec, P.Step(micro_batch, 2, 16, "none", precision, offload=True), "fast")
+        assert P._FITS[spec.key, P.Step(0, 2, 16, "none", precision, True, None)] is not None
+        assert fast == P._extrapolated(spec, P.Step(micro_batch, 2, 16, "none", precision, offload=True), "full")
         assert fast[5][2] > 0  # bytes offloaded, to the host and back
 
 
@@ -416,12 +417,12 @@ def test_fake_steps_shared_among_worker_processes_give_the_same_plan(monkeypatch
                         children.append(start(self, *a, **k)) or children[-1])
     run_claimed = P._run_claimed
 
-    def after_the_child_claims(spec, groups, seq_len, depth, claims):  # this process claims nothing before the child
+    def after_the_child_claims(spec, groups, depth, claims):  # this process claims nothing before the child
         deadline = time.monotonic() + 120
         while not os.listdir(claims) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert os.listdir(claims), "the child claimed no group within 120 s"
-        return run_claimed(spec, groups, seq_len, depth, claims)
+        return run_claimed(spec, groups, depth, claims)
     monkeypatch.setattr(P, "_run_claimed", after_the_child_claims)
     shared = P.plan(cfg, workers=2, **kwargs)
     assert len(children) == 1 and children[0].returncode == 0  # this process and one child ran the fake steps
@@ -455,3 +456,43 @@ def test_the_deep_estimate_from_shallow_runs_is_the_full_depth_estimate(monkeypa
         assert fast.states["other"] - full.states["other"] == 4  # the planner's step keeps its loss sum: one fp32
     with pytest.raises(ValueError, match="zero_stage"):
         P.deep_estimate(cfg, 1, 64, 1, 3)
+
+
+def test_each_adam_implementation_matches_the_meter():
+    """foreach and fused Adam (no fake step more: the for-loop step's run, each update's rise added) against real steps
+    of each implementation under the meter, where the update's allocations decide the peak (one row, small batch)."""
+    ex = running_example(n_layer=2, batch_size=2, seq_len=16)
+    p = P.plan(ex.config, cpu_profile(ex.budget_bytes), 1, ex.seq_len, ex.batch_size, reserve_fraction=0.0,
+               precisions=("fp32",), checkpointing=("none", "every"), offload=(False,), optimizers=("device",),
+               adam_impls=ADAM_IMPLS, workers=1)
+    assert {r.combination.adam_impl for r in p.rows} == set(ADAM_IMPLS)
+    assert p.fake_steps == len({(r.combination.micro_batch, r.combination.checkpointing) for r in p.rows})
+    _check_against_the_meter(p.rows, ex)
+    peaks = {(r.combination.micro_batch, r.combination.checkpointing, r.combination.adam_impl): r.peak_bytes
+             for r in p.rows}
+    assert any(peaks[k[:2] + ("foreach",)] > peaks[k[:2] + ("fused",)] for k in peaks)  # the knob changes a peak
+
+
+def test_adam_updates_allocate_what_torchs_code_says():
+    """The rise of each implementation, from torch.optim.adam's code (the same Python on CUDA as here): for-loop, one
+    parameter at a time, sqrt and division of its exp_avg_sq while the previous parameter's `denom` is still bound
+    (P[i-1] + 2 P[i]); foreach, one list of sqrt(exp_avg_sq) over all parameters; fused, none."""
+    spec = P.gpt_spec(DEEP)
+    model, _ = spec.build(None, 1, 1)
+    sizes = [p.numel() * p.element_size() for p in model.parameters()]  # Adam's order: the parameters'
+    loop = max(prev + 2 * size for prev, size in zip([0] + sizes, sizes))
+    assert P._rise(spec, None, "for-loop", DEEP.n_layer) == loop
+    assert P._rise(spec, None, "foreach", DEEP.n_layer) == sum(sizes)
+    assert P._rise(spec, None, "fused", DEEP.n_layer) == 0
+
+
+def test_adam_implementations_at_the_fast_depth_are_their_full_depth_steps():
+    """Past FULL_MAX_LAYERS (fast: fits shared by every implementation, the rise a line in depth) and below it (the
+    for-loop step's run and the rise): the same figures as the implementation's own step at full depth, FSDP2 too."""
+    deep = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=P.FULL_MAX_LAYERS + 1))
+    shallow = P.gpt_spec(DEEP)
+    for spec, shard in ((deep, None), (deep, (2, True)), (shallow, None)):
+        for impl in ("foreach", "fused"):
+            step = P.Step(2, 2, 16, "every" if shard is None else "none", "fp32", shard=shard, adam_impl=impl)
+            assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full"), (spec.name, shard, impl)
+

@@ -23,10 +23,9 @@ from labkit.dist.rank import BACKEND_ENV, DEVICE_ENV, RESULT_DIR_ENV, TIMEOUT_EN
 from labkit.validate import ParameterError, check_float, check_int
 
 OUTPUT_CHARS = 20_000  # the tail of each rank's stdout/stderr kept in its result
-RANK_PRELOAD = ("labkit.dist.rank", "labkit.meter", "labkit.models", "torch.distributed.fsdp",
-                "torch.distributed.tensor", "torch.distributed.checkpoint.state_dict", "torch.distributed.pipelining",
-                "torch.distributed.optim", "torch.nn.parallel")  # what the ranks of 06 and 07 import: the fork server
-#                                                                   imports it once for them all
+RANK_PRELOAD = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint.state_dict",
+                "torch.distributed.pipelining", "torch.distributed.optim", "torch.nn.parallel")  # torch's modules the
+#                 ranks of 06 and 07 import: the fork server imports them once for all (labkit: each rank, afresh)
 
 
 @dataclass
