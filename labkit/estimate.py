@@ -138,9 +138,9 @@ def _plain_step(model, optimizer: str, cfg, batch_size: int, seq_len: int | None
 
 
 @contextlib.contextmanager
-def fake_sharded(model: torch.nn.Module, blocks, world_size: int, reshard: bool):
-    """Shard a meta-built `model` with FSDP2 (each of `blocks`, then the whole) over a fake group of `world_size`,
-    this process its rank 0 while the block runs."""
+def fake_sharded(model: torch.nn.Module, blocks, world_size: int, reshard: bool, mp_policy=None):
+    """Shard a meta-built `model` with FSDP2 (each of `blocks`, then the whole; under `mp_policy`, a
+    MixedPrecisionPolicy, if given) over a fake group of `world_size`, this process its rank 0 while the block runs."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -152,9 +152,10 @@ def fake_sharded(model: torch.nn.Module, blocks, world_size: int, reshard: bool)
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
         mesh = init_device_mesh("cpu", (world_size,))  # outside fake mode: the mesh reads real rank lists
+        policy = {} if mp_policy is None else {"mp_policy": mp_policy}
         for block in blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policy)
         yield model
     finally:
         dist.destroy_process_group()

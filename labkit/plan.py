@@ -54,6 +54,9 @@ NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
                                              "the optimizer step (ZeRO-Offload moves them in buckets as they are "
                                              "reduced, lowering the peak by up to the gradients' bytes)",
 }
+MIXED_POLICY = "bf16-mp"  # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), torchtitan's default:
+#                          fp32 shards, gradients and Adam state; bf16 gathered parameters, compute and activations
+PLAN_PRECISIONS = (*PRECISIONS, MIXED_POLICY)  # a plan's precisions: autocast's (bf16, fp16 over fp32 weights), FSDP2's
 GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step plus GradScaler's four 4-byte scalars
 COMM_UNITS = {"single": 0, "ddp": 2, "zero1": 3, "fsdp2": 2, "fsdp2-reshard": 3}  # parameter-sized ring passes:
 #   per step for DDP and ZeRO-1 (which all-gathers the updated parameters too), per micro-batch for FSDP2 (chapter 07)
@@ -184,7 +187,7 @@ class Combination:
     micro_batch: int  # rows per micro-batch (per rank)
     accum_steps: int  # micro-batches per optimizer step
     checkpointing: str  # one of CHECKPOINTING
-    precision: str  # "fp32", "bf16" (autocast) or "fp16" (autocast + GradScaler)
+    precision: str  # "fp32", "bf16" (autocast), "fp16" (autocast + GradScaler) or MIXED_POLICY (FSDP2's policy)
     offload: bool = False  # activation offload: every saved tensor but the parameters to the host (OffloadHooks)
     optimizer: str = "device"  # one of OPTIMIZERS: Adam's state and step on the device, or on the host
     adam_impl: str = "for-loop"  # one of labkit.train.ADAM_IMPLS: for-loop, foreach (CUDA's default) or fused
@@ -202,7 +205,7 @@ class Step:
     n_micro: int = 1  # micro-batches run (1, or 2: the second accumulates into the first's gradients)
     seq_len: int = 1024  # tokens per row
     checkpointing: str = "none"  # one of CHECKPOINTING
-    precision: str = "fp32"  # "fp32" or "bf16" (autocast over fp32 weights)
+    precision: str = "fp32"  # "fp32", "bf16" (autocast over fp32 weights) or MIXED_POLICY (FSDP2 only)
     offload: bool = False  # activation offload: every saved tensor but the parameters to the host (OffloadHooks)
     shard: tuple | None = None  # (ranks, reshard_after_forward): rank 0 of FSDP2; None: one process
     adam_impl: str = "for-loop"  # one of labkit.train.ADAM_IMPLS: what Adam's update allocates (its "rise")
@@ -260,8 +263,9 @@ class Plan:
 def plan_step(model, optimizer, batch, step: Step, offload: OffloadHooks | None = None):
     """Run one optimizer step over `batch` in micro-batches of step.micro_batch rows at step.precision, under
     `offload`'s hooks if given (the model is checkpointed and sharded as `step` says already)."""
+    precision = "fp32" if step.precision == MIXED_POLICY else step.precision  # (the policy casts: no autocast)
     with offload if offload is not None else contextlib.nullcontext():
-        return amp_train_step(model, optimizer, split_batch(batch, step.micro_batch), precision=step.precision)
+        return amp_train_step(model, optimizer, split_batch(batch, step.micro_batch), precision=precision)
 
 
 class _AtOptimizer(Exception):
@@ -360,7 +364,7 @@ def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: 
             with torch.device("meta"):  # FSDP2 splits every parameter N ways: cheap on meta tensors only
                 meta_model, meta_batch = spec.build(n_layer, rows, seq_len)
             _checkpoint(meta_model, step.checkpointing)
-            with fake_sharded(meta_model, _repeated_blocks(meta_model), *shard):
+            with fake_sharded(meta_model, _repeated_blocks(meta_model), *shard, mp_policy=_policy(step)):
                 peak, split, states, n, *events = fake_step(key, build, trace)
     except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as e:
         raise ParameterError(f"model: {spec.name} cannot run on fake tensors ({type(e).__name__}: {e}); make the "
@@ -368,6 +372,15 @@ def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: 
                              "without it") from None
     states["at_optimizer"], states["before_optimizer"] = _AT_OPTIMIZER[key]
     return (peak, split, states, n, _FLOPS[flops_key], *events)
+
+
+def _policy(step: Step):
+    """Return FSDP2's MixedPrecisionPolicy for a MIXED_POLICY step (bf16 gathered parameters, fp32 reduction), else
+    None."""
+    if step.precision != MIXED_POLICY:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def _checkpoint(model, checkpointing: str) -> None:
@@ -574,15 +587,16 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     spec = model_spec(model)
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
     precisions = tuple(p for p in PRECISIONS if p in device.flops_per_s) if precisions is None else tuple(precisions)
+    rate = {p: "bf16" if p == MIXED_POLICY else p for p in precisions}  # the compute rate each precision runs at
     check_int("gpus", gpus, 1, 1 if device.name == "cpu" else 4096)
     check_int("seq_len", seq_len, 1, spec.max_seq_len)
     check_int("batch", batch, 1)
     check_divides("batch", batch, "gpus", gpus)
     check_float("reserve_fraction", reserve_fraction, 0.0, 1.0, hi_open=True)
     for p in precisions:
-        check_choice("precision", p, PRECISIONS)
-        if p not in device.flops_per_s:
-            raise ParameterError(f"precision {p!r}: the {device.name} has no {p} compute "
+        check_choice("precision", p, PLAN_PRECISIONS)
+        if rate[p] not in device.flops_per_s:
+            raise ParameterError(f"precision {p!r}: the {device.name} has no {rate[p]} compute "
                                  f"(it has {tuple(device.flops_per_s)})")
     check_choice("depth", depth, DEPTHS)
     offload, optimizers = tuple(offload), tuple(optimizers)
@@ -621,14 +635,19 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
         row_bytes = sum(t.numel() * t.element_size() for t in row)
     out = Plan(spec.name, device.name, gpus, seq_len, batch, 0, int(device.memory_bytes * (1 - reserve_fraction)),
                reserve_fraction, left_out=left_out)
-    fake_precisions = sorted({"bf16" if p == "fp16" else p for p in precisions})
+    fake_precisions = sorted({"bf16" if p == "fp16" else p for p in precisions} - {MIXED_POLICY})
+    if MIXED_POLICY in precisions:
+        left_out[f"{MIXED_POLICY} without fsdp2"] = ("MixedPrecisionPolicy is FSDP2's: one device, DDP and ZeRO-1 "
+                                                     "rows run autocast (bf16)")
     shards = [None] + [(r, reshard) for r in ranks_list if r > 1 and spec.n_layer is not None
                        and (not deep or r == gpus) for reshard in (False, True)]
     todo = {}  # every Step the rows need: each a fake step, once
     for shard in shards:
         for rows in [batch // r for r in ranks_list] if shard is None else [batch // shard[0]]:
             todo.update(dict.fromkeys(Step(mb, min(rows // mb, 2), seq_len, c, p, o, shard, a)
-                                      for mb in _divisors(rows, rows) for c in checkpointing for p in fake_precisions
+                                      for mb in _divisors(rows, rows) for c in checkpointing
+                                      for p in fake_precisions + [MIXED_POLICY] * (shard is not None
+                                                                                    and MIXED_POLICY in precisions)
                                       for o in (offload if shard is None and c == "none" else (False,))
                                       for a in adam_impls))
     # sqrt(n) segments round to one at n <= 2 blocks: that segment is the last, kept whole (checkpoint_blocks), so the
@@ -664,7 +683,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
                     rank_split = {**at_split, "activations": at_split["activations"] + extra + buckets,
                                   "optimizer_state": at_split["optimizer_state"] - dropped}
                     comb = Combination(ranks, parallel, mb, rows // mb, c, prec, o, where, st.adam_impl)
-                    out.rows.append(_row(out, device, comb, at_peak + extra + buckets - dropped, rank_split,
+                    out.rows.append(_row(out, device, rate[prec], comb, at_peak + extra + buckets - dropped, rank_split,
                                          work, param_bytes, opt_bytes - dropped, 4 * n if shard else param_bytes))
     out.elapsed_s = time.perf_counter() - t0
     return out
@@ -791,9 +810,10 @@ def _fake_steps(model, spec: ModelSpec, steps: list, depth: str, workers: int) -
     return {step: out[step] for step in steps}  # in the todo's order: the plan's rows keep theirs
 
 
-def _row(p: Plan, device: DeviceProfile, comb: Combination, peak: int, split: dict, work: tuple, param_bytes: int,
-         opt_bytes: int, whole_param_bytes: int) -> Row:
-    """Return a combination's row: the roofline time on the device plus communication and host transfers, added.
+def _row(p: Plan, device: DeviceProfile, rate: str, comb: Combination, peak: int, split: dict, work: tuple,
+         param_bytes: int, opt_bytes: int, whole_param_bytes: int) -> Row:
+    """Return a combination's row: the roofline time on the device plus communication and host transfers, added;
+    16-bit FLOPs at the device's `rate` (a key of its flops_per_s).
 
     work: (fp32 FLOPs, 16-bit FLOPs, bytes accessed, host bytes) per micro-batch; each precision's FLOPs at its own
     rate (autocast leaves the non-matmul ops in fp32). The optimizer step reads the parameters, their gradients and its
@@ -805,7 +825,7 @@ def _row(p: Plan, device: DeviceProfile, comb: Combination, peak: int, split: di
     on_host = comb.optimizer == "host"
     accessed = int(bytes_per_micro * comb.accum_steps) + (0 if on_host else optimizer_bytes)
     compute_s = max(comb.accum_steps * (fp32_per_micro / device.flops_per_s["fp32"] +
-                                        half_per_micro / device.flops_per_s[comb.precision]),
+                                        half_per_micro / device.flops_per_s[rate]),
                     accessed / device.memory_bytes_per_s)
     ring = (comb.ranks - 1) / comb.ranks
     passes = COMM_UNITS[comb.parallel] * (comb.accum_steps if comb.parallel.startswith("fsdp2") else 1)
@@ -825,7 +845,9 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
     head = (f"{p.model} ({count} parameters) on {p.gpus} × {p.device}, seq_len {p.seq_len}, "
             f"batch {p.batch}: budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s")
-    cols = (f"{'#':>3} {'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>4} {'offl':>4} "
+    width = max([4, *(len(r.combination.precision) for r in p.rows)])
+    cols = (f"{'#':>3} {'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>{width}} "
+            f"{'offl':>4} "
             f"{'opt':>6} {'adam':>8} {'peak':>10} {'fits':>4} {'step (ms)':>10} {'comm (ms)':>10} {'host (ms)':>10} "
             f"{'tokens/s':>10}")
     shown, title = (p.rows, "all combinations:") if all_rows else (
@@ -837,7 +859,7 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
     for r in shown:
         c = r.combination
         lines.append(f"{front.get(id(r), ''):>3} {c.ranks:>5} {c.parallel:>13} {c.micro_batch:>5} {c.accum_steps:>5} "
-                     f"{c.checkpointing:>9} {c.precision:>4} {'on' if c.offload else 'off':>4} {c.optimizer:>6} "
+                     f"{c.checkpointing:>9} {c.precision:>{width}} {'on' if c.offload else 'off':>4} {c.optimizer:>6} "
                      f"{c.adam_impl:>8} "
                      f"{format_bytes(r.peak_bytes):>10} {'yes' if r.fits else 'no':>4} {r.step_s * 1e3:>10,.2f} "
                      f"{r.comm_s * 1e3:>10,.2f} {r.host_s * 1e3:>10,.2f} {r.tokens_per_s:>10,.0f}")
@@ -875,6 +897,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reserve", type=float, default=RESERVE_FRACTION, help="share of device memory held back")
     ap.add_argument("--depth", choices=DEPTHS, default="fast",
                     help="fast: exact arithmetic over a few blocks; full: every block on fake tensors (the reference)")
+    ap.add_argument("--precision", nargs="+", choices=PLAN_PRECISIONS, default=None,
+                    help=f"precisions to plan (default: those the GPU has of {PRECISIONS}); {MIXED_POLICY}: FSDP2's "
+                         "MixedPrecisionPolicy, bf16 parameters gathered and computed, fp32 shards and reduction")
     ap.add_argument("--adam-impl", nargs="+", choices=ADAM_IMPLS, default=list(ADAM_IMPLS[:1]),
                     help="Adam's implementations to plan, each a row of its own (foreach: CUDA's default; fused: "
                          "torchtitan's)")
@@ -883,7 +908,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         p = plan(args.model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
-                 depth=args.depth, adam_impls=args.adam_impl)
+                 depth=args.depth, adam_impls=args.adam_impl, precisions=args.precision)
     except ParameterError as e:
         ap.error(str(e))
     print(json.dumps(plan_json(p), indent=1) if args.json else format_plan(p, args.all))

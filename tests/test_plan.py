@@ -496,3 +496,79 @@ def test_adam_implementations_at_the_fast_depth_are_their_full_depth_steps():
             step = P.Step(2, 2, 16, "every" if shard is None else "none", "fp32", shard=shard, adam_impl=impl)
             assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full"), (spec.name, shard, impl)
 
+
+
+MIXED_RANKS = '''
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+import labkit.dist as ld
+import labkit.plan as P
+from labkit.estimate import example_batch
+from labkit.models import GPTConfig, build_model
+from labkit.train import make_optimizer
+
+def main(config="", reshard=True):  # one rank: FSDP2 under the bf16 policy, a warm-up step, a metered step
+    cfg = eval(config, {"GPTConfig": GPTConfig})
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
+    opt = make_optimizer("adam", model.parameters())
+    batch = example_batch(cfg, 2, 16)
+    step = P.Step(2, precision=P.MIXED_POLICY)
+    P.plan_step(model, opt, batch, step)
+    with ld.meter("step") as meter:
+        meter.track(model, opt, *batch)
+        P.plan_step(model, opt, batch, step)
+
+if __name__ == "__main__":
+    ld.run(main)
+'''
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_mixed_policy_rows_are_what_two_real_ranks_measure(reshard, tmp_path):
+    """FSDP2's MixedPrecisionPolicy (bf16 gathered parameters and compute, fp32 reduce-scatter) on the fake step
+    against two gloo ranks running it, and below autocast's row over fp32 gathered weights.
+
+    What gloo adds and NCCL does not: its reduce-scatter all-reduces a copy of the fp32 input (seen here: the root
+    group's, embeddings and head, at the end of backward, every other event of the two steps alike). A rank's peak
+    is the prediction or higher by at most the largest group's reduce-scatter input.
+    """
+    import labkit.dist as ld
+    from labkit.models import build_model
+
+    script = tmp_path / "mixed_ranks.py"
+    script.write_text(MIXED_RANKS)
+    runs = ld.launch(script, 2, params={"config": repr(DEEP_LLAMA), "reshard": reshard}, echo=False, device="cpu")
+    spec = P.gpt_spec(DEEP_LLAMA)
+    predicted = P._extrapolated(spec, P.Step(2, 1, 16, "none", P.MIXED_POLICY, shard=(2, reshard)), "full")[0]
+    model = build_model(DEEP_LLAMA)
+    in_blocks = {id(p) for p in model.blocks.parameters()}
+    groups = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    groups.append(sum(p.numel() for p in model.parameters() if id(p) not in in_blocks))  # the root's
+    gloo_copy = max(groups) * 4  # fp32
+    for r in runs:
+        measured = r.meters["step"]["peak_bytes"]
+        assert predicted <= measured <= predicted + gloo_copy, (predicted, measured, gloo_copy)
+    autocast = P._extrapolated(spec, P.Step(2, 1, 16, "none", "bf16", shard=(2, reshard)), "full")[0]
+    assert predicted < autocast
+
+
+def test_mixed_policy_rows_at_the_fast_depth_and_in_the_plan():
+    """The policy's fake steps take the fast depth exactly; plan() gives them FSDP2 rows only, at the bf16 rate, and
+    says why the other rows run autocast."""
+    spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=P.FULL_MAX_LAYERS + 1))
+    step = P.Step(2, 2, 16, "every", P.MIXED_POLICY, shard=(2, True))
+    assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full")
+    p = P.plan(DEEP_LLAMA, "h100", 2, 16, 2, precisions=("fp32", "bf16", P.MIXED_POLICY), checkpointing=("none",),
+               offload=(False,), workers=1)
+    mixed = [r for r in p.rows if r.combination.precision == P.MIXED_POLICY]
+    assert mixed and {r.combination.parallel for r in mixed} == {"fsdp2", "fsdp2-reshard"}
+    bf16 = {(r.combination.parallel, r.combination.micro_batch): r for r in p.rows if r.combination.precision == "bf16"}
+    assert all(r.peak_bytes < bf16[r.combination.parallel, r.combination.micro_batch].peak_bytes for r in mixed)
+    assert f"{P.MIXED_POLICY} without fsdp2" in p.left_out and P.MIXED_POLICY in P.format_plan(p, all_rows=True)
+    with pytest.raises(ParameterError, match="precision"):
+        P.plan(DEEP_LLAMA, "h100", 2, 16, 2, precisions=("bf17",))
