@@ -37,6 +37,8 @@ class GPTConfig:
     attn: str = "manual"  # "manual" (softmax(QK^T)V, T×T scores kept) or "sdpa" (fused kernel)
     fused_qkv: bool = True  # one Linear for q, k and v (GPT-2) or three (llama; tensor parallelism splits them by head)
     tie_weights: bool = True  # share token embedding and output head (GPT-2: True, llama: False)
+    logits_fp32: bool = False  # upcast the logits to fp32 before the loss, as torchtitan's Llama does (a 16-bit step
+    #                            then holds an fp32 copy of the (B, T, V) logits and of their gradient)
 
     def __post_init__(self):
         for name in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size"):
@@ -217,6 +219,8 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None):  # idx, targets: (B, T)
         """Return (logits, loss); loss is the mean cross-entropy over targets != IGNORE_INDEX, or None."""
         logits = self.logits(self.blocks(self.embed(idx)))  # (B, T, V)
+        if self.cfg.logits_fp32:
+            logits = logits.float()
         return logits, None if targets is None else token_loss(logits, targets)
 
 

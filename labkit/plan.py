@@ -166,8 +166,9 @@ def model_spec(model) -> ModelSpec:
     """Return the spec of a preset name, a GPTConfig, a config.json path, a transformers config or a ModelSpec."""
     if isinstance(model, ModelSpec):
         return model
-    if isinstance(model, GPTConfig):
-        return gpt_spec(model)
+    if isinstance(model, GPTConfig):  # named by its preset where it is one (its logits upcast or not)
+        name = next((k for k, v in PRESETS.items() if v == replace(model, logits_fp32=False)), "GPTConfig")
+        return gpt_spec(model, name + (", fp32 logits" if model.logits_fp32 else ""))
     if isinstance(model, str) and model in PRESETS:
         return gpt_spec(PRESETS[model], model)
     if isinstance(model, str) and model.endswith(".json"):
@@ -903,11 +904,20 @@ def main(argv=None) -> int:
     ap.add_argument("--adam-impl", nargs="+", choices=ADAM_IMPLS, default=list(ADAM_IMPLS[:1]),
                     help="Adam's implementations to plan, each a row of its own (foreach: CUDA's default; fused: "
                          "torchtitan's)")
+    ap.add_argument("--logits-fp32", action="store_true",
+                    help="a preset's logits upcast to fp32 before the loss (torchtitan's Llama; transformers' loss "
+                         "does it already)")
     ap.add_argument("--all", action="store_true", help="print every combination, not only the Pareto front")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
+    model = args.model
+    if args.logits_fp32:
+        if model not in PRESETS:
+            ap.error(f"--logits-fp32: a preset's option ({', '.join(PRESETS)}); a transformers model's loss upcasts "
+                     "its logits already")
+        model = replace(PRESETS[model], logits_fp32=True)
     try:
-        p = plan(args.model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
+        p = plan(model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
                  depth=args.depth, adam_impls=args.adam_impl, precisions=args.precision)
     except ParameterError as e:
         ap.error(str(e))

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import time
+import types
 
 import pytest
 import torch
@@ -572,3 +573,22 @@ def test_mixed_policy_rows_at_the_fast_depth_and_in_the_plan():
     assert f"{P.MIXED_POLICY} without fsdp2" in p.left_out and P.MIXED_POLICY in P.format_plan(p, all_rows=True)
     with pytest.raises(ParameterError, match="precision"):
         P.plan(DEEP_LLAMA, "h100", 2, 16, 2, precisions=("bf17",))
+
+
+def test_logits_upcast_to_fp32_is_planned_as_measured():
+    """GPTConfig.logits_fp32 (torchtitan's Llama upcasts its logits before the loss): under bf16 autocast the step
+    holds fp32 logits where it held bf16 ones; the plan's rows against real steps under the meter, and never below the
+    rows without the upcast."""
+    ex = running_example(n_layer=2, batch_size=2, seq_len=16)
+    up = types.SimpleNamespace(config=dataclasses.replace(ex.config, logits_fp32=True), batch_size=ex.batch_size,
+                               seq_len=ex.seq_len, budget_bytes=ex.budget_bytes)
+    kwargs = dict(reserve_fraction=0.0, precisions=("bf16",), checkpointing=("none", "every"), offload=(False,),
+                  optimizers=("device",), workers=1)
+    p = P.plan(up.config, cpu_profile(ex.budget_bytes), 1, ex.seq_len, ex.batch_size, **kwargs)
+    assert p.model == "GPTConfig, fp32 logits"
+    _check_against_the_meter([r for r in p.rows if r.combination.micro_batch == 2], up)
+    plain = P.plan(ex.config, cpu_profile(ex.budget_bytes), 1, ex.seq_len, ex.batch_size, **kwargs)
+    pairs = list(zip(p.rows, plain.rows))
+    assert all(a.combination == b.combination and a.peak_bytes >= b.peak_bytes for a, b in pairs)
+    assert any(a.peak_bytes > b.peak_bytes for a, b in pairs)  # where the loss's moment is the peak
+    assert P.model_spec(dataclasses.replace(P.PRESETS["llama-7b"], logits_fp32=True)).name == "llama-7b, fp32 logits"
