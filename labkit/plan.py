@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib
 import json
 import math
 import os
@@ -789,9 +788,7 @@ def _fake_steps(model, spec: ModelSpec, steps: list, depth: str, workers: int) -
             for k in range(workers - 1):  # this process is the last worker
                 result, log = os.path.join(tmp, f"result{k}"), os.path.join(tmp, f"log{k}")
                 open(log, "w").close()  # (there even if the worker fails before it writes)
-                # labkit.plan's own _worker_main, never __main__'s (python -m labkit.plan): the child imports it by name
-                worker = importlib.import_module("labkit.plan")._worker_main
-                children.start_forked(worker, (task, result), stdout_path=log, preload=PLAN_PRELOAD)
+                children.start_forked(_worker_main, (task, result), stdout_path=log, preload=PLAN_PRELOAD)
                 paths.append((result, log))
             with one_thread():  # (the children start meanwhile: the server's imports overlap this one's fake steps)
                 out.update(_run_claimed(spec, groups, depth, claims))
@@ -955,5 +952,6 @@ def combination_step(cfg: GPTConfig, combination: Combination, seed: int = 0, de
     return model, optimizer, step_fn
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # (python -m labkit.plan) run as the module labkit.plan: the Steps its workers unpickle
+    from labkit import plan as _module  # are labkit.plan.Step, never __main__.Step
+    raise SystemExit(_module.main())

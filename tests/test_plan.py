@@ -592,3 +592,20 @@ def test_logits_upcast_to_fp32_is_planned_as_measured():
     assert all(a.combination == b.combination and a.peak_bytes >= b.peak_bytes for a, b in pairs)
     assert any(a.peak_bytes > b.peak_bytes for a, b in pairs)  # where the loss's moment is the peak
     assert P.model_spec(dataclasses.replace(P.PRESETS["llama-7b"], logits_fp32=True)).name == "llama-7b, fp32 logits"
+
+
+def test_the_command_shares_its_fake_steps_with_a_worker():
+    """`python -m labkit.plan` with a worker process: the Steps it hands the worker unpickle there (they are
+    labkit.plan's, not __main__'s, which a worker does not have: make plan failed so once)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, P.PLAN_WORKERS_ENV: "2"}
+    out = subprocess.run([sys.executable, "-m", "labkit.plan", "--model", "gpt2", "--gpu", "a100-80gb", "--seq-len", "4",
+                          "--batch", "2", "--precision", "fp32"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    groups = len(P._groups(P.model_spec("gpt2"), [P.Step(mb, 2 // mb, 4, c, "fp32", o) for mb in (1, 2)
+                                                  for c in P.CHECKPOINTING for o in ((False, True) if c == "none"
+                                                                                      else (False,))], "fast"))
+    assert groups >= P.MIN_GROUPS_PER_WORKER * 2  # so that the plan did share them
+    assert "10 run on fake tensors" in out.stdout and "fastest that fits:" in out.stdout
