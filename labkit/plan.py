@@ -191,6 +191,7 @@ class Combination:
     offload: bool = False  # activation offload: every saved tensor but the parameters to the host (OffloadHooks)
     optimizer: str = "device"  # one of OPTIMIZERS: Adam's state and step on the device, or on the host
     adam_impl: str = "for-loop"  # one of labkit.train.ADAM_IMPLS: for-loop, foreach (CUDA's default) or fused
+    keep_logits: bool = True  # the logits held through backward (`logits, loss = model(...)`); False: freed before
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,7 @@ class Step:
     offload: bool = False  # activation offload: every saved tensor but the parameters to the host (OffloadHooks)
     shard: tuple | None = None  # (ranks, reshard_after_forward): rank 0 of FSDP2; None: one process
     adam_impl: str = "for-loop"  # one of labkit.train.ADAM_IMPLS: what Adam's update allocates (its "rise")
+    keep_logits: bool = True  # the logits held through backward; False: freed before it (torchtitan's `del pred`)
 
 
 @dataclass
@@ -265,7 +267,8 @@ def plan_step(model, optimizer, batch, step: Step, offload: OffloadHooks | None 
     `offload`'s hooks if given (the model is checkpointed and sharded as `step` says already)."""
     precision = "fp32" if step.precision == MIXED_POLICY else step.precision  # (the policy casts: no autocast)
     with offload if offload is not None else contextlib.nullcontext():
-        return amp_train_step(model, optimizer, split_batch(batch, step.micro_batch), precision=precision)
+        return amp_train_step(model, optimizer, split_batch(batch, step.micro_batch), precision=precision,
+                              keep_logits=step.keep_logits)
 
 
 class _AtOptimizer(Exception):
@@ -576,13 +579,14 @@ def _divisors(n: int, top: int) -> list:
 def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: int = 1024, batch: int = 8,
          precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "fast",
          offload=(False, True), optimizers=OPTIMIZERS, workers: int | None = None,
-         adam_impls=ADAM_IMPLS[:1]) -> Plan:
+         adam_impls=ADAM_IMPLS[:1], keep_logits: bool = True) -> Plan:
     """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s.
 
     offload: activation offload off (False) and/or on (True); optimizers: Adam's state on the "device" and/or the
     "host" (its step too; one device); workers: processes the fake steps run in (None: plan_workers()); adam_impls:
     Adam's implementations (labkit.train.ADAM_IMPLS), each a row of its own on the device (they differ only in what
-    the update allocates: no fake step more, two small ones for foreach).
+    the update allocates: no fake step more, two small ones for foreach); keep_logits: False frees the logits
+    before backward in every row (torchtitan's step) instead of holding them (the chapters').
     """
     spec = model_spec(model)
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
@@ -609,6 +613,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
         raise ParameterError(f"adam_impls: give one or more of {ADAM_IMPLS}")
     for a in adam_impls:
         check_choice("adam_impls", a, ADAM_IMPLS)
+    check_choice("keep_logits", keep_logits, (True, False))
     checkpointing = spec.checkpointing if checkpointing is None else checkpointing
     for c in checkpointing:
         check_choice("checkpointing", c, spec.checkpointing)
@@ -644,7 +649,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     todo = {}  # every Step the rows need: each a fake step, once
     for shard in shards:
         for rows in [batch // r for r in ranks_list] if shard is None else [batch // shard[0]]:
-            todo.update(dict.fromkeys(Step(mb, min(rows // mb, 2), seq_len, c, p, o, shard, a)
+            todo.update(dict.fromkeys(Step(mb, min(rows // mb, 2), seq_len, c, p, o, shard, a, keep_logits)
                                       for mb in _divisors(rows, rows) for c in checkpointing
                                       for p in fake_precisions + [MIXED_POLICY] * (shard is not None
                                                                                     and MIXED_POLICY in precisions)
@@ -682,7 +687,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
                     dropped = opt_bytes - opt_bytes // ranks if parallel == "zero1" else 0  # ZeRO-1 keeps 1/N of Adam
                     rank_split = {**at_split, "activations": at_split["activations"] + extra + buckets,
                                   "optimizer_state": at_split["optimizer_state"] - dropped}
-                    comb = Combination(ranks, parallel, mb, rows // mb, c, prec, o, where, st.adam_impl)
+                    comb = Combination(ranks, parallel, mb, rows // mb, c, prec, o, where, st.adam_impl,
+                                       keep_logits)
                     out.rows.append(_row(out, device, rate[prec], comb, at_peak + extra + buckets - dropped, rank_split,
                                          work, param_bytes, opt_bytes - dropped, 4 * n if shard else param_bytes))
     out.elapsed_s = time.perf_counter() - t0
@@ -842,7 +848,8 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
     count = f"{n:,}" if n < 10**6 else f"{n / 1e6:.1f} M" if n < 10**9 else f"{n / 1e9:.2f} B"
     head = (f"{p.model} ({count} parameters) on {p.gpus} × {p.device}, seq_len {p.seq_len}, "
             f"batch {p.batch}: budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
-            f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s")
+            f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s"
+            + ("; the logits freed before backward" if any(not r.combination.keep_logits for r in p.rows) else ""))
     width = max([4, *(len(r.combination.precision) for r in p.rows)])
     cols = (f"{'#':>3} {'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>{width}} "
             f"{'offl':>4} "
@@ -904,6 +911,9 @@ def main(argv=None) -> int:
     ap.add_argument("--logits-fp32", action="store_true",
                     help="a preset's logits upcast to fp32 before the loss (torchtitan's Llama; transformers' loss "
                          "does it already)")
+    ap.add_argument("--free-logits", action="store_true",
+                    help="free the logits before backward, as torchtitan's step does (default: held, as "
+                         "`logits, loss = model(x, y)` holds them)")
     ap.add_argument("--all", action="store_true", help="print every combination, not only the Pareto front")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
@@ -915,7 +925,8 @@ def main(argv=None) -> int:
         model = replace(PRESETS[model], logits_fp32=True)
     try:
         p = plan(model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
-                 depth=args.depth, adam_impls=args.adam_impl, precisions=args.precision)
+                 depth=args.depth, adam_impls=args.adam_impl, precisions=args.precision,
+                 keep_logits=not args.free_logits)
     except ParameterError as e:
         ap.error(str(e))
     print(json.dumps(plan_json(p), indent=1) if args.json else format_plan(p, args.all))
@@ -945,7 +956,7 @@ def combination_step(cfg: GPTConfig, combination: Combination, seed: int = 0, de
     hooks = OffloadHooks(model, min_bytes=OFFLOAD_MIN_BYTES) if combination.offload else None
 
     step = Step(combination.micro_batch, precision=combination.precision, checkpointing=combination.checkpointing,
-                offload=combination.offload, adam_impl=combination.adam_impl)
+                offload=combination.offload, adam_impl=combination.adam_impl, keep_logits=combination.keep_logits)
 
     def step_fn(model, optimizer, batch):
         return plan_step(model, optimizer, batch, step, hooks)

@@ -51,8 +51,12 @@ class AmpStep:
 
 def amp_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, *,
                    precision: str = "bf16", scaler: torch.amp.GradScaler | None = None,
-                   clip_norm: float | None = None) -> AmpStep:
-    """Run one optimizer step over the micro-batches `batches` under autocast, token-weighted; return an AmpStep."""
+                   clip_norm: float | None = None, keep_logits: bool = True) -> AmpStep:
+    """Run one optimizer step over the micro-batches `batches` under autocast, token-weighted; return an AmpStep.
+
+    keep_logits: each micro-batch's logits held through its backward, as `logits, loss = model(x, y)` holds them (the
+    chapters' steps); False frees them before backward, as torchtitan's step does (`del pred`).
+    """
     batches = list(batches)  # the micro-batches (a count is `micro_batches` elsewhere in labkit)
     if not batches:
         raise ValueError("amp_train_step needs at least one micro-batch")
@@ -62,7 +66,9 @@ def amp_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
     loss_sum = 0.0
     for batch, w in zip(batches, weights):
         with autocast(precision, device):
-            _, loss = model(*batch)  # fp32 loss: cross-entropy runs in fp32 under autocast
+            logits, loss = model(*batch)  # fp32 loss: cross-entropy runs in fp32 under autocast
+        if not keep_logits:
+            del logits  # (what the loss saved for backward stays)
         loss = loss.float() * w if w != 1.0 else loss.float()
         (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += loss.detach()

@@ -609,3 +609,22 @@ def test_the_command_shares_its_fake_steps_with_a_worker():
                                                                                       else (False,))], "fast"))
     assert groups >= P.MIN_GROUPS_PER_WORKER * 2  # so that the plan did share them
     assert "10 run on fake tensors" in out.stdout and "fastest that fits:" in out.stdout
+
+
+def test_logits_freed_before_backward_are_planned_as_measured():
+    """keep_logits=False (torchtitan's step deletes its logits before backward): rows against real steps under the
+    meter, never above the rows that hold them and below where the logits were part of the peak; the fast depth
+    exactly; the command's flag."""
+    ex = running_example(n_layer=2, batch_size=2, seq_len=16)
+    kwargs = dict(reserve_fraction=0.0, precisions=("fp32",), checkpointing=("none", "every"), offload=(False,),
+                  optimizers=("device",), workers=1)
+    freed = P.plan(ex.config, cpu_profile(ex.budget_bytes), 1, ex.seq_len, ex.batch_size, keep_logits=False, **kwargs)
+    assert all(not r.combination.keep_logits for r in freed.rows)
+    _check_against_the_meter(freed.rows, ex)
+    held = P.plan(ex.config, cpu_profile(ex.budget_bytes), 1, ex.seq_len, ex.batch_size, **kwargs)
+    pairs = list(zip(freed.rows, held.rows))
+    assert all(a.peak_bytes <= b.peak_bytes for a, b in pairs) and any(a.peak_bytes < b.peak_bytes for a, b in pairs)
+    assert "the logits freed before backward" in P.format_plan(freed) and "freed" not in P.format_plan(held)
+    spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=P.FULL_MAX_LAYERS + 1))
+    step = P.Step(2, 2, 16, "every", "fp32", keep_logits=False)
+    assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full")
