@@ -38,7 +38,10 @@ from labkit.train import ADAM_IMPLS, create_optimizer_state, make_optimizer, see
 from labkit.validate import ParameterError, check_choice, check_divides, check_float, check_int
 
 RESERVE_FRACTION = 0.10  # share of device memory kept for what tensors do not show (CUDA context, fragmentation)
-CHECKPOINTING = ("none", "every", "sqrt", "selective")  # every block; sqrt(n) segments; every block, matmuls kept
+CHECKPOINTING = ("none", "every", "full", "sqrt", "selective")  # every block but the last (kept whole: its backward
+#   comes first); every block, the last too (torchtitan's "full", transformers' gradient checkpointing); sqrt(n)
+#   segments; every block but the last, matmul outputs kept
+PLAN_CHECKPOINTING = ("none", "every", "sqrt", "selective")  # a plan's choices unless it names others
 OPTIMIZERS = ("device", "host")  # Adam's state and step on the device; on the host (ZeRO-Offload style, one device)
 OFFLOAD_MIN_BYTES = 0  # activation offload moves every saved tensor but the parameters: rows stay exact lines
 NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
@@ -70,7 +73,7 @@ MIN_GROUPS_PER_WORKER = 4  # fewer groups of fake steps run here: a worker's sta
 PLAN_PRELOAD = ("torch.distributed.fsdp",)  # torch's modules a plan worker imports beyond torch (FSDP2 rows)
 WORKER_TIMEOUT_S = 3600  # a plan worker still running after this is stopped (the 7B plan: ~35 s each, 2 cores)
 DEPTHS = ("fast", "full")  # fast: exact arithmetic over runs at FAST_DEPTHS; full: every block (the reference)
-FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "selective": (2, 3)}  # blocks of the small runs, one apart
+FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "full": (2, 3), "selective": (2, 3)}  # blocks of the small runs, one apart
 SHARDED_DEPTHS = (4, 5)  # the same for FSDP2 (its first two and last blocks stand apart)
 FULL_MAX_LAYERS = 12  # depth="fast" runs models up to this many blocks at full depth
 
@@ -108,7 +111,7 @@ class ModelSpec:
     n_layer: int | None  # identical blocks: their number (depth="fast" past FULL_MAX_LAYERS); None: always full depth
     key: str | None  # identifies the model in fake_step's cache (None: not cached)
     max_seq_len: int | None = None  # longest sequence the model takes (a learned position table), None: any
-    checkpointing: tuple = CHECKPOINTING  # the choices it takes (a transformers model: none, every)
+    checkpointing: tuple = CHECKPOINTING  # the choices it takes (a transformers model: none, full)
     batch: Callable | None = None  # (rows, seq_len) -> the batch alone, no model built (None: build's batch)
 
 
@@ -158,7 +161,7 @@ def hf_spec(config, name: str = "transformers") -> ModelSpec:
         x = torch.randint(config.vocab_size, (rows, seq_len))
         return _CausalLM(AutoModelForCausalLM.from_config(c)), (x, x.clone())
     return ModelSpec(name, build, config.num_hidden_layers, "transformers:" + config.to_json_string(),
-                     checkpointing=("none", "every"))
+                     checkpointing=("none", "full"))  # its gradient checkpointing: every layer, the last too
 
 
 def model_spec(model) -> ModelSpec:
@@ -390,7 +393,7 @@ def _checkpoint(model, checkpointing: str) -> None:
     """Checkpoint a labkit model's blocks (checkpoint_blocks) or a transformers model's layers (its own switch)."""
     if checkpointing == "none":
         return
-    if isinstance(model, _CausalLM):  # "every", the one choice hf_spec takes
+    if isinstance(model, _CausalLM):  # "full", the one choice hf_spec takes
         if hasattr(model.model, "activation_checkpointing_enable"):  # transformers 5.x's name
             model.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
@@ -400,7 +403,8 @@ def _checkpoint(model, checkpointing: str) -> None:
     if checkpointing == "sqrt":
         checkpoint_blocks(model, segments=max(1, round(math.sqrt(n))))
     else:
-        checkpoint_blocks(model, segments=n, selective=checkpointing == "selective")
+        checkpoint_blocks(model, segments=n, checkpoint_last=checkpointing == "full",
+                          selective=checkpointing == "selective")
 
 
 def _extrapolated(spec: ModelSpec, step: Step, depth: str = "fast"):
@@ -614,14 +618,15 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     for a in adam_impls:
         check_choice("adam_impls", a, ADAM_IMPLS)
     check_choice("keep_logits", keep_logits, (True, False))
-    checkpointing = spec.checkpointing if checkpointing is None else checkpointing
+    if checkpointing is None:  # a transformers model's "full" is its one way to checkpoint: planned by default
+        checkpointing = tuple(c for c in spec.checkpointing if c in PLAN_CHECKPOINTING or "every" not in spec.checkpointing)
     for c in checkpointing:
         check_choice("checkpointing", c, spec.checkpointing)
     left_out = dict(NOT_MODELLED)
     if spec.checkpointing != CHECKPOINTING:
         left_out["checkpointing " + " and ".join(c for c in CHECKPOINTING if c not in spec.checkpointing)] = (
             "a transformers model checkpoints every layer (its own switch) and nothing finer" if
-            "every" in spec.checkpointing else "a callable model has no blocks known to checkpoint")
+            "full" in spec.checkpointing else "a callable model has no blocks known to checkpoint")
     if spec.n_layer is None:
         left_out["fsdp2 of a callable model"] = "no repeated blocks known to shard one by one"
     deep = depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS
@@ -905,6 +910,10 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", nargs="+", choices=PLAN_PRECISIONS, default=None,
                     help=f"precisions to plan (default: those the GPU has of {PRECISIONS}); {MIXED_POLICY}: FSDP2's "
                          "MixedPrecisionPolicy, bf16 parameters gathered and computed, fp32 shards and reduction")
+    ap.add_argument("--checkpointing", nargs="+", choices=CHECKPOINTING, default=None,
+                    help=f"checkpointing choices to plan (default: {', '.join(PLAN_CHECKPOINTING)}; a transformers "
+                         "model: none, full); every: every block but the last; full: the last too (torchtitan's "
+                         "full activation checkpointing)")
     ap.add_argument("--adam-impl", nargs="+", choices=ADAM_IMPLS, default=list(ADAM_IMPLS[:1]),
                     help="Adam's implementations to plan, each a row of its own (foreach: CUDA's default; fused: "
                          "torchtitan's)")
@@ -925,7 +934,7 @@ def main(argv=None) -> int:
         model = replace(PRESETS[model], logits_fp32=True)
     try:
         p = plan(model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
-                 depth=args.depth, adam_impls=args.adam_impl, precisions=args.precision,
+                 depth=args.depth, adam_impls=args.adam_impl, precisions=args.precision, checkpointing=args.checkpointing,
                  keep_logits=not args.free_logits)
     except ParameterError as e:
         ap.error(str(e))

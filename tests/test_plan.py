@@ -31,7 +31,8 @@ def test_cpu_peaks_match_the_meter_within_one_percent():
     ex = running_example()
     cfg = ex.config
     p = P.plan(cfg, cpu_profile(ex.budget_bytes), 1, ex.seq_len, ex.batch_size, reserve_fraction=0.0,
-               precisions=("fp32",), offload=(False,), optimizers=("device",))  # (offload, host: the test after next)
+               precisions=("fp32",), offload=(False,), optimizers=("device",),  # (offload, host: the test after next)
+               checkpointing=P.CHECKPOINTING)  # ("full" too: a plan takes it when asked)
     combos = {(r.combination.micro_batch, r.combination.checkpointing) for r in p.rows}
     assert {c for _, c in combos} == set(P.CHECKPOINTING) and {m for m, _ in combos} == {1, 2, 4, 8, 16}
     # real steps at 4 and 16 rows: the planner runs 1, 2 and 8 as it runs 4 (two micro-batches, the rest of the
@@ -45,7 +46,7 @@ def test_bf16_peaks_match_the_meter_within_one_percent():
     slower than fp32 (the bytes do not depend on the size: every row, every checkpointing choice)."""
     ex = running_example(n_layer=2, batch_size=4, seq_len=32)
     p = P.plan(ex.config, cpu_profile(ex.budget_bytes), 1, ex.seq_len, ex.batch_size, reserve_fraction=0.0,
-               precisions=("bf16",), offload=(False,), optimizers=("device",))
+               precisions=("bf16",), offload=(False,), optimizers=("device",), checkpointing=P.CHECKPOINTING)
     combos = {(r.combination.micro_batch, r.combination.checkpointing, r.combination.precision) for r in p.rows}
     assert combos == {(m, c, "bf16") for m in (1, 2, 4) for c in P.CHECKPOINTING}
     _check_against_the_meter(p.rows, ex)
@@ -90,7 +91,7 @@ def test_fast_depth_equals_a_full_depth_run(cfg, monkeypatch):
     """Accumulation, every checkpointing choice but sqrt(n), both precisions: fast peaks and splits, byte for byte."""
     monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)  # take the fast path on a small model
     spec = P.gpt_spec(cfg)
-    for checkpointing in ("none", "every", "selective"):
+    for checkpointing in ("none", "every", "full", "selective"):
         for precision in ("fp32", "bf16"):
             # 3 rows: beyond the fit's rows (1 and 2) and beyond its depths, both extrapolations at once
             fast = P._extrapolated(spec, P.Step(3, 2, 16, checkpointing, precision), "fast")
@@ -278,13 +279,13 @@ def test_a_transformers_model_takes_the_fast_depth_exactly(monkeypatch):
 
 
 def test_a_transformers_model_checkpointed_by_its_own_switch_matches_the_meter():
-    """checkpointing "every" of a transformers model is its gradient checkpointing: the meter agrees within 1%."""
+    """checkpointing "full" of a transformers model is its gradient checkpointing: the meter agrees within 1%."""
     transformers = pytest.importorskip("transformers", reason="transformers (optional extra) is not installed")
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                    num_key_value_heads=1, vocab_size=128)
     spec = P.hf_spec(cfg)
     peaks = {}
-    for checkpointing in ("none", "every"):
+    for checkpointing in ("none", "full"):
         torch.manual_seed(0)
         model, batch = spec.build(None, 4, 16)
         P._checkpoint(model, checkpointing)
@@ -292,10 +293,10 @@ def test_a_transformers_model_checkpointed_by_its_own_switch_matches_the_meter()
         measured = measure_step(model, opt, batch, lambda m, o, b: P.plan_step(m, o, b, P.Step(2))).peak_bytes
         peaks[checkpointing] = P._extrapolated(spec, P.Step(2, 2, 16, checkpointing, "fp32"), "full")[0]
         assert abs(peaks[checkpointing] - measured) <= 0.01 * measured, (checkpointing, peaks[checkpointing], measured)
-    assert peaks["every"] < peaks["none"]
+    assert peaks["full"] < peaks["none"]
     p = P.plan(cfg, "a100-80gb", 1, 16, 2, offload=(False,), optimizers=("device",))
-    assert {r.combination.checkpointing for r in p.rows} == {"none", "every"}
-    assert "checkpointing sqrt and selective" in p.left_out
+    assert {r.combination.checkpointing for r in p.rows} == {"none", "full"}
+    assert "checkpointing every and sqrt and selective" in p.left_out
     with pytest.raises(ParameterError, match="selective"):
         P.plan(cfg, "a100-80gb", 1, 16, 2, checkpointing=("selective",))
 
@@ -353,7 +354,8 @@ def test_sharded_fast_depth_equals_a_full_depth_run(monkeypatch):
     """FSDP2 at the fast depth (first two and last blocks apart), with accumulation: byte for byte the full depth."""
     monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)
     spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=7))
-    for checkpointing, precision, shard, micro_batch in (("none", "bf16", (2, True), 3), ("every", "fp32", (2, False), 1)):
+    for checkpointing, precision, shard, micro_batch in (("none", "bf16", (2, True), 3), ("every", "fp32", (2, False), 1),
+                                                         ("full", P.MIXED_POLICY, (2, True), 3)):
         fast = P._extrapolated(spec, P.Step(micro_batch, 2, 16, checkpointing, precision, shard=shard), "fast")
         assert P._FITS[spec.key, P.Step(0, 2, 16, checkpointing, precision, shard=shard)] is not None  # no fallback
         assert fast == P._extrapolated(spec, P.Step(micro_batch, 2, 16, checkpointing, precision, shard=shard), "full")
