@@ -37,7 +37,7 @@ class Efficiency:
 A100_EFFICIENCY = Efficiency(0.559, "FMS-7B-A100-noAC-eager: 3,700 tokens/s per A100 x 47.16 GFLOP/token / 312 TFLOP/s",
                              "TT-A100-L2-13B-noAC-eager: 2,162 tokens/s published, 1,963 predicted (-9%)")
 H100_EFFICIENCY = Efficiency(0.358, "FMS-7B-H100-noAC-eager: 7,500 tokens/s per H100 x 47.16 GFLOP/token / 989 TFLOP/s",
-                             "TT-165-FSDP2-AC-eager: 6,100-6,300 tokens/s published, 6,533 predicted (+4% to +7%)")
+                             "TT-165-FSDP2-AC-eager: 6,100-6,300 tokens/s published, 6,492 predicted (+3% to +6%)")
 
 
 @dataclass(frozen=True)

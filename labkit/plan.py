@@ -583,14 +583,15 @@ def _divisors(n: int, top: int) -> list:
 def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: int = 1024, batch: int = 8,
          precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "fast",
          offload=(False, True), optimizers=OPTIMIZERS, workers: int | None = None,
-         adam_impls=ADAM_IMPLS[:1], keep_logits: bool = True) -> Plan:
+         adam_impls=ADAM_IMPLS[:1], keep_logits: bool = True, parallels=tuple(COMM_UNITS)) -> Plan:
     """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s.
 
     offload: activation offload off (False) and/or on (True); optimizers: Adam's state on the "device" and/or the
     "host" (its step too; one device); workers: processes the fake steps run in (None: plan_workers()); adam_impls:
     Adam's implementations (labkit.train.ADAM_IMPLS), each a row of its own on the device (they differ only in what
     the update allocates: no fake step more, two small ones for foreach); keep_logits: False frees the logits
-    before backward in every row (torchtitan's step) instead of holding them (the chapters').
+    before backward in every row (torchtitan's step) instead of holding them (the chapters'); parallels: the ways of
+    running on the GPUs to plan (keys of COMM_UNITS; the others' fake steps are not run).
     """
     spec = model_spec(model)
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
@@ -618,6 +619,11 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     for a in adam_impls:
         check_choice("adam_impls", a, ADAM_IMPLS)
     check_choice("keep_logits", keep_logits, (True, False))
+    parallels = tuple(parallels)
+    if not parallels:
+        raise ParameterError(f"parallels: give one or more of {tuple(COMM_UNITS)}")
+    for q in parallels:
+        check_choice("parallels", q, tuple(COMM_UNITS))
     if checkpointing is None:  # a transformers model's "full" is its one way to checkpoint: planned by default
         checkpointing = tuple(c for c in spec.checkpointing if c in PLAN_CHECKPOINTING or "every" not in spec.checkpointing)
     for c in checkpointing:
@@ -649,11 +655,13 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     if MIXED_POLICY in precisions:
         left_out[f"{MIXED_POLICY} without fsdp2"] = ("MixedPrecisionPolicy is FSDP2's: one device, DDP and ZeRO-1 "
                                                      "rows run autocast (bf16)")
-    shards = [None] + [(r, reshard) for r in ranks_list if r > 1 and spec.n_layer is not None
-                       and (not deep or r == gpus) for reshard in (False, True)]
+    flat_ranks = [r for r in ranks_list if ("single" if r == 1 else "ddp") in parallels or r > 1 and "zero1" in parallels]
+    shards = [None] * bool(flat_ranks) + [
+        (r, reshard) for r in ranks_list if r > 1 and spec.n_layer is not None and (not deep or r == gpus)
+        for reshard in (False, True) if ("fsdp2-reshard" if reshard else "fsdp2") in parallels]
     todo = {}  # every Step the rows need: each a fake step, once
     for shard in shards:
-        for rows in [batch // r for r in ranks_list] if shard is None else [batch // shard[0]]:
+        for rows in [batch // r for r in flat_ranks] if shard is None else [batch // shard[0]]:
             todo.update(dict.fromkeys(Step(mb, min(rows // mb, 2), seq_len, c, p, o, shard, a, keep_logits)
                                       for mb in _divisors(rows, rows) for c in checkpointing
                                       for p in fake_precisions + [MIXED_POLICY] * (shard is not None
@@ -675,17 +683,17 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
         shard, mb, n_micro, c, p, o = st.shard, st.micro_batch, st.n_micro, st.checkpointing, st.precision, st.offload
         out.n_params = n
         for prec in [q for q in precisions if q == p or (q, p) == ("fp16", "bf16")]:
-            for ranks in ranks_list if shard is None else [shard[0]]:
+            for ranks in flat_ranks if shard is None else [shard[0]]:
                 rows = batch // ranks
                 if rows % mb or min(rows // mb, 2) != n_micro:
                     continue
                 # held too: the rows beyond the n_micro micro-batches run; fp16: GradScaler's scalars
                 extra = (rows - mb * n_micro) * row_bytes + (GRADSCALER_BYTES if prec == "fp16" else 0)
-                parallels = (("fsdp2-reshard" if shard[1] else "fsdp2",) if shard else ("single",) if ranks == 1
-                             else ("ddp", "zero1"))
-                variants = [(parallel, "device", (peak, split)) for parallel in parallels if "device" in optimizers
+                kinds = [q for q in (("fsdp2-reshard" if shard[1] else "fsdp2",) if shard else ("single",) if ranks == 1
+                                     else ("ddp", "zero1")) if q in parallels]
+                variants = [(parallel, "device", (peak, split)) for parallel in kinds if "device" in optimizers
                             and not (parallel == "zero1" and st.adam_impl == "foreach")]
-                if ranks == 1 and "host" in optimizers and st.adam_impl == adam_impls[0]:  # (the update on the host:
+                if ranks == 1 and "host" in optimizers and st.adam_impl == adam_impls[0] and kinds:  # (the update on the host:
                     variants.append(("single", "host", host))  # one row, whatever the device's Adam would have been)
                 for parallel, where, (at_peak, at_split) in variants:
                     buckets = param_bytes if parallel in ("ddp", "zero1") else 0  # DDP's gradient buckets
@@ -910,6 +918,9 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", nargs="+", choices=PLAN_PRECISIONS, default=None,
                     help=f"precisions to plan (default: those the GPU has of {PRECISIONS}); {MIXED_POLICY}: FSDP2's "
                          "MixedPrecisionPolicy, bf16 parameters gathered and computed, fp32 shards and reduction")
+    ap.add_argument("--parallel", nargs="+", choices=tuple(COMM_UNITS), default=list(COMM_UNITS),
+                    help="ways of running on the GPUs to plan (default: all); fsdp2-reshard: FSDP2 resharding after "
+                         "forward")
     ap.add_argument("--checkpointing", nargs="+", choices=CHECKPOINTING, default=None,
                     help=f"checkpointing choices to plan (default: {', '.join(PLAN_CHECKPOINTING)}; a transformers "
                          "model: none, full); every: every block but the last; full: the last too (torchtitan's "
@@ -935,6 +946,7 @@ def main(argv=None) -> int:
     try:
         p = plan(model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
                  depth=args.depth, adam_impls=args.adam_impl, precisions=args.precision, checkpointing=args.checkpointing,
+                 parallels=args.parallel,
                  keep_logits=not args.free_logits)
     except ParameterError as e:
         ap.error(str(e))

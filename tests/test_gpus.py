@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from labkit import gpus
-from labkit.checkpointing import checkpoint_blocks
-from labkit.models import GPTConfig, build_model
+from labkit.published import flops_per_token, published_runs
 from labkit.validate import ParameterError
-from labkit.work import Work, count_work
+from labkit.work import Work
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-RUNS = {r["id"]: r for r in json.loads((Path(__file__).parent / "data" / "published_runs.json").read_text())["rows"]}
+RUNS = {r["id"]: r for r in published_runs()}
 WORK = Work({"fp32": 3e12, "bf16": 4e12}, 5e9, 1000, 2e9, 9e9)
 
 
@@ -52,30 +48,6 @@ def test_a_cuda_device_is_matched_to_its_profile_by_name(monkeypatch):
         gpus.cuda_profile()
 
 
-def counted_flops_per_token(row: dict) -> float:
-    """Return labkit.work's FLOPs per token of a published run's step: a bf16 step of one row of seq_len tokens on fake
-    tensors at depths 1 and 2, each further block adding the same (the optimizer's elementwise ops count none)."""
-    m = row["model"]
-    assert m["kv_heads"] == m["heads"], "labkit's GPT has multi-head attention only"
-    cfg = GPTConfig(n_layer=1, n_embd=m["hidden"], n_head=m["heads"], block_size=row["seq_len"], vocab_size=m["vocab"],
-                    bias=False, mlp="swiglu", mlp_hidden=m["ffn_hidden"], norm="rms", pos="rope", attn="sdpa",
-                    fused_qkv=False, tie_weights=m["tied"])
-    flops = []
-    for depth in (1, 2):
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model = build_model(dataclasses.replace(cfg, n_layer=depth))
-            if row["checkpointing"].startswith("full"):
-                checkpoint_blocks(model, segments=depth)
-            x = torch.randint(m["vocab"], (1, row["seq_len"]))
-
-            def step():
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    _, loss = model(x, x)
-                loss.backward()
-            flops.append(count_work(step).total_flops)
-    return (flops[0] + (flops[1] - flops[0]) * (m["layers"] - 1)) / row["seq_len"]
-
-
 @pytest.mark.parametrize("gpu", ["a100-80gb", "h100"])
 def test_each_efficiency_is_its_source_runs_and_predicts_another_run_within_25_percent(gpu):
     """The fraction: the source run's tokens/s x counted FLOPs per token over the bf16 peak. Its check: a different
@@ -85,9 +57,9 @@ def test_each_efficiency_is_its_source_runs_and_predicts_another_run_within_25_p
     check = next(r for r in RUNS.values() if r["use"].startswith(f"efficiency check: {gpu.split('-')[0]}"))
     assert source["id"] in profile.efficiency.source and check["id"] in profile.efficiency.check
     peak = profile.flops_per_s["bf16"]
-    fraction = source["tokens_per_s_per_gpu"] * counted_flops_per_token(source) / peak
+    fraction = source["tokens_per_s_per_gpu"] * flops_per_token(source) / peak
     assert profile.efficiency.fraction == pytest.approx(fraction, abs=0.0005)
-    predicted = profile.efficiency.fraction * peak / counted_flops_per_token(check)
+    predicted = profile.efficiency.fraction * peak / flops_per_token(check)
     lo, hi = (check["tokens_per_s_per_gpu"],) * 2 if isinstance(check["tokens_per_s_per_gpu"], int) else \
         check["tokens_per_s_per_gpu"]
     error = min(abs(predicted / lo - 1), abs(predicted / hi - 1))

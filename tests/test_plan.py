@@ -630,3 +630,18 @@ def test_logits_freed_before_backward_are_planned_as_measured():
     spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=P.FULL_MAX_LAYERS + 1))
     step = P.Step(2, 2, 16, "every", "fp32", keep_logits=False)
     assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full")
+
+
+def test_parallels_limit_the_rows_and_the_fake_steps_to_those_named():
+    kwargs = dict(gpu="h100", gpus=2, seq_len=16, batch=2, precisions=("fp32",), checkpointing=("none",),
+                  offload=(False,), optimizers=("device",))
+    whole = P.plan(SMALL, **kwargs)
+    only = P.plan(SMALL, parallels=("fsdp2-reshard",), **kwargs)
+    assert {r.combination.parallel for r in only.rows} == {"fsdp2-reshard"} and only.fake_steps < whole.fake_steps
+    same = {(r.combination.micro_batch, r.peak_bytes) for r in whole.rows if r.combination.parallel == "fsdp2-reshard"}
+    assert {(r.combination.micro_batch, r.peak_bytes) for r in only.rows} == same
+    ddp = P.plan(SMALL, parallels=("ddp",), **kwargs)
+    assert {(r.combination.parallel, r.combination.ranks) for r in ddp.rows} == {("ddp", 2)}
+    for bad in ((), ("fsdp3",)):
+        with pytest.raises(ParameterError, match="parallels"):
+            P.plan(SMALL, parallels=bad, **kwargs)

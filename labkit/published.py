@@ -1,0 +1,178 @@
+"""Published measurements of real training runs beside the planner's figures (chapter 09's validation table).
+
+Each run in data/published_runs.json has its exact source, the configuration it ran and the counter its memory figure
+is. `validation()` sets the planner's figure beside each published one: the peak of the plan's row for the run (where
+the run lists the planner's arguments, "plan"), and tokens/s from the GPU's achieved fraction of peak (labkit.gpus),
+which comes from a different published run than the one it is checked on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from labkit import gpus
+from labkit.validate import ParameterError
+
+RUNS_PATH = Path(__file__).parent / "data" / "published_runs.json"
+GiB = 2**30
+TARGETS = {"peak active": 0.05, "peak allocated": 0.05, "peak reserved": 0.10, "tokens/s per GPU": 0.25}
+"""Largest relative error allowed for each kind of figure (issue 35): allocated and active peaks 5%, reserved 10%,
+tokens/s 25%."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One published figure beside the planner's."""
+
+    run: str  # the run's id in data/published_runs.json
+    figure: str  # a key of TARGETS
+    published: tuple  # (low, high): the run's figure (low == high where it gives one number), GiB or tokens/s
+    predicted: float | None  # the planner's, same unit; None: not modelled (see basis)
+    basis: str  # where the prediction comes from, or why there is none
+
+    @property
+    def error(self) -> float | None:
+        """Return the relative error to the nearer end of the published range (0 inside it; None: no prediction)."""
+        if self.predicted is None:
+            return None
+        lo, hi = self.published
+        if self.predicted > hi:
+            return self.predicted / hi - 1
+        return self.predicted / lo - 1 if self.predicted < lo else 0.0
+
+    @property
+    def within(self) -> bool | None:
+        """Return whether the error is within the figure's target (None: no prediction)."""
+        return None if self.error is None else abs(self.error) <= TARGETS[self.figure]
+
+
+def published_runs() -> list[dict]:
+    """Return the published runs (data/published_runs.json's rows)."""
+    return json.loads(RUNS_PATH.read_text())["rows"]
+
+
+def run_config(run: dict):
+    """Return the GPTConfig of a published run's model (labkit's GPT, Llama options); ParameterError where it has
+    grouped-query attention (labkit's GPT has multi-head attention only)."""
+    from labkit.models import GPTConfig
+    m = run["model"]
+    if m["kv_heads"] != m["heads"]:
+        raise ParameterError(f"run {run['id']}: {m['kv_heads']} key/value heads for {m['heads']} query heads; labkit's "
+                             "GPT has multi-head attention only")
+    return GPTConfig(n_layer=m["layers"], n_embd=m["hidden"], n_head=m["heads"], block_size=run["seq_len"],
+                     vocab_size=m["vocab"], bias=False, mlp="swiglu", mlp_hidden=m["ffn_hidden"], norm="rms",
+                     pos="rope", attn="sdpa", fused_qkv=False, tie_weights=m["tied"])
+
+
+def flops_per_token(run: dict) -> float:
+    """Return labkit.work's FLOPs per token of a published run's step: a bf16 step of one row of seq_len tokens on fake
+    tensors at depths 1 and 2, each further block adding the same (the optimizer's elementwise ops count none)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from labkit.checkpointing import checkpoint_blocks
+    from labkit.models import build_model
+    from labkit.work import count_work
+    cfg, layers = run_config(run), run["model"]["layers"]
+    flops = []
+    for depth in (1, 2):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = build_model(dataclasses.replace(cfg, n_layer=depth))
+            if run["checkpointing"].startswith("full"):
+                checkpoint_blocks(model, segments=depth, checkpoint_last=True)
+            x = torch.randint(cfg.vocab_size, (1, run["seq_len"]))
+
+            def step():
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    _, loss = model(x, x)
+                loss.backward()
+            flops.append(count_work(step).total_flops)
+    return (flops[0] + (flops[1] - flops[0]) * (layers - 1)) / run["seq_len"]
+
+
+def _range(value) -> tuple:
+    return (value, value) if isinstance(value, (int, float)) else tuple(value)
+
+
+def memory_checks(run: dict, depth: str = "fast", workers: int | None = None) -> list[Check]:
+    """Return the run's memory figures beside the peak of the plan's row for it (run["plan"]); reserved: not
+    modelled."""
+    from dataclasses import replace
+
+    from labkit.plan import PRESETS, plan
+    a = run["plan"]
+    model = replace(PRESETS[a["model"]], logits_fp32=a["logits_fp32"])
+    p = plan(model, a["gpu"], a["gpus"], a["seq_len"], a["batch"], precisions=(a["precision"],),
+             checkpointing=(a["checkpointing"],), offload=(False,), optimizers=("device",),
+             adam_impls=(a["adam_impl"],), keep_logits=a["keep_logits"], parallels=(a["parallel"],), depth=depth,
+             workers=workers)
+    row = next(r for r in p.rows if r.combination.micro_batch == a["micro_batch"])
+    c = row.combination
+    basis = (f"the plan's row: {c.ranks} × {c.parallel}, micro-batch {c.micro_batch} × {c.accum_steps}, "
+             f"{c.checkpointing} checkpointing, {c.precision}, {c.adam_impl} Adam, logits "
+             f"{'held through' if c.keep_logits else 'freed before'} backward")
+    out = []
+    for key, figure in (("peak_allocated_gib", "peak allocated"), ("peak_active_gib", "peak active")):
+        if key in run["memory"]:
+            out.append(Check(run["id"], figure, _range(run["memory"][key]), row.peak_bytes / GiB, basis))
+    if "peak_reserved_gib" in run["memory"]:
+        out.append(Check(run["id"], "peak reserved", _range(run["memory"]["peak_reserved_gib"]), None,
+                         "not modelled: the caching allocator's reserved-minus-allocated gap (rounding, "
+                         "fragmentation, one pool per stream) is not in the fake step"))
+    return out
+
+
+def throughput_checks(runs: list[dict]) -> list[Check]:
+    """Return each run's tokens/s per GPU beside the prediction from its GPU's achieved fraction of peak (labkit.gpus):
+    fraction x bf16 peak / the run's counted FLOPs per token; a run the fraction is taken from is its source."""
+    out = []
+    for run in runs:
+        if "tokens_per_s_per_gpu" not in run:
+            continue
+        profile = gpus.GPUS[run["gpu"]]
+        eff = profile.efficiency
+        if eff is None:
+            out.append(Check(run["id"], "tokens/s per GPU", _range(run["tokens_per_s_per_gpu"]), None,
+                             f"no published fraction of peak for the {run['gpu']}"))
+        elif run["id"] in eff.source:
+            out.append(Check(run["id"], "tokens/s per GPU", _range(run["tokens_per_s_per_gpu"]), None,
+                             f"the {run['gpu']}'s fraction of peak ({eff.fraction:.3f}) is taken from this run: "
+                             "not a check"))
+        else:
+            counted = flops_per_token(run)
+            out.append(Check(run["id"], "tokens/s per GPU", _range(run["tokens_per_s_per_gpu"]),
+                             eff.fraction * profile.flops_per_s["bf16"] / counted,
+                             f"{eff.fraction:.3f} of the {run['gpu']}'s bf16 peak (from {eff.source.split(':')[0]}) "
+                             f"over {counted / 1e9:.2f} GFLOP per token counted"))
+    return out
+
+
+def validation(depth: str = "fast", workers: int | None = None) -> list[Check]:
+    """Return every published figure beside the planner's: memory where a run gives the plan's arguments, tokens/s
+    where its GPU has a published fraction of peak."""
+    runs = published_runs()
+    out = []
+    for run in runs:
+        if "plan" in run and "memory" in run:
+            out.extend(memory_checks(run, depth, workers))
+    return out + throughput_checks(runs)
+
+
+def format_validation(checks: list[Check]) -> str:
+    """Return the checks as a table: run, figure, published, the plan's, error, within the target."""
+    lines = [f"{'run':28s} {'figure':17s} {'published':>13s} {'planned':>9s} {'error':>7s}  target",
+             "-" * 86]
+    for c in checks:
+        lo, hi = c.published
+        unit = ".2f" if "peak" in c.figure else ",.0f"
+        pub = f"{lo:{unit}}" if lo == hi else f"{lo:{unit}}–{hi:{unit}}"
+        pred = "—" if c.predicted is None else f"{c.predicted:{unit}}"
+        err = "—" if c.error is None else f"{c.error:+.1%}"
+        verdict = "—" if c.within is None else f"±{TARGETS[c.figure]:.0%} " + ("yes" if c.within else "NO")
+        lines.append(f"{c.run:28s} {c.figure:17s} {pub:>13s} {pred:>9s} {err:>7s}  {verdict}")
+    lines.append("memory in GiB (2^30 B); —: not a check (the reason is each check's basis)")
+    return "\n".join(lines)

@@ -1,0 +1,46 @@
+"""labkit.published: the planner's figures beside published runs', each within the issue's targets."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit import published
+from labkit.validate import ParameterError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_an_error_is_to_the_nearer_end_of_a_published_range():
+    check = published.Check("r", "tokens/s per GPU", (100, 120), 130.0, "")
+    assert check.error == pytest.approx(130 / 120 - 1) and check.within
+    assert published.Check("r", "tokens/s per GPU", (100, 120), 110.0, "").error == 0.0
+    assert published.Check("r", "peak active", (10, 10), 9.0, "").error == pytest.approx(-0.1)
+    assert published.Check("r", "peak active", (10, 10), 9.0, "").within is False  # 10% off: the target is 5%
+    assert published.Check("r", "peak reserved", (10, 10), None, "not modelled").within is None
+
+
+def test_grouped_query_attention_is_refused_by_name():
+    run = dict(published.published_runs()[0], id="gqa")
+    run["model"] = dict(run["model"], kv_heads=8)
+    with pytest.raises(ParameterError, match="gqa: 8 key/value heads for 32 query heads"):
+        published.run_config(run)
+
+
+def test_every_published_figure_the_planner_models_is_within_its_target():
+    """The 7B FSDP2 run's peak active memory from its plan row (fake steps at the fast depth), tokens/s from a fraction
+    of peak taken from another run; each run a fraction comes from is marked, not counted as a check."""
+    checks = published.validation(workers=1)
+    print(published.format_validation(checks))
+    by = {(c.run, c.figure): c for c in checks}
+    active = by["TT-165-FSDP2-AC-eager", "peak active"]
+    assert active.published == (22.73, 22.73) and abs(active.error) <= 0.05
+    assert "8 × fsdp2-reshard, micro-batch 8 × 1, full checkpointing, bf16-mp, foreach Adam" in active.basis
+    assert by["TT-165-FSDP2-AC-eager", "peak reserved"].predicted is None  # said so, not guessed
+    checked = [c for c in checks if c.predicted is not None]
+    assert {c.figure for c in checked} == {"peak active", "tokens/s per GPU"} and len(checked) == 3
+    assert all(c.within for c in checked), published.format_validation(checks)
+    sources = [c for c in checks if "taken from this run" in c.basis]
+    assert {c.run for c in sources} == {"FMS-7B-A100-noAC-eager", "FMS-7B-H100-noAC-eager"}
+    for c in checked:
+        if c.figure == "tokens/s per GPU":  # never checked on the run its fraction came from
+            assert c.run not in {s.run for s in sources} and "from FMS-7B-" in c.basis
