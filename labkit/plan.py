@@ -35,7 +35,7 @@ from labkit.offload import OffloadHooks
 from labkit.precision import PRECISIONS, amp_train_step
 from labkit.progress import progress
 from labkit.train import ADAM_IMPLS, create_optimizer_state, make_optimizer, seeded_model
-from labkit.validate import ParameterError, check_choice, check_divides, check_float, check_int
+from labkit.validate import ParameterError, check_choice, check_divides, check_float, check_int, check_int_list
 
 RESERVE_FRACTION = 0.10  # share of device memory kept for what tensors do not show (CUDA context, fragmentation)
 CHECKPOINTING = ("none", "every", "full", "sqrt", "selective")  # every block but the last (kept whole: its backward
@@ -583,7 +583,8 @@ def _divisors(n: int, top: int) -> list:
 def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: int = 1024, batch: int = 8,
          precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "fast",
          offload=(False, True), optimizers=OPTIMIZERS, workers: int | None = None,
-         adam_impls=ADAM_IMPLS[:1], keep_logits: bool = True, parallels=tuple(COMM_UNITS)) -> Plan:
+         adam_impls=ADAM_IMPLS[:1], keep_logits: bool = True, parallels=tuple(COMM_UNITS),
+         micro_batches=None) -> Plan:
     """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s.
 
     offload: activation offload off (False) and/or on (True); optimizers: Adam's state on the "device" and/or the
@@ -591,7 +592,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     Adam's implementations (labkit.train.ADAM_IMPLS), each a row of its own on the device (they differ only in what
     the update allocates: no fake step more, two small ones for foreach); keep_logits: False frees the logits
     before backward in every row (torchtitan's step) instead of holding them (the chapters'); parallels: the ways of
-    running on the GPUs to plan (keys of COMM_UNITS; the others' fake steps are not run).
+    running on the GPUs to plan (keys of COMM_UNITS; the others' fake steps are not run); micro_batches: the rows per
+    micro-batch to plan (None: every one dividing a GPU's share of the batch).
     """
     spec = model_spec(model)
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
@@ -624,6 +626,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
         raise ParameterError(f"parallels: give one or more of {tuple(COMM_UNITS)}")
     for q in parallels:
         check_choice("parallels", q, tuple(COMM_UNITS))
+    if micro_batches is not None:
+        micro_batches = check_int_list("micro_batches", list(micro_batches), 1, batch)
     if checkpointing is None:  # a transformers model's "full" is its one way to checkpoint: planned by default
         checkpointing = tuple(c for c in spec.checkpointing if c in PLAN_CHECKPOINTING or "every" not in spec.checkpointing)
     for c in checkpointing:
@@ -663,7 +667,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     for shard in shards:
         for rows in [batch // r for r in flat_ranks] if shard is None else [batch // shard[0]]:
             todo.update(dict.fromkeys(Step(mb, min(rows // mb, 2), seq_len, c, p, o, shard, a, keep_logits)
-                                      for mb in _divisors(rows, rows) for c in checkpointing
+                                      for mb in _divisors(rows, rows) if micro_batches is None
+                                      or mb in micro_batches for c in checkpointing
                                       for p in fake_precisions + [MIXED_POLICY] * (shard is not None
                                                                                     and MIXED_POLICY in precisions)
                                       for o in (offload if shard is None and c == "none" else (False,))
@@ -672,6 +677,10 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     # step is the one without checkpointing, operation for operation: its fake step serves both
     same = {st: replace(st, checkpointing="none") for st in todo
             if st.checkpointing == "sqrt" and spec.n_layer is not None and round(math.sqrt(spec.n_layer)) <= 1}
+    if not todo:
+        raise ParameterError(f"micro_batches: none of {micro_batches} divides a GPU's share of the batch "
+                             f"({', '.join(str(batch // r) for r in ranks_list)} rows on {', '.join(map(str, ranks_list))} "
+                             "GPUs)")
     run = list(dict.fromkeys(same.get(st, st) for st in todo))
     fake = _fake_steps(model, spec, run, depth, plan_workers() if workers is None else workers)
     fake = {st: fake[same.get(st, st)] for st in todo}

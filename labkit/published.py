@@ -108,8 +108,8 @@ def memory_checks(run: dict, depth: str = "fast", workers: int | None = None) ->
     model = replace(PRESETS[a["model"]], logits_fp32=a["logits_fp32"])
     p = plan(model, a["gpu"], a["gpus"], a["seq_len"], a["batch"], precisions=(a["precision"],),
              checkpointing=(a["checkpointing"],), offload=(False,), optimizers=("device",),
-             adam_impls=(a["adam_impl"],), keep_logits=a["keep_logits"], parallels=(a["parallel"],), depth=depth,
-             workers=workers)
+             adam_impls=(a["adam_impl"],), keep_logits=a["keep_logits"], parallels=(a["parallel"],),
+             micro_batches=(a["micro_batch"],), depth=depth, workers=workers)
     row = next(r for r in p.rows if r.combination.micro_batch == a["micro_batch"])
     c = row.combination
     basis = (f"the plan's row: {c.ranks} × {c.parallel}, micro-batch {c.micro_batch} × {c.accum_steps}, "

@@ -645,3 +645,7 @@ def test_parallels_limit_the_rows_and_the_fake_steps_to_those_named():
     for bad in ((), ("fsdp3",)):
         with pytest.raises(ParameterError, match="parallels"):
             P.plan(SMALL, parallels=bad, **kwargs)
+    one = P.plan(SMALL, parallels=("fsdp2-reshard",), micro_batches=(1,), **kwargs)
+    assert [(r.combination.micro_batch, r.peak_bytes) for r in one.rows] == [x for x in same if x[0] == 1]
+    with pytest.raises(ParameterError, match="micro_batches: none of \\[2\\] divides"):
+        P.plan(SMALL, parallels=("fsdp2-reshard",), micro_batches=(2,), **kwargs)
