@@ -14,8 +14,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-from labkit.validate import check_choice, check_divides, check_int
+from labkit.validate import ParameterError, check_choice, check_divides, check_int
 
+ATTENTION = ("manual", "sdpa", "flash", "efficient")  # GPTConfig.attn's choices: written out; torch's SDPA on the
+#   device (on a CPU its flash kernel, which saves what CUDA's flash saves but its random state); CUDA's flash and
+#   memory-efficient kernels (a plan's fake step saves what each saves on a GPU; a real step needs CUDA)
 IGNORE_INDEX = -100  # a target the loss skips (padding); data.py pads targets with it
 
 
@@ -34,7 +37,8 @@ class GPTConfig:
     mlp_hidden: int | None = None  # MLP hidden width; None: 4*C for gelu, the llama rule for swiglu
     norm: str = "layer"  # "layer" (LayerNorm) or "rms" (RMSNorm)
     pos: str = "learned"  # "learned" position table or "rope" rotary embeddings
-    attn: str = "manual"  # "manual" (softmax(QK^T)V, T×T scores kept) or "sdpa" (fused kernel)
+    attn: str = "manual"  # one of ATTENTION: "manual" (softmax(QK^T)V, T×T scores kept), "sdpa" (the fused kernel torch
+    #                       picks on the device), "flash" or "efficient" (CUDA's kernels: planned on fake tensors)
     fused_qkv: bool = True  # one Linear for q, k and v (GPT-2) or three (llama; tensor parallelism splits them by head)
     tie_weights: bool = True  # share token embedding and output head (GPT-2: True, llama: False)
     logits_fp32: bool = False  # upcast the logits to fp32 before the loss, as torchtitan's Llama does (a 16-bit step
@@ -47,7 +51,7 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
         for name, allowed in (("mlp", ("gelu", "swiglu")), ("norm", ("layer", "rms")),
-                              ("pos", ("learned", "rope")), ("attn", ("manual", "sdpa"))):
+                              ("pos", ("learned", "rope")), ("attn", ATTENTION)):
             check_choice(f"GPTConfig.{name}", getattr(self, name), allowed)
         if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError("GPTConfig: rope needs an even head width n_embd // n_head")
@@ -115,6 +119,21 @@ def _rope(x, cos, sin):  # x: (B, H, T, D); cos, sin: (T, D/2)
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
+def _cuda_attention(kernel: str, q, k, v, dropout_p: float):
+    """Return causal attention by CUDA's flash or memory-efficient SDPA kernel, called as SDPA calls it: autograd
+    then saves what that kernel's backward takes (torch's derivatives.yaml), at the shapes its meta function gives,
+    on fake tensors as on a GPU. "flash" on fp32 inputs runs the memory-efficient kernel, as SDPA picks on CUDA (flash
+    takes fp16 and bf16 only)."""
+    try:
+        if kernel == "flash" and q.dtype in (torch.float16, torch.bfloat16):
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, True)[0]
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, True)[0]
+    except NotImplementedError:
+        raise ParameterError(f"GPTConfig.attn={kernel!r} runs CUDA's {kernel} attention kernel: a real step needs a "
+                             f"CUDA device, not {q.device.type} (a plan runs it on fake tensors; "
+                             "attn='sdpa' runs the device's own)") from None
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention."""
 
@@ -140,9 +159,11 @@ class CausalSelfAttention(nn.Module):
         if self.cfg.pos == "rope":
             cos, sin = _rope_table(T, D, q.device, q.dtype)  # one table for q and k
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        p = self.cfg.dropout if self.training else 0.0
         if self.cfg.attn == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.cfg.dropout if self.training else 0.0)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        elif self.cfg.attn in ("flash", "efficient"):
+            y = _cuda_attention(self.cfg.attn, q, k, v, p)
         else:
             att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (B, H, T, T)
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()

@@ -30,7 +30,7 @@ from labkit.work import WorkCounter
 from labkit.gpus import DeviceProfile, device_profile
 from labkit.hosttier import host_tier
 from labkit.meter import CATEGORIES, active_meter, format_bytes
-from labkit.models import GPTConfig, blocks_of, build_model
+from labkit.models import ATTENTION, GPTConfig, blocks_of, build_model
 from labkit.offload import OffloadHooks
 from labkit.precision import PRECISIONS, amp_train_step
 from labkit.progress import progress
@@ -168,9 +168,13 @@ def model_spec(model) -> ModelSpec:
     """Return the spec of a preset name, a GPTConfig, a config.json path, a transformers config or a ModelSpec."""
     if isinstance(model, ModelSpec):
         return model
-    if isinstance(model, GPTConfig):  # named by its preset where it is one (its logits upcast or not)
-        name = next((k for k, v in PRESETS.items() if v == replace(model, logits_fp32=False)), "GPTConfig")
-        return gpt_spec(model, name + (", fp32 logits" if model.logits_fp32 else ""))
+    if isinstance(model, GPTConfig):  # named by its preset where it is one (its logits upcast or not, its attention)
+        name = next((k for k, v in PRESETS.items() if replace(v, attn=model.attn) == replace(model, logits_fp32=False)),
+                    None)
+        if name is None:
+            return gpt_spec(model, "GPTConfig")
+        return gpt_spec(model, name + (", fp32 logits" if model.logits_fp32 else "")
+                        + (f", {model.attn} attention" if model.attn != PRESETS[name].attn else ""))
     if isinstance(model, str) and model in PRESETS:
         return gpt_spec(PRESETS[model], model)
     if isinstance(model, str) and model.endswith(".json"):
@@ -943,15 +947,21 @@ def main(argv=None) -> int:
     ap.add_argument("--free-logits", action="store_true",
                     help="free the logits before backward, as torchtitan's step does (default: held, as "
                          "`logits, loss = model(x, y)` holds them)")
+    ap.add_argument("--attention", choices=ATTENTION, default=None,
+                    help="a preset's attention: manual (T×T scores kept), sdpa (the kernel torch picks on the device), "
+                         "flash or efficient (CUDA's kernels: what each saves for backward)")
     ap.add_argument("--all", action="store_true", help="print every combination, not only the Pareto front")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
     model = args.model
-    if args.logits_fp32:
-        if model not in PRESETS:
-            ap.error(f"--logits-fp32: a preset's option ({', '.join(PRESETS)}); a transformers model's loss upcasts "
-                     "its logits already")
-        model = replace(PRESETS[model], logits_fp32=True)
+    if args.logits_fp32 and model not in PRESETS:
+        ap.error(f"--logits-fp32: a preset's option ({', '.join(PRESETS)}); a transformers model's loss upcasts "
+                 "its logits already")
+    if args.attention and model not in PRESETS:
+        ap.error(f"--attention: a preset's option ({', '.join(PRESETS)}); a transformers config sets its own "
+                 "(attn_implementation)")
+    if model in PRESETS and (args.logits_fp32 or args.attention):
+        model = replace(PRESETS[model], logits_fp32=args.logits_fp32, attn=args.attention or PRESETS[model].attn)
     try:
         p = plan(model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
                  depth=args.depth, adam_impls=args.adam_impl, precisions=args.precision, checkpointing=args.checkpointing,

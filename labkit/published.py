@@ -105,7 +105,7 @@ def memory_checks(run: dict, depth: str = "fast", workers: int | None = None) ->
 
     from labkit.plan import PRESETS, plan
     a = run["plan"]
-    model = replace(PRESETS[a["model"]], logits_fp32=a["logits_fp32"])
+    model = replace(PRESETS[a["model"]], logits_fp32=a["logits_fp32"], attn=a["attention"])
     p = plan(model, a["gpu"], a["gpus"], a["seq_len"], a["batch"], precisions=(a["precision"],),
              checkpointing=(a["checkpointing"],), offload=(False,), optimizers=("device",),
              adam_impls=(a["adam_impl"],), keep_logits=a["keep_logits"], parallels=(a["parallel"],),
@@ -113,6 +113,7 @@ def memory_checks(run: dict, depth: str = "fast", workers: int | None = None) ->
     row = next(r for r in p.rows if r.combination.micro_batch == a["micro_batch"])
     c = row.combination
     basis = (f"the plan's row: {c.ranks} × {c.parallel}, micro-batch {c.micro_batch} × {c.accum_steps}, "
+             f"{a['attention']} attention, "
              f"{c.checkpointing} checkpointing, {c.precision}, {c.adam_impl} Adam, logits "
              f"{'held through' if c.keep_logits else 'freed before'} backward")
     out = []

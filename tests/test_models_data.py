@@ -179,7 +179,7 @@ def test_gpt_config_rejects_indivisible_width():
     assert "n_head" in str(info.value) and "130" in str(info.value)
 
 
-@pytest.mark.parametrize("field, value", [("mlp", "relu"), ("norm", "batch"), ("pos", "alibi"), ("attn", "flash"),
+@pytest.mark.parametrize("field, value", [("mlp", "relu"), ("norm", "batch"), ("pos", "alibi"), ("attn", "flash-3"),
                                           ("n_layer", 0), ("vocab_size", 2.5), ("n_head", True),
                                           ("dropout", 1.0)])
 def test_gpt_config_rejects_bad_fields(field, value):

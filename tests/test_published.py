@@ -34,7 +34,7 @@ def test_every_published_figure_the_planner_models_is_within_its_target():
     by = {(c.run, c.figure): c for c in checks}
     active = by["TT-165-FSDP2-AC-eager", "peak active"]
     assert active.published == (22.73, 22.73) and abs(active.error) <= 0.05
-    assert "8 × fsdp2-reshard, micro-batch 8 × 1, full checkpointing, bf16-mp, foreach Adam" in active.basis
+    assert "8 × fsdp2-reshard, micro-batch 8 × 1, flash attention, full checkpointing, bf16-mp, foreach Adam" in active.basis
     assert by["TT-165-FSDP2-AC-eager", "peak reserved"].predicted is None  # said so, not guessed
     checked = [c for c in checks if c.predicted is not None]
     assert {c.figure for c in checked} == {"peak active", "tokens/s per GPU"} and len(checked) == 3
