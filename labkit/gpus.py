@@ -55,6 +55,15 @@ class DeviceProfile:
     #   204.8 GB/s; a CPU Adam reaches a fraction of it); give your own with dataclasses.replace
     efficiency: Efficiency | None = None  # a published run's achieved fraction of peak on this GPU class (None: none
     #   published that we could cite: the roofline bound only)
+    gpus_per_node: int = 8  # GPUs one server holds: beyond it, rings cross the network
+    node_bytes_per_s: float = 100 / 8 * GB / 8  # network per GPU, one direction (default: one 100 Gb/s NIC per
+    #   8-GPU server, a cloud PCIe instance's; an NVLink server's figures below: one InfiniBand NIC per GPU)
+
+    def link_bytes_per_s(self, ranks: int) -> float:
+        """Return the bandwidth a ring over `ranks` GPUs runs at, per GPU and direction: device-to-device within a
+        server; beyond it each GPU's share of the network, when slower (NCCL's rings cross servers on it)."""
+        return self.peer_bytes_per_s if ranks <= self.gpus_per_node else min(self.peer_bytes_per_s,
+                                                                           self.node_bytes_per_s)
 
     @property
     def half(self) -> str:
@@ -65,7 +74,7 @@ class DeviceProfile:
         if "fp32" not in self.flops_per_s or any(v <= 0 for v in self.flops_per_s.values()):
             raise ParameterError(f"flops_per_s must give fp32 and positive rates, got {self.flops_per_s}")
         for name in ("memory_bytes", "memory_bytes_per_s", "host_bytes_per_s", "peer_bytes_per_s",
-                     "host_memory_bytes_per_s"):
+                     "host_memory_bytes_per_s", "gpus_per_node", "node_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ParameterError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -74,11 +83,16 @@ PCIE3 = 16 * GB  # PCIe 3.0 x16, one direction
 PCIE4 = 32 * GB  # PCIe 4.0 x16, one direction
 PCIE5 = 64 * GB  # PCIe 5.0 x16, one direction
 
+DGX_A100_NIC = 200 / 8 * GB  # NVIDIA DGX A100 user guide: one 200 Gb/s HDR InfiniBand NIC per GPU (8 per server)
+DGX_H100_NIC = 400 / 8 * GB  # NVIDIA DGX H100 user guide: one 400 Gb/s NDR InfiniBand NIC per GPU (8 per server)
+
 # Dense (no sparsity) tensor-core figures with fp32 accumulation; fp32 is the non-tensor (no TF32) rate.
 GPUS = {
     # NVIDIA T4 datasheet: 16 GB GDDR6 (15,360 MiB usable: nvidia-smi's total, ECC on), 320 GB/s, fp32 8.1 TFLOPS,
     # fp16 tensor 65 TFLOPS; no bf16; PCIe 3.0
-    "t4": DeviceProfile("t4", 15360 * 2**20, {"fp32": 8.1 * TERA, "fp16": 65 * TERA}, 320 * GB, PCIE3, PCIE3),
+    # (a T4 server, AWS g4dn.12xlarge: 4 GPUs, 50 Gb/s)
+    "t4": DeviceProfile("t4", 15360 * 2**20, {"fp32": 8.1 * TERA, "fp16": 65 * TERA}, 320 * GB, PCIE3, PCIE3,
+                        gpus_per_node=4, node_bytes_per_s=50 / 8 * GB / 4),
     # NVIDIA L4 datasheet: 24 GB, 300 GB/s, fp32 30.3 TFLOPS, bf16/fp16 tensor 121 TFLOPS dense (242 sparse); PCIe 4.0
     "l4": DeviceProfile("l4", 24 * GiB, {"fp32": 30.3 * TERA, "bf16": 121 * TERA, "fp16": 121 * TERA},
                         300 * GB, PCIE4, PCIE4),
@@ -93,17 +107,17 @@ GPUS = {
     # NVIDIA A100 datasheet (SXM): 40 GB HBM2 1555 GB/s; fp32 19.5 TFLOPS, bf16/fp16 tensor 312 TFLOPS dense;
     # NVLink 600 GB/s (both directions: 300 each way); PCIe 4.0
     "a100-40gb": DeviceProfile("a100-40gb", 40 * GiB, {"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
-                               1555 * GB, PCIE4, 300 * GB, efficiency=A100_EFFICIENCY),
+                               1555 * GB, PCIE4, 300 * GB, efficiency=A100_EFFICIENCY, node_bytes_per_s=DGX_A100_NIC),
     # NVIDIA A100 datasheet (SXM): 80 GB HBM2e 2039 GB/s; otherwise as the 40 GB card
     "a100-80gb": DeviceProfile("a100-80gb", 80 * GiB, {"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
-                               2039 * GB, PCIE4, 300 * GB, efficiency=A100_EFFICIENCY),
+                               2039 * GB, PCIE4, 300 * GB, efficiency=A100_EFFICIENCY, node_bytes_per_s=DGX_A100_NIC),
     # NVIDIA H100 datasheet (SXM): 80 GB HBM3 3.35 TB/s; fp32 67 TFLOPS, bf16/fp16 tensor 989 TFLOPS dense
     # (1979 sparse); NVLink 900 GB/s (450 each way); PCIe 5.0
     "h100": DeviceProfile("h100", 80 * GiB, {"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
-                          3350 * GB, PCIE5, 450 * GB, efficiency=H100_EFFICIENCY),
+                          3350 * GB, PCIE5, 450 * GB, efficiency=H100_EFFICIENCY, node_bytes_per_s=DGX_H100_NIC),
     # NVIDIA H200 datasheet (SXM): 141 GB HBM3e 4.8 TB/s; compute and links as the H100 SXM
     "h200": DeviceProfile("h200", 141 * GB, {"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
-                          4800 * GB, PCIE5, 450 * GB),
+                          4800 * GB, PCIE5, 450 * GB, node_bytes_per_s=DGX_H100_NIC),
 }
 
 

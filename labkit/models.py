@@ -37,8 +37,8 @@ class GPTConfig:
     mlp_hidden: int | None = None  # MLP hidden width; None: 4*C for gelu, the llama rule for swiglu
     norm: str = "layer"  # "layer" (LayerNorm) or "rms" (RMSNorm)
     pos: str = "learned"  # "learned" position table or "rope" rotary embeddings
-    attn: str = "manual"  # one of ATTENTION: "manual" (softmax(QK^T)V, T×T scores kept), "sdpa" (the fused kernel torch
-    #                       picks on the device), "flash" or "efficient" (CUDA's kernels: planned on fake tensors)
+    attn: str = "manual"  # one of ATTENTION: "manual" (softmax(QK^T)V, T×T scores kept), "sdpa" (the fused kernel
+    #                       torch picks on the device), "flash" or "efficient" (CUDA's kernels: planned on fake tensors)
     fused_qkv: bool = True  # one Linear for q, k and v (GPT-2) or three (llama; tensor parallelism splits them by head)
     tie_weights: bool = True  # share token embedding and output head (GPT-2: True, llama: False)
     logits_fp32: bool = False  # upcast the logits to fp32 before the loss, as torchtitan's Llama does (a 16-bit step

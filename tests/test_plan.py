@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from labkit import gpus
 from labkit import plan as P
 from labkit.estimate import estimate_training_memory, example_batch
 from labkit.example import running_example
@@ -649,3 +650,24 @@ def test_parallels_limit_the_rows_and_the_fake_steps_to_those_named():
     assert [(r.combination.micro_batch, r.peak_bytes) for r in one.rows] == [x for x in same if x[0] == 1]
     with pytest.raises(ParameterError, match="micro_batches: none of \\[2\\] divides"):
         P.plan(SMALL, parallels=("fsdp2-reshard",), micro_batches=(2,), **kwargs)
+
+
+def test_communication_runs_at_the_network_beyond_a_server_and_bf16_mp_gathers_half_the_bytes():
+    """comm_s: parameter-sized ring passes over the ring's link, by formula (the bytes and the rates written out);
+    an FSDP2 row under MixedPrecisionPolicy gathers bf16 (2 B per parameter) and reduce-scatters fp32 (4 B)."""
+    h100 = gpus.GPUS["h100"]
+    assert h100.link_bytes_per_s(8) == 450e9 and h100.link_bytes_per_s(16) == 400 / 8 * 1e9  # NVLink, then NDR
+    assert gpus.GPUS["t4"].link_bytes_per_s(4) == gpus.GPUS["t4"].peer_bytes_per_s > gpus.GPUS["t4"].link_bytes_per_s(8)
+    p = P.Plan("m", "h100", 16, 16, 16, 10**6, 10**12, 0.0)
+    n = 10**9
+    work = (1e12, 1e12, 1e9, 0)
+
+    def comm(ranks, parallel, precision):
+        comb = P.Combination(ranks, parallel, 1, 1, "none", precision)
+        return P._row(p, h100, "bf16", comb, 1, {}, work, 4 * n // ranks, 8 * n // ranks, 4 * n).comm_s
+    assert comm(8, "ddp", "bf16") == pytest.approx(2 * 7 / 8 * 4 * n / 450e9)
+    assert comm(16, "ddp", "bf16") == pytest.approx(2 * 15 / 16 * 4 * n / 50e9)
+    assert comm(8, "fsdp2-reshard", "bf16") == pytest.approx(3 * 7 / 8 * 4 * n / 450e9)
+    assert comm(8, "fsdp2-reshard", P.MIXED_POLICY) == pytest.approx((2 * 2 + 4) * 7 / 8 * n / 450e9)
+    row = P._row(p, h100, "bf16", P.Combination(16, "fsdp2", 1, 1, "none", "bf16"), 1, {}, work, n, n, 4 * n)
+    assert row.overlapped_s == max(row.compute_s, row.comm_s) < row.step_s == row.compute_s + row.comm_s
