@@ -58,7 +58,8 @@ NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
 }
 MIXED_POLICY = "bf16-mp"  # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), torchtitan's default:
 #                          fp32 shards, gradients and Adam state; bf16 gathered parameters, compute and activations
-PLAN_PRECISIONS = (*PRECISIONS, MIXED_POLICY)  # a plan's precisions: autocast's (bf16, fp16 over fp32 weights), FSDP2's
+PURE_BF16 = "bf16-pure"  # bf16 weights, gradients and Adam state, no autocast: torchtune's single-device default
+PLAN_PRECISIONS = (*PRECISIONS, MIXED_POLICY, PURE_BF16)  # a plan's precisions: autocast's (bf16, fp16 over fp32 weights), FSDP2's
 GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step plus GradScaler's four 4-byte scalars
 COMM_UNITS = {"single": 0, "ddp": 2, "zero1": 3, "fsdp2": 2, "fsdp2-reshard": 3}  # parameter-sized ring passes:
 #   per step for DDP and ZeRO-1 (which all-gathers the updated parameters too), per micro-batch for FSDP2 (chapter 07)
@@ -66,7 +67,7 @@ _AT_OPTIMIZER: dict = {}  # fake_step's key -> (bytes by category when the optim
 _FLOPS: dict = {}  # fake run's key -> (fp32 FLOPs, 16-bit FLOPs, bytes accessed, host bytes) per micro-batch, optimizer
 #                   left out (labkit.work.WorkCounter); per micro-batch of n_micro (the second accumulates gradients)
 _FITS: dict = {}  # (model key, Step with micro_batch 0) -> _fit's figures or None
-_RISE: dict = {}  # (model key, shard, Adam's implementation, depth) -> bytes its update adds to what its start holds
+_RISE: dict = {}  # (model key, shard, Adam's implementation, depth, pure bf16) -> bytes its update adds to what its start holds
 _PLANNED: dict = {}  # (model key, Step, depth) -> _extrapolated's figures (from this process or a worker)
 PLAN_WORKERS_ENV = "LABKIT_PLAN_WORKERS"  # processes a plan's fake steps run in (plan_workers)
 MIN_GROUPS_PER_WORKER = 4  # fewer groups of fake steps run here: a worker's start (~3 s to import torch) costs more
@@ -171,10 +172,8 @@ def model_spec(model) -> ModelSpec:
     if isinstance(model, GPTConfig):  # named by its preset where it is one (its logits upcast or not, its attention)
         name = next((k for k, v in PRESETS.items() if replace(v, attn=model.attn) == replace(model, logits_fp32=False)),
                     None)
-        if name is None:
-            return gpt_spec(model, "GPTConfig")
-        return gpt_spec(model, name + (", fp32 logits" if model.logits_fp32 else "")
-                        + (f", {model.attn} attention" if model.attn != PRESETS[name].attn else ""))
+        return gpt_spec(model, (name or "GPTConfig") + (", fp32 logits" if model.logits_fp32 else "")
+                        + (f", {model.attn} attention" if name and model.attn != PRESETS[name].attn else ""))
     if isinstance(model, str) and model in PRESETS:
         return gpt_spec(PRESETS[model], model)
     if isinstance(model, str) and model.endswith(".json"):
@@ -194,7 +193,8 @@ class Combination:
     micro_batch: int  # rows per micro-batch (per rank)
     accum_steps: int  # micro-batches per optimizer step
     checkpointing: str  # one of CHECKPOINTING
-    precision: str  # "fp32", "bf16" (autocast), "fp16" (autocast + GradScaler) or MIXED_POLICY (FSDP2's policy)
+    precision: str  # "fp32", "bf16" (autocast), "fp16" (autocast + GradScaler), MIXED_POLICY (FSDP2's policy) or
+    #                 PURE_BF16 (bf16 everywhere)
     offload: bool = False  # activation offload: every saved tensor but the parameters to the host (OffloadHooks)
     optimizer: str = "device"  # one of OPTIMIZERS: Adam's state and step on the device, or on the host
     adam_impl: str = "for-loop"  # one of labkit.train.ADAM_IMPLS: for-loop, foreach (CUDA's default) or fused
@@ -213,7 +213,7 @@ class Step:
     n_micro: int = 1  # micro-batches run (1, or 2: the second accumulates into the first's gradients)
     seq_len: int = 1024  # tokens per row
     checkpointing: str = "none"  # one of CHECKPOINTING
-    precision: str = "fp32"  # "fp32", "bf16" (autocast over fp32 weights) or MIXED_POLICY (FSDP2 only)
+    precision: str = "fp32"  # "fp32", "bf16" (autocast over fp32 weights), MIXED_POLICY (FSDP2 only) or PURE_BF16
     offload: bool = False  # activation offload: every saved tensor but the parameters to the host (OffloadHooks)
     shard: tuple | None = None  # (ranks, reshard_after_forward): rank 0 of FSDP2; None: one process
     adam_impl: str = "for-loop"  # one of labkit.train.ADAM_IMPLS: what Adam's update allocates (its "rise")
@@ -278,7 +278,8 @@ class Plan:
 def plan_step(model, optimizer, batch, step: Step, offload: OffloadHooks | None = None):
     """Run one optimizer step over `batch` in micro-batches of step.micro_batch rows at step.precision, under
     `offload`'s hooks if given (the model is checkpointed and sharded as `step` says already)."""
-    precision = "fp32" if step.precision == MIXED_POLICY else step.precision  # (the policy casts: no autocast)
+    precision = "fp32" if step.precision in (MIXED_POLICY, PURE_BF16) else step.precision  # (no autocast: the
+    #                                                       policy casts; pure bf16 weights compute in bf16 themselves)
     with offload if offload is not None else contextlib.nullcontext():
         return amp_train_step(model, optimizer, split_batch(batch, step.micro_batch), precision=precision,
                               keep_logits=step.keep_logits)
@@ -340,7 +341,8 @@ def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: 
 
     def build():
         if shard is None:
-            model, batch = spec.build(n_layer, rows, seq_len)
+            with _built_in(step):
+                model, batch = spec.build(n_layer, rows, seq_len)
             _checkpoint(model, step.checkpointing)
         else:
             model = meta_model
@@ -377,8 +379,8 @@ def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: 
         if shard is None:
             peak, split, states, n, *events = fake_step(key, build, trace)
         else:
-            with torch.device("meta"):  # FSDP2 splits every parameter N ways: cheap on meta tensors only
-                meta_model, meta_batch = spec.build(n_layer, rows, seq_len)
+            with torch.device("meta"), _built_in(step):  # FSDP2 splits every parameter N ways: cheap on meta
+                meta_model, meta_batch = spec.build(n_layer, rows, seq_len)  # tensors only
             _checkpoint(meta_model, step.checkpointing)
             with fake_sharded(meta_model, _repeated_blocks(meta_model), *shard, mp_policy=_policy(step)):
                 peak, split, states, n, *events = fake_step(key, build, trace)
@@ -388,6 +390,18 @@ def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: 
                              "without it") from None
     states["at_optimizer"], states["before_optimizer"] = _AT_OPTIMIZER[key]
     return (peak, split, states, n, _FLOPS[flops_key], *events)
+
+
+@contextlib.contextmanager
+def _built_in(step: Step):
+    """Build a step's model in its weights' dtype: bf16 for PURE_BF16 (torch's default dtype while it is built: a
+    fake tensor's dtype cannot be converted in place), else fp32."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if step.precision == PURE_BF16 else torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _policy(step: Step):
@@ -430,12 +444,12 @@ def _extrapolated(spec: ModelSpec, step: Step, depth: str = "fast"):
         if fit_key not in _FITS or _FITS[fit_key] is not None and min(step.micro_batch, 2) not in _FITS[fit_key]:
             _FITS[fit_key] = _fit(spec, base)
         if _FITS[fit_key] is not None:
-            return _at_rows(_FITS[fit_key], step.micro_batch, _rise(spec, step.shard, step.adam_impl, full))
+            return _at_rows(_FITS[fit_key], step.micro_batch, _rise(spec, step.shard, step.adam_impl, full, step.precision == PURE_BF16))
     reuse = depth != "full" and full is not None and step != base  # the base step's run, the update's rise added
     peak, split, states, n, work = _fake_run(spec, base if reuse else step, full)
     at_opt = dict(states["at_optimizer"])
     if reuse:
-        peak, split = _with_rise(*states["before_optimizer"], at_opt, _rise(spec, step.shard, step.adam_impl, full))
+        peak, split = _with_rise(*states["before_optimizer"], at_opt, _rise(spec, step.shard, step.adam_impl, full, step.precision == PURE_BF16))
     return (peak, split, states["parameters"], states["optimizer_state"], n, work,
             _host_optimizer(*states["before_optimizer"], at_opt), at_opt)
 
@@ -448,7 +462,7 @@ def _with_rise(peak: int, split: dict, at_optimizer: dict, rise: int) -> tuple:
     return peak, dict(split)
 
 
-def _rise(spec: ModelSpec, shard, adam_impl: str, n_layer: int) -> int:
+def _rise(spec: ModelSpec, shard, adam_impl: str, n_layer: int, pure: bool = False) -> int:
     """Return the bytes Adam's update (`adam_impl`) adds, at its peak, to what the optimizer step starts with, for
     `n_layer` blocks: a line through two shallow steps (one row, one token), exact.
 
@@ -460,9 +474,10 @@ def _rise(spec: ModelSpec, shard, adam_impl: str, n_layer: int) -> int:
     depths = depths if adam_impl == "foreach" else depths[:1]
     at = []
     for d in depths:
-        key = (spec.key, shard, adam_impl, d)
+        key = (spec.key, shard, adam_impl, d, pure)
         if key not in _RISE or spec.key is None:
-            run = _fake_run(spec, Step(1, 1, 1, shard=shard, adam_impl=adam_impl), d, trace=True)
+            precision = PURE_BF16 if pure else "fp32"  # (the update's temporaries: its parameters' dtype)
+            run = _fake_run(spec, Step(1, 1, 1, shard=shard, adam_impl=adam_impl, precision=precision), d, trace=True)
             start = next((k for k, (phase, _, _) in enumerate(run[5]) if phase == "optimizer"), len(run[5]))
             held = sum(run[2]["at_optimizer"].values())  # (fused: no allocation, no event in the update)
             _RISE[key] = max((sum(v) for _, _, v in run[5][start:]), default=held) - held
@@ -608,7 +623,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     spec = model_spec(model)
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
     precisions = tuple(p for p in PRECISIONS if p in device.flops_per_s) if precisions is None else tuple(precisions)
-    rate = {p: "bf16" if p == MIXED_POLICY else p for p in precisions}  # the compute rate each precision runs at
+    rate = {p: "bf16" if p in (MIXED_POLICY, PURE_BF16) else p for p in precisions}  # the compute rate each precision runs at
     check_int("gpus", gpus, 1, 1 if device.name == "cpu" else 4096)
     check_int("seq_len", seq_len, 1, spec.max_seq_len)
     check_int("batch", batch, 1)
@@ -665,7 +680,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
         row_bytes = sum(t.numel() * t.element_size() for t in row)
     out = Plan(spec.name, device.name, gpus, seq_len, batch, 0, int(device.memory_bytes * (1 - reserve_fraction)),
                reserve_fraction, left_out=left_out)
-    fake_precisions = sorted({"bf16" if p == "fp16" else p for p in precisions} - {MIXED_POLICY})
+    fake_precisions = sorted({"bf16" if p == "fp16" else p for p in precisions} - {MIXED_POLICY})  # (PURE_BF16
+    #                                                                      too: a fake step of its own, sharded or not)
     if MIXED_POLICY in precisions:
         left_out[f"{MIXED_POLICY} without fsdp2"] = ("MixedPrecisionPolicy is FSDP2's: one device, DDP and ZeRO-1 "
                                                      "rows run autocast (bf16)")
@@ -721,8 +737,9 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
                                   "optimizer_state": at_split["optimizer_state"] - dropped}
                     comb = Combination(ranks, parallel, mb, rows // mb, c, prec, o, where, st.adam_impl,
                                        keep_logits)
+                    whole = (2 if prec == PURE_BF16 else 4) * n if shard else param_bytes  # one whole copy's bytes
                     out.rows.append(_row(out, device, rate[prec], comb, at_peak + extra + buckets - dropped, rank_split,
-                                         work, param_bytes, opt_bytes - dropped, 4 * n if shard else param_bytes))
+                                         work, param_bytes, opt_bytes - dropped, whole))
     out.elapsed_s = time.perf_counter() - t0
     return out
 
@@ -942,7 +959,8 @@ def main(argv=None) -> int:
                     help="fast: exact arithmetic over a few blocks; full: every block on fake tensors (the reference)")
     ap.add_argument("--precision", nargs="+", choices=PLAN_PRECISIONS, default=None,
                     help=f"precisions to plan (default: those the GPU has of {PRECISIONS}); {MIXED_POLICY}: FSDP2's "
-                         "MixedPrecisionPolicy, bf16 parameters gathered and computed, fp32 shards and reduction")
+                         "MixedPrecisionPolicy, bf16 parameters gathered and computed, fp32 shards and reduction; "
+                         f"{PURE_BF16}: bf16 weights, gradients and Adam state, no autocast (torchtune's default)")
     ap.add_argument("--parallel", nargs="+", choices=tuple(COMM_UNITS), default=list(COMM_UNITS),
                     help="ways of running on the GPUs to plan (default: all); fsdp2-reshard: FSDP2 resharding after "
                          "forward")
@@ -995,6 +1013,8 @@ def combination_step(cfg: GPTConfig, combination: Combination, seed: int = 0, de
     """
     model = seeded_model(cfg, seed, device)
     _checkpoint(model, combination.checkpointing)
+    if combination.precision == PURE_BF16:
+        model.to(torch.bfloat16)
     optimizer = make_optimizer("adam", model.parameters(), implementation=combination.adam_impl)
     if combination.optimizer == "device":
         create_optimizer_state(optimizer)

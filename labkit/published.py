@@ -147,8 +147,9 @@ def throughput_checks(runs: list[dict]) -> list[Check]:
             counted = flops_per_token(run)
             out.append(Check(run["id"], "tokens/s per GPU", _range(run["tokens_per_s_per_gpu"]),
                              eff.fraction * profile.flops_per_s["bf16"] / counted,
-                             f"{eff.fraction:.3f} of the {run['gpu']}'s bf16 peak (from {eff.source.split(':')[0]}) "
-                             f"over {counted / 1e9:.2f} GFLOP per token counted"))
+                             f"{eff.fraction:.3f} of the {run['gpu']}'s bf16 peak (from {eff.source.split(':')[0]}; "
+                             "FLOPs counted as run, recomputation included: assumed the same share with and without "
+                             f"checkpointing) over {counted / 1e9:.2f} GFLOP per token counted, recomputation included"))
     return out
 
 
@@ -165,7 +166,7 @@ def validation(depth: str = "fast", workers: int | None = None) -> list[Check]:
 
 def format_validation(checks: list[Check]) -> str:
     """Return the checks as a table: run, figure, published, the plan's, error, within the target."""
-    lines = [f"{'run':28s} {'figure':17s} {'published':>13s} {'planned':>9s} {'error':>7s}  target",
+    lines = [f"{'run':28s} {'figure':17s} {'published':>13s} {'predicted':>9s} {'error':>7s}  target",
              "-" * 86]
     for c in checks:
         lo, hi = c.published
@@ -175,5 +176,7 @@ def format_validation(checks: list[Check]) -> str:
         err = "—" if c.error is None else f"{c.error:+.1%}"
         verdict = "—" if c.within is None else f"±{TARGETS[c.figure]:.0%} " + ("yes" if c.within else "NO")
         lines.append(f"{c.run:28s} {c.figure:17s} {pub:>13s} {pred:>9s} {err:>7s}  {verdict}")
-    lines.append("memory in GiB (2^30 B); —: not a check (the reason is each check's basis)")
+    lines.append("memory in GiB (2^30 B), predicted: the plan row's peak; tokens/s predicted: a fraction of peak "
+                 "from another run x the GPU's peak / the run's counted FLOPs per token (compute only); error: to the "
+                 "nearer end of a published range (0 inside it); —: not a check (the reason is each check's basis)")
     return "\n".join(lines)

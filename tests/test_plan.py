@@ -14,7 +14,7 @@ from labkit import plan as P
 from labkit.estimate import estimate_training_memory, example_batch
 from labkit.example import running_example
 from labkit.gpus import GPUS, DeviceProfile
-from labkit.models import GPTConfig
+from labkit.models import GPT, GPTConfig
 from labkit.train import ADAM_IMPLS, make_optimizer, measure_step
 from labkit.validate import ParameterError
 
@@ -671,3 +671,33 @@ def test_communication_runs_at_the_network_beyond_a_server_and_bf16_mp_gathers_h
     assert comm(8, "fsdp2-reshard", P.MIXED_POLICY) == pytest.approx((2 * 2 + 4) * 7 / 8 * n / 450e9)
     row = P._row(p, h100, "bf16", P.Combination(16, "fsdp2", 1, 1, "none", "bf16"), 1, {}, work, n, n, 4 * n)
     assert row.overlapped_s == max(row.compute_s, row.comm_s) < row.step_s == row.compute_s + row.comm_s
+
+
+def test_pure_bf16_rows_match_the_meter_and_hold_half_the_states():
+    """bf16-pure (torchtune's default: bf16 weights, gradients and Adam state, no autocast) against real steps under
+    the meter, every checkpointing choice and Adam's implementations; its weights and Adam's state half fp32's."""
+    ex = running_example(n_layer=2, batch_size=4, seq_len=32)
+    kwargs = dict(reserve_fraction=0.0, offload=(False,), optimizers=("device",), checkpointing=P.CHECKPOINTING)
+    p = P.plan(ex.config, cpu_profile(ex.budget_bytes), 1, ex.seq_len, ex.batch_size,
+               precisions=(P.PURE_BF16, "fp32"), adam_impls=ADAM_IMPLS, **kwargs)
+    pure = [r for r in p.rows if r.combination.precision == P.PURE_BF16]
+    assert {(r.combination.checkpointing, r.combination.adam_impl) for r in pure} == {
+        (c, a) for c in P.CHECKPOINTING for a in ADAM_IMPLS}
+    _check_against_the_meter([r for r in pure if r.combination.micro_batch in (2, 4)], ex)
+    fp32 = {dataclasses.replace(r.combination, precision=P.PURE_BF16): r for r in p.rows
+            if r.combination.precision == "fp32"}
+    with torch.device("meta"):
+        tensors = len(list(GPT(ex.config).parameters()))
+    for r in pure:
+        twin = fp32[r.combination]
+        assert 2 * r.split["parameters"] == twin.split["parameters"]
+        # Adam's two moments in bf16, its step counter an fp32 scalar per parameter tensor either way
+        assert 2 * r.split["optimizer_state"] - twin.split["optimizer_state"] == 4 * tensors
+
+
+def test_pure_bf16_at_the_fast_depth_and_sharded_equals_a_full_depth_run(monkeypatch):
+    monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)
+    spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=7))
+    for step in (P.Step(3, 2, 16, "full", P.PURE_BF16, adam_impl="foreach"),
+                 P.Step(3, 2, 16, "none", P.PURE_BF16, shard=(2, True), adam_impl="foreach")):
+        assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full")
