@@ -9,7 +9,7 @@ def test_notebook_09_verdicts_with_another_size_and_budget(execute_notebook):
     # a 24-block model: its plans take the fast depth (fake steps of a few blocks, exact arithmetic), where the
     # defaults' 12-block GPT-2 (nbval) runs every block
     entry = execute_notebook(STEM, timeout_s=300, SEED=3, N_LAYER=1, BATCH=4, SEQ_LEN=128, MODEL="gpt2-medium", GPU="l4",
-                             PLAN_SEQ_LEN=256, PLAN_BATCH=1, PEERS=False)
+                             PLAN_SEQ_LEN=256, PLAN_BATCH=1, PEERS=False, PUBLISHED_KNOBS=True)
     assert entry["status"] == "ok", entry.get("error")
     m = entry["measurements"]
     ex = labkit.running_example(n_layer=1, batch_size=4, seq_len=128)
@@ -23,3 +23,7 @@ def test_notebook_09_verdicts_with_another_size_and_budget(execute_notebook):
     assert fastest is not None and fastest["peak_bytes"] <= 0.9 * 24 * 2**30  # within the L4's memory less the reserve
     assert m["plan_pareto_size"] >= 1 and m["plan_combinations"] >= m["plan_pareto_size"]
     assert "peers_bytes" not in m  # PEERS=False skips the section, and says so
+    checked = [c for c in m["published_checks"] if c["predicted"] is not None]
+    assert len(checked) == 3 and all(abs(c["error"]) <= (0.05 if "peak" in c["figure"] else 0.25) for c in checked)
+    knobs = m["published_knobs_gib"]  # the published run with two details of its loop changed: each moves its peak
+    assert knobs["every (last block whole)"] > knobs["as run"] > knobs["logits freed before backward"]
