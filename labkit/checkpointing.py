@@ -40,15 +40,44 @@ def selective_policy(save_ops=MATMUL_OPS):
     return policy
 
 
+def op_level_policy():
+    """Return torchtitan's op-level selective checkpointing policy, fresh for one block's call (its SelectiveAC at
+    pytorch/torchtitan b5bcd76, torchtitan/distributed/activation_checkpoint.py): keep the outputs of the ops torch's
+    partitioner calls compute-intensive (matmuls, CUDA's SDPA kernels), of max and of reduce-scatter, but recompute
+    every second mm or linear, counted apart in forward and in recomputation; recompute the rest. (Its MoE rules, a
+    router's matmuls and device-to-host copies, are left out: no MoE here.)"""
+    from torch._functorch.partitioners import get_default_op_list
+    aten = torch.ops.aten
+    save = {op.default for op in get_default_op_list().compute_intensive_ops}
+    save |= {aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_attention_math.default,
+             aten.max.default, aten.linear.default, aten.topk.default,
+             torch.ops._c10d_functional.reduce_scatter_tensor.default}
+    mm_ops = (aten.mm.default, aten.linear.default)
+    counts = {False: 0, True: 0}  # mm/linear calls in forward (False) and in recomputation (True)
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in mm_ops:
+            counts[ctx.is_recompute] += 1
+        if op in save and not (op in mm_ops and counts[ctx.is_recompute] % 2 == 0):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
 class CheckpointedSequential(nn.Sequential):
     """An nn.Sequential that checkpoints its blocks in `segments` runs (all but the last, by default)."""
 
-    def __init__(self, *blocks: nn.Module, segments: int, checkpoint_last: bool = False, selective: bool = False):
+    def __init__(self, *blocks: nn.Module, segments: int, checkpoint_last: bool = False, selective: bool = False,
+                 op_level: bool = False):
         super().__init__(*blocks)
         self.sizes = segment_sizes(len(blocks), segments)
         self.checkpoint_last = bool(checkpoint_last)
-        self.context_fn = (functools.partial(create_selective_checkpoint_contexts, selective_policy())
-                           if selective else None)
+        if op_level:  # torchtitan's policy counts its matmuls: a fresh one for every call
+            self.context_fn = lambda: create_selective_checkpoint_contexts(op_level_policy())
+        else:
+            self.context_fn = (functools.partial(create_selective_checkpoint_contexts, selective_policy())
+                               if selective else None)
+        self.op_level = op_level
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):  # a slice is a plain nn.Sequential over the same modules
@@ -70,17 +99,18 @@ class CheckpointedSequential(nn.Sequential):
         return x
 
     def extra_repr(self) -> str:
-        mode = "selective" if self.context_fn is not None else "full"
+        mode = "op-level selective" if self.op_level else "selective" if self.context_fn is not None else "full"
         return f"sizes={self.sizes}, checkpoint_last={self.checkpoint_last}, {mode}"
 
 
 def checkpoint_blocks(model: nn.Module, segments: int, *, checkpoint_last: bool = False,
-                      selective: bool = False) -> nn.Module:
-    """Checkpoint a GPT's `blocks` (an MLP's `layers`) in `segments` runs, in place, and return it."""
+                      selective: bool = False, op_level: bool = False) -> nn.Module:
+    """Checkpoint a GPT's `blocks` (an MLP's `layers`) in `segments` runs, in place, and return it (selective: keep
+    matmul outputs; op_level: torchtitan's op-level policy, op_level_policy)."""
     name = blocks_name(model)
     blocks = list(getattr(model, name))
     setattr(model, name, CheckpointedSequential(*blocks, segments=segments, checkpoint_last=checkpoint_last,
-                                                selective=selective))
+                                                selective=selective, op_level=op_level))
     return model
 
 

@@ -38,9 +38,10 @@ from labkit.train import ADAM_IMPLS, create_optimizer_state, make_optimizer, see
 from labkit.validate import ParameterError, check_choice, check_divides, check_float, check_int, check_int_list
 
 RESERVE_FRACTION = 0.10  # share of device memory kept for what tensors do not show (CUDA context, fragmentation)
-CHECKPOINTING = ("none", "every", "full", "sqrt", "selective")  # every block but the last (kept whole: its backward
-#   comes first); every block, the last too (torchtitan's "full", transformers' gradient checkpointing); sqrt(n)
-#   segments; every block but the last, matmul outputs kept
+CHECKPOINTING = ("none", "every", "full", "sqrt", "selective", "op")  # every block but the last (kept whole: its
+#   backward comes first); every block, the last too (torchtitan's "full", transformers' gradient checkpointing); sqrt(n)
+#   segments; every block but the last, matmul outputs kept; torchtitan's op-level selective (every block, the last
+#   too: SDPA's outputs and every second matmul's kept, labkit.checkpointing.op_level_policy)
 PLAN_CHECKPOINTING = ("none", "every", "sqrt", "selective")  # a plan's choices unless it names others
 OPTIMIZERS = ("device", "host")  # Adam's state and step on the device; on the host (ZeRO-Offload style, one device)
 OFFLOAD_MIN_BYTES = 0  # activation offload moves every saved tensor but the parameters: rows stay exact lines
@@ -74,7 +75,7 @@ MIN_GROUPS_PER_WORKER = 4  # fewer groups of fake steps run here: a worker's sta
 PLAN_PRELOAD = ("torch.distributed.fsdp",)  # torch's modules a plan worker imports beyond torch (FSDP2 rows)
 WORKER_TIMEOUT_S = 3600  # a plan worker still running after this is stopped (the 7B plan: ~35 s each, 2 cores)
 DEPTHS = ("fast", "full")  # fast: exact arithmetic over runs at FAST_DEPTHS; full: every block (the reference)
-FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "full": (2, 3), "selective": (2, 3)}  # blocks of the small runs, one apart
+FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "full": (2, 3), "selective": (2, 3), "op": (2, 3)}  # blocks of the small runs, one apart
 SHARDED_DEPTHS = (4, 5)  # the same for FSDP2 (its first two and last blocks stand apart)
 FULL_MAX_LAYERS = 12  # depth="fast" runs models up to this many blocks at full depth
 
@@ -427,8 +428,8 @@ def _checkpoint(model, checkpointing: str) -> None:
     if checkpointing == "sqrt":
         checkpoint_blocks(model, segments=max(1, round(math.sqrt(n))))
     else:
-        checkpoint_blocks(model, segments=n, checkpoint_last=checkpointing == "full",
-                          selective=checkpointing == "selective")
+        checkpoint_blocks(model, segments=n, checkpoint_last=checkpointing in ("full", "op"),
+                          selective=checkpointing == "selective", op_level=checkpointing == "op")
 
 
 def _extrapolated(spec: ModelSpec, step: Step, depth: str = "fast"):
@@ -967,7 +968,8 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpointing", nargs="+", choices=CHECKPOINTING, default=None,
                     help=f"checkpointing choices to plan (default: {', '.join(PLAN_CHECKPOINTING)}; a transformers "
                          "model: none, full); every: every block but the last; full: the last too (torchtitan's "
-                         "full activation checkpointing)")
+                         "full activation checkpointing); op: torchtitan's op-level selective (SDPA's and every "
+                         "second matmul's outputs kept)")
     ap.add_argument("--adam-impl", nargs="+", choices=ADAM_IMPLS, default=list(ADAM_IMPLS[:1]),
                     help="Adam's implementations to plan, each a row of its own (foreach: CUDA's default; fused: "
                          "torchtitan's)")

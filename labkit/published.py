@@ -82,8 +82,10 @@ def flops_per_token(run: dict) -> float:
     for depth in (1, 2):
         with FakeTensorMode(allow_non_fake_inputs=True):
             model = build_model(dataclasses.replace(cfg, n_layer=depth))
-            if run["checkpointing"].startswith("full"):
-                checkpoint_blocks(model, segments=depth, checkpoint_last=True)
+            kind = run.get("plan", {}).get("checkpointing") or ("full" if run["checkpointing"].startswith("full")
+                                                                 else "none")
+            if kind != "none":  # every block, the last too (the runs here checkpoint as torchtitan does)
+                checkpoint_blocks(model, segments=depth, checkpoint_last=True, op_level=kind == "op")
             x = torch.randint(cfg.vocab_size, (1, run["seq_len"]))
 
             def step():

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from labkit.checkpointing import (CheckpointedSequential, checkpoint_blocks,
+from labkit.checkpointing import (CheckpointedSequential, checkpoint_blocks, op_level_policy,
                                   predicted_activation_bytes, segment_sizes, torch_segment_sizes)
 from labkit.compare import max_grad_diff
 from labkit.work import count_work
@@ -76,6 +76,7 @@ def test_segment_sizes_reject_bad_input(bad):
 @pytest.mark.parametrize("kwargs", [dict(segments=1), dict(segments=2), dict(segments=4),
                                     dict(segments=6, checkpoint_last=True),
                                     dict(segments=6, checkpoint_last=True, selective=True),
+                                    dict(segments=6, checkpoint_last=True, op_level=True),
                                     dict(segments=3, selective=True)])
 def test_checkpointed_gpt_gives_the_plain_gradients(kwargs, deep_gpt, tiny_batch):
     batch = tiny_batch(3, seed=1)
@@ -167,6 +168,44 @@ def test_flops_within_one_extra_forward_and_selective_recomputes_no_matmul(deep_
         flops[name] = count_work(_backward, model, batch).total_flops
     assert flops["selective"] == flops["plain"]
     assert 1.0 < flops["full"] / flops["plain"] <= 4 / 3
+
+
+def test_op_level_policy_keeps_every_other_matmul_and_the_attention_kernels_output():
+    """torchtitan's op-level policy, decision by decision, on a llama block: of its seven matmuls (q, k, v, the output
+    projection, the MLP's three) the first, third, fifth and seventh are kept; CUDA's flash kernel's output is kept;
+    the norms, RoPE and SwiGLU's products are recomputed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from labkit.models import Block, GPTConfig
+    cfg = GPTConfig(n_layer=1, n_embd=64, n_head=4, block_size=16, bias=False, mlp="swiglu", norm="rms", pos="rope",
+                    attn="flash", fused_qkv=False, tie_weights=False)
+    decisions = []
+    policy = op_level_policy()
+
+    def recorded(ctx, op, *args, **kwargs):
+        decision = policy(ctx, op, *args, **kwargs)
+        decisions.append((ctx.is_recompute, op, decision))
+        return decision
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # a bf16 block (CUDA's flash kernel takes 16-bit inputs)
+    try:
+        with FakeTensorMode():
+            block = Block(cfg)
+            x = torch.randn(2, 16, 64, requires_grad=True)
+            y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False,
+                                                  context_fn=lambda: create_selective_checkpoint_contexts(recorded))
+            y.sum().backward()
+    finally:
+        torch.set_default_dtype(before)
+    save = CheckpointPolicy.MUST_SAVE
+    mms = [d for r, op, d in decisions if not r and op == torch.ops.aten.mm.default]  # (forward's)
+    assert mms == [save, CheckpointPolicy.PREFER_RECOMPUTE] * 3 + [save], mms
+    flash = [d for r, op, d in decisions if op == torch.ops.aten._scaled_dot_product_flash_attention.default]
+    assert flash and set(flash) == {save}
+    others = {op for r, op, d in decisions if d == save} - {torch.ops.aten.mm.default,
+                                                             torch.ops.aten._scaled_dot_product_flash_attention.default}
+    assert not others, others  # nothing else kept in this block
 
 
 def test_predicted_activation_bytes_follows_chen():

@@ -92,7 +92,7 @@ def test_fast_depth_equals_a_full_depth_run(cfg, monkeypatch):
     """Accumulation, every checkpointing choice but sqrt(n), both precisions: fast peaks and splits, byte for byte."""
     monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)  # take the fast path on a small model
     spec = P.gpt_spec(cfg)
-    for checkpointing in ("none", "every", "full", "selective"):
+    for checkpointing in ("none", "every", "full", "selective", "op"):
         for precision in ("fp32", "bf16"):
             # 3 rows: beyond the fit's rows (1 and 2) and beyond its depths, both extrapolations at once
             fast = P._extrapolated(spec, P.Step(3, 2, 16, checkpointing, precision), "fast")

@@ -35,9 +35,11 @@ def test_every_published_figure_the_planner_models_is_within_its_target():
     active = by["TT-165-FSDP2-AC-eager", "peak active"]
     assert active.published == (22.73, 22.73) and abs(active.error) <= 0.05
     assert "8 × fsdp2-reshard, micro-batch 8 × 1, flash attention, full checkpointing, bf16-mp, foreach Adam" in active.basis
+    sac = by["TT-165-FSDP2-SAC-eager", "peak active"]  # torchtitan's op-level selective checkpointing
+    assert sac.published == (49.54, 49.54) and abs(sac.error) <= 0.05 and ", op checkpointing," in sac.basis
     assert by["TT-165-FSDP2-AC-eager", "peak reserved"].predicted is None  # said so, not guessed
     checked = [c for c in checks if c.predicted is not None]
-    assert {c.figure for c in checked} == {"peak active", "tokens/s per GPU"} and len(checked) == 3
+    assert {c.figure for c in checked} == {"peak active", "tokens/s per GPU"} and len(checked) == 5
     assert all(c.within for c in checked), published.format_validation(checks)
     sources = [c for c in checks if "taken from this run" in c.basis]
     assert {c.run for c in sources} == {"FMS-7B-A100-noAC-eager", "FMS-7B-H100-noAC-eager"}
