@@ -311,9 +311,10 @@ def test_a_chapter_runs_from_an_empty_folder_in_a_fresh_environment(tmp_path):
     assert where.startswith(str(env)), where  # installed into the fresh environment, not this checkout's
     installed = subprocess.run([python, "-c", INSTALLED], capture_output=True, text=True, cwd=folder, env=environ)
     assert installed.returncode == 0, installed.stderr[-3000:]  # every module imports in the fresh environment
-    ours = sorted(p.relative_to(ROOT / "labkit").as_posix() for p in (ROOT / "labkit").rglob("*.py")
-                  if "__pycache__" not in p.parts)
-    assert installed.stdout.split() == ours  # pip installed every module of the package (it has no other files)
+    ours = sorted(p.relative_to(ROOT / "labkit").as_posix() for p in (ROOT / "labkit").rglob("*")
+                  if "__pycache__" not in p.parts and (p.suffix == ".py" or p.parent.name == "data" and p.is_file()))
+    assert installed.stdout.split() == ours  # pip installed every module of the package and its data (published runs)
+    assert "data/published_runs.json" in ours
     made = subprocess.run([python, "-c", "from labkit.search.study import default_build_dir; print(default_build_dir())"],
                           capture_output=True, text=True, check=True, cwd=folder, env=environ).stdout.strip()
     assert made == str(folder / "build" / "search"), made  # the chapters write beside the notebook
