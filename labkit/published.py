@@ -124,8 +124,8 @@ def memory_checks(run: dict, depth: str = "fast", workers: int | None = None) ->
             out.append(Check(run["id"], figure, _range(run["memory"][key]), row.peak_bytes / GiB, basis))
     if "peak_reserved_gib" in run["memory"]:
         out.append(Check(run["id"], "peak reserved", _range(run["memory"]["peak_reserved_gib"]), None,
-                         "not modelled: the caching allocator's reserved-minus-allocated gap (rounding, "
-                         "fragmentation, one pool per stream) is not in the fake step"))
+                         "not modelled: the caching allocator's reserved-minus-active gap (its cache of free "
+                         "blocks, fragmentation, one pool per CUDA stream) is not in the fake step"))
     return out
 
 
