@@ -60,7 +60,8 @@ NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
 MIXED_POLICY = "bf16-mp"  # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), torchtitan's default:
 #                          fp32 shards, gradients and Adam state; bf16 gathered parameters, compute and activations
 PURE_BF16 = "bf16-pure"  # bf16 weights, gradients and Adam state, no autocast: torchtune's single-device default
-PLAN_PRECISIONS = (*PRECISIONS, MIXED_POLICY, PURE_BF16)  # a plan's precisions: autocast's (bf16, fp16 over fp32 weights), FSDP2's
+PLAN_PRECISIONS = (*PRECISIONS, MIXED_POLICY, PURE_BF16)  # a plan's precisions: autocast's (bf16, fp16 over fp32
+#                                                           weights), FSDP2's policy, pure bf16
 GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step plus GradScaler's four 4-byte scalars
 COMM_UNITS = {"single": 0, "ddp": 2, "zero1": 3, "fsdp2": 2, "fsdp2-reshard": 3}  # parameter-sized ring passes:
 #   per step for DDP and ZeRO-1 (which all-gathers the updated parameters too), per micro-batch for FSDP2 (chapter 07)
@@ -68,14 +69,16 @@ _AT_OPTIMIZER: dict = {}  # fake_step's key -> (bytes by category when the optim
 _FLOPS: dict = {}  # fake run's key -> (fp32 FLOPs, 16-bit FLOPs, bytes accessed, host bytes) per micro-batch, optimizer
 #                   left out (labkit.work.WorkCounter); per micro-batch of n_micro (the second accumulates gradients)
 _FITS: dict = {}  # (model key, Step with micro_batch 0) -> _fit's figures or None
-_RISE: dict = {}  # (model key, shard, Adam's implementation, depth, pure bf16) -> bytes its update adds to what its start holds
+_RISE: dict = {}  # (model key, shard, Adam's implementation, depth, pure bf16) -> bytes its update adds to what its
+#                   start holds
 _PLANNED: dict = {}  # (model key, Step, depth) -> _extrapolated's figures (from this process or a worker)
 PLAN_WORKERS_ENV = "LABKIT_PLAN_WORKERS"  # processes a plan's fake steps run in (plan_workers)
 MIN_GROUPS_PER_WORKER = 4  # fewer groups of fake steps run here: a worker's start (~3 s to import torch) costs more
 PLAN_PRELOAD = ("torch.distributed.fsdp",)  # torch's modules a plan worker imports beyond torch (FSDP2 rows)
 WORKER_TIMEOUT_S = 3600  # a plan worker still running after this is stopped (the 7B plan: ~35 s each, 2 cores)
 DEPTHS = ("fast", "full")  # fast: exact arithmetic over runs at FAST_DEPTHS; full: every block (the reference)
-FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "full": (2, 3), "selective": (2, 3), "op": (2, 3)}  # blocks of the small runs, one apart
+FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "full": (2, 3), "selective": (2, 3), "op": (2, 3)}  # blocks of the
+#                                                                                     small runs, one apart
 SHARDED_DEPTHS = (4, 5)  # the same for FSDP2 (its first two and last blocks stand apart)
 FULL_MAX_LAYERS = 12  # depth="fast" runs models up to this many blocks at full depth
 
@@ -445,7 +448,8 @@ def _extrapolated(spec: ModelSpec, step: Step, depth: str = "fast"):
         if fit_key not in _FITS or _FITS[fit_key] is not None and min(step.micro_batch, 2) not in _FITS[fit_key]:
             _FITS[fit_key] = _fit(spec, base)
         if _FITS[fit_key] is not None:
-            return _at_rows(_FITS[fit_key], step.micro_batch, _rise(spec, step.shard, step.adam_impl, full, step.precision == PURE_BF16))
+            rise = _rise(spec, step.shard, step.adam_impl, full, step.precision == PURE_BF16)
+            return _at_rows(_FITS[fit_key], step.micro_batch, rise)
     reuse = depth != "full" and full is not None and step != base  # the base step's run, the update's rise added
     peak, split, states, n, work = _fake_run(spec, base if reuse else step, full)
     at_opt = dict(states["at_optimizer"])
@@ -624,7 +628,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     spec = model_spec(model)
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
     precisions = tuple(p for p in PRECISIONS if p in device.flops_per_s) if precisions is None else tuple(precisions)
-    rate = {p: "bf16" if p in (MIXED_POLICY, PURE_BF16) else p for p in precisions}  # the compute rate each precision runs at
+    rate = {p: "bf16" if p in (MIXED_POLICY, PURE_BF16) else p for p in precisions}  # each precision's compute rate
     check_int("gpus", gpus, 1, 1 if device.name == "cpu" else 4096)
     check_int("seq_len", seq_len, 1, spec.max_seq_len)
     check_int("batch", batch, 1)
@@ -655,7 +659,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     if micro_batches is not None:
         micro_batches = check_int_list("micro_batches", list(micro_batches), 1, batch)
     if checkpointing is None:  # a transformers model's "full" is its one way to checkpoint: planned by default
-        checkpointing = tuple(c for c in spec.checkpointing if c in PLAN_CHECKPOINTING or "every" not in spec.checkpointing)
+        checkpointing = tuple(c for c in spec.checkpointing
+                              if c in PLAN_CHECKPOINTING or "every" not in spec.checkpointing)
     for c in checkpointing:
         check_choice("checkpointing", c, spec.checkpointing)
     left_out = dict(NOT_MODELLED)
@@ -686,7 +691,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     if MIXED_POLICY in precisions:
         left_out[f"{MIXED_POLICY} without fsdp2"] = ("MixedPrecisionPolicy is FSDP2's: one device, DDP and ZeRO-1 "
                                                      "rows run autocast (bf16)")
-    flat_ranks = [r for r in ranks_list if ("single" if r == 1 else "ddp") in parallels or r > 1 and "zero1" in parallels]
+    flat_ranks = [r for r in ranks_list  # one process per rank, unsharded: one GPU, DDP, ZeRO-1
+                  if ("single" if r == 1 else "ddp") in parallels or r > 1 and "zero1" in parallels]
     shards = [None] * bool(flat_ranks) + [
         (r, reshard) for r in ranks_list if r > 1 and spec.n_layer is not None and (not deep or r == gpus)
         for reshard in (False, True) if ("fsdp2-reshard" if reshard else "fsdp2") in parallels]
@@ -704,10 +710,13 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     # step is the one without checkpointing, operation for operation: its fake step serves both
     same = {st: replace(st, checkpointing="none") for st in todo
             if st.checkpointing == "sqrt" and spec.n_layer is not None and round(math.sqrt(spec.n_layer)) <= 1}
-    if not todo:
+    if not todo and micro_batches is not None:
         raise ParameterError(f"micro_batches: none of {micro_batches} divides a GPU's share of the batch "
-                             f"({', '.join(str(batch // r) for r in ranks_list)} rows on {', '.join(map(str, ranks_list))} "
-                             "GPUs)")
+                             f"({', '.join(str(batch // r) for r in ranks_list)} rows on "
+                             f"{', '.join(map(str, ranks_list))} GPUs)")
+    if not todo:
+        raise ParameterError(f"parallels: none of {parallels} runs on {gpus} GPU(s) of this model here "
+                             f"({', '.join(left_out) or 'nothing left out'})")
     run = list(dict.fromkeys(same.get(st, st) for st in todo))
     fake = _fake_steps(model, spec, run, depth, plan_workers() if workers is None else workers)
     fake = {st: fake[same.get(st, st)] for st in todo}
@@ -725,12 +734,12 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
                     continue
                 # held too: the rows beyond the n_micro micro-batches run; fp16: GradScaler's scalars
                 extra = (rows - mb * n_micro) * row_bytes + (GRADSCALER_BYTES if prec == "fp16" else 0)
-                kinds = [q for q in (("fsdp2-reshard" if shard[1] else "fsdp2",) if shard else ("single",) if ranks == 1
-                                     else ("ddp", "zero1")) if q in parallels]
+                kinds = [q for q in (("fsdp2-reshard" if shard[1] else "fsdp2",) if shard else ("single",)
+                                     if ranks == 1 else ("ddp", "zero1")) if q in parallels]
                 variants = [(parallel, "device", (peak, split)) for parallel in kinds if "device" in optimizers
                             and not (parallel == "zero1" and st.adam_impl == "foreach")]
-                if ranks == 1 and "host" in optimizers and st.adam_impl == adam_impls[0] and kinds:  # (the update on the host:
-                    variants.append(("single", "host", host))  # one row, whatever the device's Adam would have been)
+                if ranks == 1 and "host" in optimizers and st.adam_impl == adam_impls[0] and kinds:  # (the update on
+                    variants.append(("single", "host", host))  # the host: one row, whatever the device's Adam was)
                 for parallel, where, (at_peak, at_split) in variants:
                     buckets = param_bytes if parallel in ("ddp", "zero1") else 0  # DDP's gradient buckets
                     dropped = opt_bytes - opt_bytes // ranks if parallel == "zero1" else 0  # ZeRO-1 keeps 1/N of Adam

@@ -651,6 +651,8 @@ def test_parallels_limit_the_rows_and_the_fake_steps_to_those_named():
     assert [(r.combination.micro_batch, r.peak_bytes) for r in one.rows] == [x for x in same if x[0] == 1]
     with pytest.raises(ParameterError, match="micro_batches: none of \\[2\\] divides"):
         P.plan(SMALL, parallels=("fsdp2-reshard",), micro_batches=(2,), **kwargs)
+    with pytest.raises(ParameterError, match="parallels: none of \\('fsdp2',\\) runs on 1 GPU"):
+        P.plan(SMALL, **{**kwargs, "gpus": 1}, parallels=("fsdp2",))
 
 
 def test_communication_runs_at_the_network_beyond_a_server_and_bf16_mp_gathers_half_the_bytes():
