@@ -32,9 +32,10 @@ RANKS = textwrap.dedent('''
         r = ld.rank()
         if env:
             labkit.record("env", os.environ.get(env, ""))
-        if marker:
-            with open(f"{marker}.{r}", "w") as f:
+        if marker:  # written whole, then renamed: a test polling the folder never reads an empty file
+            with open(f"{marker}~{r}", "w") as f:
                 f.write(str(os.getpid()))
+            os.replace(f"{marker}~{r}", f"{marker}.{r}")
         print(f"hello from rank {r} of {ld.world_size()}")
         if mode == "raise" and r == 1:
             raise ValueError("rank 1 breaks on purpose")
