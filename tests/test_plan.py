@@ -21,6 +21,9 @@ from labkit.validate import ParameterError
 SMALL = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=32, vocab_size=128)
 DEEP = GPTConfig(n_layer=4, n_embd=32, n_head=2, block_size=64, vocab_size=512, mlp_hidden=64, attn="sdpa")
 DEEP_LLAMA = dataclasses.replace(P.PRESETS["llama-7b"], n_layer=4, n_embd=32, n_head=2, mlp_hidden=64, vocab_size=512)
+SHARDED_DEEP = P.SHARDED_DEPTHS[1] + 1  # the fewest blocks past FSDP2's fast depths: its fits' runs extrapolated
+#   (the unsharded tests take 4 blocks, past FAST_DEPTHS, with FULL_MAX_LAYERS set to 3: each full-depth reference
+#   is a fake step of that many blocks, the suite's costliest work)
 
 
 def cpu_profile(memory_bytes: int) -> DeviceProfile:
@@ -355,7 +358,7 @@ def test_fsdp2_rows_run_the_sharded_step_with_autocast_and_checkpointing():
 def test_sharded_fast_depth_equals_a_full_depth_run(monkeypatch):
     """FSDP2 at the fast depth (first two and last blocks apart), with accumulation: byte for byte the full depth."""
     monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)
-    spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=7))
+    spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=SHARDED_DEEP))
     for checkpointing, precision, shard, micro_batch in (("none", "bf16", (2, True), 3), ("every", "fp32", (2, False), 1),
                                                          ("full", P.MIXED_POLICY, (2, True), 3)):
         fast = P._extrapolated(spec, P.Step(micro_batch, 2, 16, checkpointing, precision, shard=shard), "fast")
@@ -450,7 +453,7 @@ def test_plan_workers_come_from_the_environment(monkeypatch):
 def test_the_deep_estimate_from_shallow_runs_is_the_full_depth_estimate(monkeypatch):
     """labkit.plan.deep_estimate (chapter 07's deep models): two shallow runs and arithmetic, the same bytes."""
     monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)  # take the fast path on a small model
-    cfg = GPTConfig(n_layer=7, n_embd=64, n_head=2, vocab_size=512, block_size=64)
+    cfg = GPTConfig(n_layer=SHARDED_DEEP, n_embd=64, n_head=2, vocab_size=512, block_size=64)
     for n, stage in ((1, None), (4, 0), (4, 1), (4, 2), (16, 3)):
         full = estimate_training_memory(cfg, 1, 64, world_size=n, zero_stage=stage)
         fast = P.deep_estimate(cfg, 1, 64, n, stage)
@@ -491,12 +494,13 @@ def test_adam_updates_allocate_what_torchs_code_says():
     assert P._rise(spec, None, "fused", DEEP.n_layer) == 0
 
 
-def test_adam_implementations_at_the_fast_depth_are_their_full_depth_steps():
+def test_adam_implementations_at_the_fast_depth_are_their_full_depth_steps(monkeypatch):
     """Past FULL_MAX_LAYERS (fast: fits shared by every implementation, the rise a line in depth) and below it (the
     for-loop step's run and the rise): the same figures as the implementation's own step at full depth, FSDP2 too."""
-    deep = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=P.FULL_MAX_LAYERS + 1))
-    shallow = P.gpt_spec(DEEP)
-    for spec, shard in ((deep, None), (deep, (2, True)), (shallow, None)):
+    monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)  # take the fast path on small models
+    deep, sharded = (P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=n)) for n in (4, SHARDED_DEEP))
+    shallow = P.gpt_spec(dataclasses.replace(DEEP, n_layer=3))
+    for spec, shard in ((deep, None), (sharded, (2, True)), (shallow, None)):
         for impl in ("foreach", "fused"):
             step = P.Step(2, 2, 16, "every" if shard is None else "none", "fp32", shard=shard, adam_impl=impl)
             assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full"), (spec.name, shard, impl)
@@ -562,12 +566,14 @@ def test_mixed_policy_rows_are_what_two_real_ranks_measure(reshard, tmp_path):
     assert predicted < autocast
 
 
-def test_mixed_policy_rows_at_the_fast_depth_and_in_the_plan():
+def test_mixed_policy_rows_at_the_fast_depth_and_in_the_plan(monkeypatch):
     """The policy's fake steps take the fast depth exactly; plan() gives them FSDP2 rows only, at the bf16 rate, and
     says why the other rows run autocast."""
-    spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=P.FULL_MAX_LAYERS + 1))
-    step = P.Step(2, 2, 16, "every", P.MIXED_POLICY, shard=(2, True))
-    assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full")
+    with monkeypatch.context() as m:
+        m.setattr(P, "FULL_MAX_LAYERS", 3)  # take the fast path on a small model
+        spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=SHARDED_DEEP))
+        step = P.Step(2, 2, 16, "every", P.MIXED_POLICY, shard=(2, True))
+        assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full")
     p = P.plan(DEEP_LLAMA, "h100", 2, 16, 2, precisions=("fp32", "bf16", P.MIXED_POLICY), checkpointing=("none",),
                offload=(False,), workers=1)
     mixed = [r for r in p.rows if r.combination.precision == P.MIXED_POLICY]
@@ -615,7 +621,7 @@ def test_the_command_shares_its_fake_steps_with_a_worker():
     assert "10 run on fake tensors" in out.stdout and "fastest that fits:" in out.stdout
 
 
-def test_logits_freed_before_backward_are_planned_as_measured():
+def test_logits_freed_before_backward_are_planned_as_measured(monkeypatch):
     """keep_logits=False (torchtitan's step deletes its logits before backward): rows against real steps under the
     meter, never above the rows that hold them and below where the logits were part of the peak; the fast depth
     exactly; the command's flag."""
@@ -629,9 +635,11 @@ def test_logits_freed_before_backward_are_planned_as_measured():
     pairs = list(zip(freed.rows, held.rows))
     assert all(a.peak_bytes <= b.peak_bytes for a, b in pairs) and any(a.peak_bytes < b.peak_bytes for a, b in pairs)
     assert "the logits freed before backward" in P.format_plan(freed) and "freed" not in P.format_plan(held)
-    spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=P.FULL_MAX_LAYERS + 1))
-    step = P.Step(2, 2, 16, "every", "fp32", keep_logits=False)
-    assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full")
+    with monkeypatch.context() as m:
+        m.setattr(P, "FULL_MAX_LAYERS", 3)  # take the fast path on a small model
+        spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=4))
+        step = P.Step(2, 2, 16, "every", "fp32", keep_logits=False)
+        assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full")
 
 
 def test_parallels_limit_the_rows_and_the_fake_steps_to_those_named():
@@ -700,7 +708,7 @@ def test_pure_bf16_rows_match_the_meter_and_hold_half_the_states():
 
 def test_pure_bf16_at_the_fast_depth_and_sharded_equals_a_full_depth_run(monkeypatch):
     monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)
-    spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=7))
+    spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=SHARDED_DEEP))
     for step in (P.Step(3, 2, 16, "full", P.PURE_BF16, adam_impl="foreach"),
                  P.Step(3, 2, 16, "none", P.PURE_BF16, shard=(2, True), adam_impl="foreach")):
         assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full")
