@@ -244,7 +244,7 @@ def test_a_worker_waits_for_a_live_trial_at_most_max_wait_s(config, storage):
     workers.mark_worker(busy)
     start = time.monotonic()
     assert studies.optimize(study, 5, total_trials=0, max_wait_s=1.5) == 0
-    assert 1.5 <= time.monotonic() - start < 5
+    assert 1.5 <= time.monotonic() - start < 10  # (a storage query on a loaded 2-core machine: seconds at worst)
     assert study.trials[0].state == TrialState.RUNNING  # not failed: its worker lives
 
 
