@@ -140,6 +140,12 @@ def leftover_processes(tag: str | None = None, wait_s: float = 10.0) -> list[str
         time.sleep(0.2)
 
 
+def pytest_report_header(config):
+    """Print the CPU line (labkit.cpu) at the top of the run: every timing a run reports comes with its machine."""
+    from labkit.cpu import cpu_report
+    return cpu_report().line()
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run if a process it started (a rank, a kernel, a worker) is still alive at the end.
 
