@@ -37,6 +37,8 @@ KEYS = {"06_model_and_pipeline_parallel": ["ArrowRight"],  # 3 ranks
         "08_memory_aware_search": ["End"]}  # a 64 MiB budget: every setting fits
 # keys pressed on a panel's other sliders before its first Run, (slider index, keys): a cheaper run of the same code
 PRESETS = {"08_memory_aware_search": [(1, ["Home"])]}  # 2 trials a study, not 8: each trial meters and times steps
+# controls that must open on the chapter's parameters (control -> parameter), checked before the first Run
+OPENS_ON = {"09_will_it_fit": {"model": "MODEL", "gpu": "GPU", "seq_len": "PLAN_SEQ_LEN", "batch": "PLAN_BATCH"}}
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-breakpad", "--disable-crash-reporter"]  # no crash handler to outlive the browser
@@ -283,6 +285,9 @@ def _run():
     return shown.stdout, images
 
 
+for _name, _parameter in {opens_on!r}.items():  # the panel opens on the reader's settings, not on its first choices
+    _value, _wanted = _panel.controls[_name].value, globals()[_parameter]
+    assert _value == _wanted, f"{stem}: the panel's {{_name}} opens on {{_value!r}}, not on {{_parameter}} = {{_wanted!r}}"
 for _index, _keys in {presets!r}:
     for _key in _keys:
         _press(_sliders[_index], _key)
@@ -295,7 +300,8 @@ assert _run() != _before, "{stem}: the panel's output did not change after its f
 
 def panel_cell(stem: str) -> str:
     """Return a code cell that runs the chapter's panel in its kernel as exercise_panel does in the browser."""
-    return PANEL_CELL.format(stem=stem, presets=PRESETS.get(stem, []), keys=KEYS.get(stem, ["Home"]))
+    return PANEL_CELL.format(stem=stem, presets=PRESETS.get(stem, []), keys=KEYS.get(stem, ["Home"]),
+                             opens_on=OPENS_ON.get(stem, {}))
 
 
 def exercise_panel(page, stem: str) -> None:
