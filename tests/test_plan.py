@@ -26,6 +26,11 @@ SHARDED_DEEP = P.SHARDED_DEPTHS[1] + 1  # the fewest blocks past FSDP2's fast de
 #   is a fake step of that many blocks, the suite's costliest work)
 
 
+def _fitted(spec, step) -> bool:
+    """Tell whether `step` took the fast depth (an exact fit of small runs), not its fallback to a full-depth run."""
+    return P._FITS.get((spec.key, dataclasses.replace(step, micro_batch=0, adam_impl=P.ADAM_IMPLS[0]))) is not None
+
+
 def cpu_profile(memory_bytes: int) -> DeviceProfile:
     """Return a CPU-like profile with fixed rates (no timing in tests)."""
     return DeviceProfile("cpu", memory_bytes, {"fp32": 1e11, "bf16": 1e11}, 1e10, 1e10, 1e10)
@@ -504,6 +509,7 @@ def test_adam_implementations_at_the_fast_depth_are_their_full_depth_steps(monke
         for impl in ("foreach", "fused"):
             step = P.Step(2, 2, 16, "every" if shard is None else "none", "fp32", shard=shard, adam_impl=impl)
             assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full"), (spec.name, shard, impl)
+            assert spec is shallow or _fitted(spec, step)  # the fast path, not its full-depth fallback
 
 
 
@@ -573,7 +579,7 @@ def test_mixed_policy_rows_at_the_fast_depth_and_in_the_plan(monkeypatch):
         m.setattr(P, "FULL_MAX_LAYERS", 3)  # take the fast path on a small model
         spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=SHARDED_DEEP))
         step = P.Step(2, 2, 16, "every", P.MIXED_POLICY, shard=(2, True))
-        assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full")
+        assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full") and _fitted(spec, step)
     p = P.plan(DEEP_LLAMA, "h100", 2, 16, 2, precisions=("fp32", "bf16", P.MIXED_POLICY), checkpointing=("none",),
                offload=(False,), workers=1)
     mixed = [r for r in p.rows if r.combination.precision == P.MIXED_POLICY]
@@ -639,7 +645,7 @@ def test_logits_freed_before_backward_are_planned_as_measured(monkeypatch):
         m.setattr(P, "FULL_MAX_LAYERS", 3)  # take the fast path on a small model
         spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=4))
         step = P.Step(2, 2, 16, "every", "fp32", keep_logits=False)
-        assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full")
+        assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full") and _fitted(spec, step)
 
 
 def test_parallels_limit_the_rows_and_the_fake_steps_to_those_named():
