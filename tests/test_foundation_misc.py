@@ -495,6 +495,20 @@ def test_tiny_running_example_gets_a_kib_budget():
     assert ex.budget_bytes <= 0.75 * ex.baseline_peak_bytes < ex.budget_bytes + 2**10
 
 
+def test_running_example_counts_its_peak_once_and_only_when_asked(monkeypatch):
+    from labkit import example
+    calls = []
+    real = example.estimate_training_memory
+    monkeypatch.setattr(example, "estimate_training_memory", lambda *a, **k: calls.append(a) or real(*a, **k))
+    ex = labkit.running_example(n_layer=1, n_embd=32, n_head=2, batch_size=2, seq_len=8)
+    assert ex.config.n_layer == 1 and calls == []  # a distributed rank that only builds the model counts nothing
+    assert 0 < ex.budget_bytes < ex.baseline_peak_bytes and len(calls) == 1  # counted once, for both
+    given = labkit.running_example(n_layer=1, n_embd=32, n_head=2, batch_size=2, seq_len=8, budget_bytes=3 << 20)
+    assert given.budget_bytes == 3 << 20 and len(calls) == 1  # a budget given is not computed
+    with pytest.raises(labkit.ParameterError, match="budget_bytes"):
+        labkit.running_example(budget_bytes=0)
+
+
 def test_running_example_does_not_fit_its_budget():
     ex = labkit.running_example()
     assert 0 < ex.budget_bytes < ex.baseline_peak_bytes
