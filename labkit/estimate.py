@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import os
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -51,17 +54,42 @@ def example_batch(cfg: GPTConfig | MLPConfig, batch_size: int, seq_len: int | No
             torch.randint(cfg.classes, (batch_size,), device=device))
 
 
-_FAKE_STEPS: dict = {}  # key -> (peak, split, states, n): a sweep or a study asks for the same step again and again
+SHARED_DIR_ENV = "LABKIT_FAKE_STEPS_DIR"  # a folder where a run's processes share fake steps (the suite sets one)
+_REMEMBERED: dict = {}  # key -> a fake step's figures: a sweep or a study asks for the same step again and again
 
 
-def fake_step(key, build, trace: bool = False) -> tuple:
+def remembered(key: tuple, count):
+    """Return `count()`'s figures for `key`: from this process's memo, from the folder SHARED_DIR_ENV names, or counted.
+
+    `key` names the step whole by its repr (plain values and dataclasses). Counted figures are kept in the memo and,
+    when SHARED_DIR_ENV is set, written there for this run's other processes (kernels, ranks, workers).
+    """
+    if key in _REMEMBERED:
+        return copy.deepcopy(_REMEMBERED[key])
+    name, folder = repr(key), os.environ.get(SHARED_DIR_ENV)
+    path = os.path.join(folder, hashlib.sha256(name.encode()).hexdigest() + ".pkl") if folder else None
+    value = None
+    if path is not None and os.path.exists(path):
+        with open(path, "rb") as f:
+            stored_name, value = pickle.load(f)
+        value = value if stored_name == name else None  # (a hash shared by two keys: count this one)
+    if value is None:
+        value = count()
+        if path is not None:
+            with open(f"{path}.{os.getpid()}", "wb") as f:
+                pickle.dump((name, value), f)
+            os.replace(f"{path}.{os.getpid()}", path)  # a reader sees the whole file or none
+    _REMEMBERED[key] = copy.deepcopy(value)
+    return value
+
+
+def fake_step(build, trace: bool = False) -> tuple:
     """Meter one step of `build()` on fake tensors; return its peak bytes, split at the peak, split after it, n.
 
-    `build()` returns (model, attach, run): `attach(meter)` tracks the step's tensors, `run()` runs one step. Cached by
-    `key` (None: not cached). With `trace`, a fifth item: (phase, tag, bytes by category) at every timeline event.
+    `build()` returns (model, attach, run): `attach(meter)` tracks the step's tensors, `run()` runs one step. With
+    `trace`, a fifth item: (phase, tag, bytes by category) at every timeline event. Wrap it in `remembered` to count
+    each step once.
     """
-    if key is not None and key in _FAKE_STEPS:
-        return copy.deepcopy(_FAKE_STEPS[key])
     # one thread: fake operators compute nothing, and a second thread only adds overhead (1.4x slower with 2)
     with one_thread(), FakeTensorMode(allow_non_fake_inputs=True):  # (FSDP2's meta shards enter as non-fake inputs)
         model, attach, run = build()
@@ -74,8 +102,6 @@ def fake_step(key, build, trace: bool = False) -> tuple:
     out = (meter.peak_bytes, meter.peak_split(), states, n)
     if trace:
         out += ([(pt.phase, pt.tag, split) for pt, split in zip(meter.timeline, meter.timeline_splits())],)
-    if key is not None:
-        _FAKE_STEPS[key] = copy.deepcopy(out)
     return out
 
 
@@ -96,11 +122,12 @@ def estimate_training_memory(cfg: GPTConfig | MLPConfig, batch_size: int, seq_le
         with torch.device("meta"):
             model = build_model(cfg)
         with fake_sharded(model, blocks_of(model), world_size, zero_stage == 3):  # to_empty: FSDP2's meta init
-            peak, split, states, n = fake_step(None, lambda: _plain_step(model.to_empty(device="cpu"), optimizer, cfg,
-                                                                         batch_size, seq_len))
+            peak, split, states, n = fake_step(lambda: _plain_step(model.to_empty(device="cpu"), optimizer, cfg,
+                                                                   batch_size, seq_len))
     else:
-        peak, split, states, n = fake_step(("model", repr(cfg), batch_size, seq_len, optimizer),
-                                           lambda: _plain_step(build_model(cfg), optimizer, cfg, batch_size, seq_len))
+        peak, split, states, n = remembered(
+            ("model", repr(cfg), batch_size, seq_len, optimizer),
+            lambda: fake_step(lambda: _plain_step(build_model(cfg), optimizer, cfg, batch_size, seq_len)))
     states["other"] = states.pop("activations")  # at rest: no activations, the batch and the last logits
     if world_size > 1 and zero_stage not in (2, 3):
         peak, split, states = data_parallel_rank(peak, split, states, world_size, zero_stage)

@@ -25,7 +25,7 @@ from labkit.accumulation import split_batch
 from labkit.checkpointing import checkpoint_blocks
 from labkit.children import ChildProcesses, die_with_parent
 from labkit.cpu import one_thread
-from labkit.estimate import MemoryEstimate, data_parallel_rank, example_batch, fake_sharded, fake_step
+from labkit.estimate import MemoryEstimate, data_parallel_rank, example_batch, fake_sharded, fake_step, remembered
 from labkit.work import WorkCounter
 from labkit.gpus import DeviceProfile, device_profile
 from labkit.hosttier import host_tier
@@ -65,7 +65,6 @@ PLAN_PRECISIONS = (*PRECISIONS, MIXED_POLICY, PURE_BF16)  # a plan's precisions:
 GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step plus GradScaler's four 4-byte scalars
 COMM_UNITS = {"single": 0, "ddp": 2, "zero1": 3, "fsdp2": 2, "fsdp2-reshard": 3}  # parameter-sized ring passes:
 #   per step for DDP and ZeRO-1 (which all-gathers the updated parameters too), per micro-batch for FSDP2 (chapter 07)
-_AT_OPTIMIZER: dict = {}  # fake_step's key -> (bytes by category when the optimizer step started, (peak, split) so far)
 _FLOPS: dict = {}  # fake run's key -> (fp32 FLOPs, 16-bit FLOPs, bytes accessed, host bytes) per micro-batch, optimizer
 #                   left out (labkit.work.WorkCounter); per micro-batch of n_micro (the second accumulates gradients)
 _FITS: dict = {}  # (model key, Step with micro_batch 0) -> _fit's figures or None
@@ -114,7 +113,7 @@ class ModelSpec:
     name: str  # shown in the table
     build: Callable  # (n_layer, rows, seq_len) -> (nn.Module, tuple of tensors with `rows` rows)
     n_layer: int | None  # identical blocks: their number (depth="fast" past FULL_MAX_LAYERS); None: always full depth
-    key: str | None  # identifies the model in fake_step's cache (None: not cached)
+    key: str | None  # names the model in the memo of fake runs (estimate.remembered; None: not remembered)
     max_seq_len: int | None = None  # longest sequence the model takes (a learned position table), None: any
     checkpointing: tuple = CHECKPOINTING  # the choices it takes (a transformers model: none, full)
     batch: Callable | None = None  # (rows, seq_len) -> the batch alone, no model built (None: build's batch)
@@ -334,14 +333,24 @@ def _tag_blocks(meter, model) -> None:
 
 def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: bool = True):
     """Run `step` with `n_layer` blocks on fake tensors (estimate.fake_step); return peak, split, states, n, work per
-    micro-batch.
+    micro-batch (remembered by model, depth and step when the model has a key).
 
     trace: a sixth item, the events tagged by block; whole=False: stop where the optimizer step starts.
     """
-    key = None if spec.key is None else ("plan", spec.key, n_layer, step, trace, whole)
+    count = functools.partial(_count_fake_run, spec, step, n_layer, trace, whole)
+    if spec.key is None:
+        return count()
+    out = remembered(("plan", spec.key, n_layer, step, trace, whole), count)
+    _FLOPS.setdefault((spec.key, n_layer, step), out[4])  # (counted in another process: its trace needs no count)
+    return out
+
+
+def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bool):
+    """Return _fake_run's figures, counted now."""
     flops_key = (spec.key, n_layer, step)
     count = spec.key is None or flops_key not in _FLOPS
     rows, n_micro, seq_len, shard = step.micro_batch * step.n_micro, step.n_micro, step.seq_len, step.shard
+    at_optimizer = []  # (bytes by category when the optimizer step started, (peak, split) so far)
 
     def build():
         if shard is None:
@@ -357,13 +366,13 @@ def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: 
         counter = WorkCounter()
         hooks = OffloadHooks(model, min_bytes=OFFLOAD_MIN_BYTES) if step.offload else None
 
-        def at_optimizer(*_):  # keep what the step holds where its optimizer step starts (its bytes: by formula)
+        def at_optimizer_step(*_):  # keep what the step holds where its optimizer step starts (its bytes: by formula)
             counter.counting_bytes = False
             meter = active_meter()
-            _AT_OPTIMIZER[key] = meter.current_split(), (meter.peak_bytes, meter.peak_split())
+            at_optimizer[:] = meter.current_split(), (meter.peak_bytes, meter.peak_split())
             if not whole:
                 raise _AtOptimizer
-        opt.register_step_pre_hook(at_optimizer)
+        opt.register_step_pre_hook(at_optimizer_step)
 
         def attach(meter):
             meter.track(model, opt, *batch)
@@ -381,18 +390,18 @@ def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: 
         return model, attach, run
     try:
         if shard is None:
-            peak, split, states, n, *events = fake_step(key, build, trace)
+            peak, split, states, n, *events = fake_step(build, trace)
         else:
             with torch.device("meta"), _built_in(step):  # FSDP2 splits every parameter N ways: cheap on meta
                 meta_model, meta_batch = spec.build(n_layer, rows, seq_len)  # tensors only
             _checkpoint(meta_model, step.checkpointing)
             with fake_sharded(meta_model, _repeated_blocks(meta_model), *shard, mp_policy=_policy(step)):
-                peak, split, states, n, *events = fake_step(key, build, trace)
+                peak, split, states, n, *events = fake_step(build, trace)
     except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as e:
         raise ParameterError(f"model: {spec.name} cannot run on fake tensors ({type(e).__name__}: {e}); make the "
                              "operation independent of tensor values or pass a callable that builds a model "
                              "without it") from None
-    states["at_optimizer"], states["before_optimizer"] = _AT_OPTIMIZER[key]
+    states["at_optimizer"], states["before_optimizer"] = at_optimizer
     return (peak, split, states, n, _FLOPS[flops_key], *events)
 
 

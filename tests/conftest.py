@@ -49,12 +49,18 @@ SESSION_TAG = "LABKIT_TEST_SESSION"  # inherited by every process the session st
 
 
 def pytest_configure(config):
-    """Tag every process this test session starts (ranks, kernels) through an inherited variable; have nbval see a
-    kernel that died."""
+    """Tag every process this test session starts (ranks, kernels) through an inherited variable; give them one folder
+    to share fake steps in (labkit.estimate.remembered: the notebooks, their ranks and the search workers ask for the
+    same steps); have nbval see a kernel that died."""
     import os
     if not hasattr(config, "workerinput"):  # the controller, before any worker starts
+        import tempfile
         import uuid
+
+        from labkit.estimate import SHARED_DIR_ENV
         os.environ.setdefault(SESSION_TAG, uuid.uuid4().hex)
+        if SHARED_DIR_ENV not in os.environ:
+            config.fake_steps_dir = os.environ[SHARED_DIR_ENV] = tempfile.mkdtemp(prefix="labkit-fake-steps-")
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")  # a kernel that crashes prints its Python stack to the log
     _watch_nbval_kernels()
 
@@ -159,6 +165,9 @@ def pytest_sessionfinish(session, exitstatus):
     resource_tracker._resource_tracker._stop()
     if hasattr(session.config, "workerinput"):
         return
+    if hasattr(session.config, "fake_steps_dir"):
+        import shutil
+        shutil.rmtree(session.config.fake_steps_dir, ignore_errors=True)
     left = leftover_processes()
     if left:
         session.config.pluginmanager.get_plugin("terminalreporter").write_line(

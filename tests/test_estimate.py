@@ -249,3 +249,49 @@ def test_sharded_estimate_equals_two_real_ranks(stage, tiny_config, tmp_path):
         assert est.peak_bytes <= measured["peak_bytes"] <= est.peak_bytes + block_bytes
         if measured["peak_bytes"] == est.peak_bytes:  # (a late release also moves the peak to another moment)
             assert measured["peak_split"] == est.split
+
+
+# -- remembered: each fake step counted once per run ----------------------------------------------------------------
+
+def test_remembered_counts_a_step_once_and_shares_it_through_the_runs_folder(tmp_path, monkeypatch):
+    from labkit import estimate as E
+    monkeypatch.setattr(E, "_REMEMBERED", {})
+    monkeypatch.delenv(E.SHARED_DIR_ENV, raising=False)
+    counted = []
+
+    def count():
+        counted.append(1)
+        return {"peak": 5, "split": {"parameters": 3}}
+    first = E.remembered(("test", 1), count)
+    first["split"]["parameters"] = -1  # a caller's change stays its own
+    assert E.remembered(("test", 1), count) == {"peak": 5, "split": {"parameters": 3}} and len(counted) == 1
+    assert list(tmp_path.iterdir()) == []  # no folder named: nothing written anywhere
+
+    monkeypatch.setenv(E.SHARED_DIR_ENV, str(tmp_path))
+    E.remembered(("test", 2), count)
+    assert len(counted) == 2 and len(list(tmp_path.glob("*.pkl"))) == 1 and not list(tmp_path.glob("*.pkl.*"))
+    monkeypatch.setattr(E, "_REMEMBERED", {})  # another process of the run: its memo empty, the folder shared
+    assert E.remembered(("test", 2), count) == {"peak": 5, "split": {"parameters": 3}} and len(counted) == 2
+
+    path = next(tmp_path.glob("*.pkl"))  # a file whose key is another (two keys, one hash): counted, not read
+    path.write_bytes(__import__("pickle").dumps(("('test', 3)", "not this step's")))
+    monkeypatch.setattr(E, "_REMEMBERED", {})
+    assert E.remembered(("test", 2), count)["peak"] == 5 and len(counted) == 3
+
+
+def test_a_plan_run_read_from_the_shared_folder_is_the_one_counted(tmp_path, monkeypatch):
+    """The planner's fake run (peak, split, states with the optimizer's moment, work) comes back whole from the
+    folder in a process that never counted it."""
+    from labkit import estimate as E
+    from labkit import plan as P
+    monkeypatch.setenv(E.SHARED_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(E, "_REMEMBERED", {})
+    monkeypatch.setattr(P, "_FLOPS", {})
+    spec = P.gpt_spec(replace(GPT2_124M, n_layer=1, n_embd=32, n_head=2, vocab_size=64, block_size=16))
+    step = P.Step(2, 1, 8, "none", "bf16")
+    counted = P._fake_run(spec, step, 1)
+    monkeypatch.setattr(E, "_REMEMBERED", {})
+    monkeypatch.setattr(P, "_FLOPS", {})
+    monkeypatch.setattr(P, "_count_fake_run", lambda *a: pytest.fail("counted again"))
+    assert P._fake_run(spec, step, 1) == counted and counted[2]["at_optimizer"] and counted[4][1] > 0
+    assert P._FLOPS[(spec.key, 1, step)] == counted[4]

@@ -11,7 +11,7 @@ import torch
 
 from labkit import gpus
 from labkit import plan as P
-from labkit.estimate import estimate_training_memory, example_batch
+from labkit.estimate import SHARED_DIR_ENV, estimate_training_memory, example_batch
 from labkit.example import running_example
 from labkit.gpus import GPUS, DeviceProfile
 from labkit.models import GPT, GPTConfig
@@ -422,6 +422,7 @@ def test_fake_steps_shared_among_worker_processes_give_the_same_plan(monkeypatch
     micro-batches is counted apart from 1's)."""
     cfg = dataclasses.replace(DEEP_LLAMA, n_layer=P.FULL_MAX_LAYERS + 1)
     monkeypatch.setattr(P, "MIN_GROUPS_PER_WORKER", 1)  # 4 groups: shared among the 2 workers all the same
+    monkeypatch.delenv(SHARED_DIR_ENV, raising=False)  # (the session's shared fake steps would make both plans one)
     kwargs = dict(gpu="h100", gpus=2, seq_len=16, batch=2, precisions=("bf16",), checkpointing=("every",),
                   offload=(False,))
     P._PLANNED.clear()

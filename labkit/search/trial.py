@@ -16,7 +16,7 @@ from labkit.checkpointing import checkpoint_blocks
 from labkit.cpu import bf16_native
 from labkit.data import MarkovTokens
 from labkit.device import as_device, resolve_device
-from labkit.estimate import example_batch, fake_step
+from labkit.estimate import example_batch, fake_step, remembered
 from labkit.gpus import step_time
 from labkit.l2l import L2LTrainer
 from labkit.meter import MemoryMeter, OutOfMemory
@@ -128,14 +128,12 @@ def _memory_key(params: dict, config: StudyConfig) -> tuple:
     return shape + tuple(sorted((k, v) for k, v in params.items() if k != "lr"))
 
 
-_WORK: dict = {}  # fake_step's key of a setting -> its counted Work (counted on the fake step that gave its peak)
-
-
 def predict_step(params: dict, config: StudyConfig) -> tuple[int, Work]:
     """Return one steady step's peak bytes and counted work (optimizer step included), run once on fake tensors
-    (cached by setting)."""
+    (remembered by setting)."""
     check_setting(params, config)
     key = ("setting", *_memory_key(params, config))
+    counter = WorkCounter()
 
     def build():  # on "cpu": fake CUDA autograd aborts a CPU-only build; the bytes and the work are the same
         step = SettingStep(params, config, "cpu")
@@ -143,16 +141,14 @@ def predict_step(params: dict, config: StudyConfig) -> tuple[int, Work]:
         create_optimizer_state(step.optimizer)  # as after a first step, at half the cost of running one
 
         def run():
-            with WorkCounter() as counter:
+            with counter:
                 step.step(batch)
-            _WORK[key] = counter.work()
         return step.model, lambda meter: step.attach(meter, batch), run
-    peak = fake_step(key, build)[0]
-    return peak, _WORK[key]
+    return remembered(key, lambda: (fake_step(build)[0], counter.work()))
 
 
 def predict_peak_bytes(params: dict, config: StudyConfig) -> int:
-    """Return the peak bytes of one steady step of the setting, run on fake tensors (cached by setting)."""
+    """Return the peak bytes of one steady step of the setting, run on fake tensors (remembered by setting)."""
     return predict_step(params, config)[0]
 
 
