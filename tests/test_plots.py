@@ -30,3 +30,35 @@ def test_series_colors_share_none_with_categories_phases_or_gantt():
     assert len(set(plots.SERIES_COLORS)) == len(plots.SERIES_COLORS)
     assert not {c.lower() for c in plots.SERIES_COLORS} & taken
     assert plots.COMM_COLOR.lower() not in {c.lower() for c in plots.CATEGORY_COLORS.values()}
+
+
+def _plan_of(rows):
+    """Return a Plan of synthetic rows (peak GiB, step ms, precision, checkpointing, fits): nothing run."""
+    from labkit.plan import Combination, Plan, Row
+    out = Plan("m", "h100", 1, 16, 8, 10**9, 60 * 2**30, 0.1)
+    for i, (gib, ms, precision, ckpt, fits) in enumerate(rows):
+        c = Combination(1, "single", 1 + i, 1, ckpt, precision)
+        out.rows.append(Row(c, int(gib * 2**30), {}, fits, 10**12, ms / 1e3, 0.0, ms / 1e3, 1e5))
+    return out
+
+
+def test_the_plan_figure_keeps_its_labels_apart_clear_of_the_axis_and_its_times_positive():
+    """draw_plan (chapter 09): the front's labels left of their points, none over another, each clear of the y-axis;
+    a linear time axis widened for them shows no negative tick; every precision and checkpointing drawn has its
+    legend entry (bf16-mp and bf16-pure too)."""
+    from matplotlib.text import Annotation
+
+    from labkit.planplot import draw_plan
+    rows = [(50, 100, "fp32", "none", True), (40, 110, "bf16-mp", "every", True), (30, 120, "bf16-pure", "full", True),
+            (20, 130, "bf16", "op", True), (70, 900, "fp32", "selective", False)]  # the front near the slowest's 1/4
+    fig = draw_plan(_plan_of(rows))  # 900/100: a linear axis
+    ax = fig.axes[0]
+    fig.draw_without_rendering()
+    labels = [t for t in ax.texts if isinstance(t, Annotation)]
+    boxes = [t.get_window_extent() for t in labels]
+    assert len(labels) == 5 and not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    assert min(b.x0 for b in boxes) >= ax.get_window_extent().x0  # clear of the y-axis line
+    assert ax.get_xscale() == "linear" and ax.get_xlim()[0] < 0 <= min(ax.get_xticks())  # widened, no tick below 0
+    legend = {t.get_text() for t in ax.get_legend().get_texts()}
+    assert {"fp32", "bf16", "bf16-mp", "bf16-pure", "ckpt none", "ckpt every", "ckpt full", "ckpt op",
+            "ckpt selective", "does not fit (hollow)"} <= legend

@@ -1,0 +1,139 @@
+"""Figures of a plan (chapter 09): each combination's predicted peak against its predicted step time.
+
+The planner's figure: `draw_plan(plan)`; the marker, colour and edge of a combination (`PRECISION_MARKERS`,
+`CKPT_COLORS`, `edge_of`) are the chapter's figure legend everywhere it draws combinations.
+"""
+
+from __future__ import annotations
+
+from labkit import plots
+from labkit.gpus import GiB
+
+PRECISION_MARKERS = {"fp32": "o", "bf16": "s", "fp16": "^", "bf16-mp": "D", "bf16-pure": "v"}  # a row's marker
+CKPT_COLORS = {"none": "#505050", "every": "#64b5cd", "sqrt": "#da8bc3", "selective": "#e6b800", "full": "#4c72b0",
+               "op": "#dd8452"}  # a row's fill by checkpointing
+PLACEMENT_EDGES = {"offload": "#c44e52", "Adam on the host": "#8172b2"}  # edge colours of the rows that use the host
+
+
+def edge_of(c) -> str:
+    """Return the marker edge colour of a combination: red with offload, purple with Adam on the host, else its fill."""
+    if c.offload:
+        return PLACEMENT_EDGES["offload"]
+    return PLACEMENT_EDGES["Adam on the host"] if c.optimizer == "host" else CKPT_COLORS[c.checkpointing]
+
+
+_LABEL_PARTS = (lambda c: f"{c.ranks}×{c.parallel}", lambda c: f"mb {c.micro_batch}×{c.accum_steps}",
+               lambda c: c.checkpointing, lambda c: c.precision, lambda c: "offl" if c.offload else "",
+               lambda c: "Adam host" if c.optimizer == "host" else "")
+
+
+def _point_label(r, rows):
+    """Return what tells a row apart among `rows`: ranks × parallelism, micro-batch × accumulation, checkpointing,
+    precision, offload, Adam on the host (the parts that differ among them), e.g. "2×ddp mb 1×1, offl"."""
+    varying = [part for part in _LABEL_PARTS if len({part(x.combination) for x in rows}) > 1]
+    return ", ".join(t for t in (part(r.combination) for part in varying) if t)
+
+
+def _leave_room_left(fig, ax, labels, pad_px=20):
+    """Lower the left x-limit until every annotation of `labels` (drawn left of its point) clears the y-axis line by
+    `pad_px` pixels. The limits map linearly to pixels in the axis's scale (log10 on a log axis), so the arithmetic
+    is done there; a text's width is known once the figure is laid out, and the layout may resize the axes after a
+    change: laid out again, up to three times. On a linear axis no tick is drawn below 0 (a time is never negative)."""
+    scale = ax.xaxis.get_transform()  # data to scaled coordinates: the identity, or log10
+    for _ in range(3 if labels else 0):
+        fig.draw_without_rendering()
+        width = ax.get_window_extent().width
+        lo, hi = scale.transform(ax.get_xlim())
+        wanted = lo
+        for label in labels:
+            left_px = ax.transData.transform(label.xy)[0] - label.get_window_extent().x0 + pad_px  # left of its point
+            share = min(left_px / width, 0.9)  # the share of the axes' width it needs left of its point (at most 90%)
+            x = scale.transform([label.xy[0]])[0]
+            wanted = min(wanted, (x - share * hi) / (1 - share))  # so that x - lo >= share * (hi - lo)
+        if wanted >= lo:
+            break
+        ax.set_xlim(scale.inverted().transform([wanted])[0], None)
+    if ax.get_xscale() == "linear" and ax.get_xlim()[0] < 0:  # room for labels, not negative times: no tick below 0
+        ax.set_xticks([t for t in ax.get_xticks() if 0 <= t <= ax.get_xlim()[1]])
+
+
+def _collide(fig, labels):
+    """Tell whether any two of `labels` overlap once the figure is laid out."""
+    fig.draw_without_rendering()
+    boxes = [label.get_window_extent() for label in labels]
+    return any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def draw_plan(p):
+    """Return a figure of a plan's peaks (GiB) against predicted step times (ms): fits, Pareto front, fastest."""
+    fig, ax = plots.new_figure(width_in=7.5, height_in=3.8)
+    for r in p.rows:
+        c = r.combination
+        ax.plot(r.step_s * 1e3, r.peak_bytes / GiB, PRECISION_MARKERS[c.precision],
+                color=CKPT_COLORS[c.checkpointing], mfc=CKPT_COLORS[c.checkpointing] if r.fits else "none", ms=6,
+                mec=edge_of(c), mew=1.5 if edge_of(c) in PLACEMENT_EDGES.values() else 1)
+    front = p.pareto
+    if front:
+        ax.plot([r.step_s * 1e3 for r in front], [r.peak_bytes / GiB for r in front], "-", color="#55a868", lw=1,
+                zorder=3)  # over the other points
+        ax.plot(front[0].step_s * 1e3, front[0].peak_bytes / GiB, "*", color="black", ms=12)
+    labelled = p.rows if len(p.rows) <= 12 else front  # all points while they are few, else the front
+    left_labels, other_labels = [], []  # the front's labels extend left of their points; the others right
+    if len(labelled) > 1:
+        for r in labelled:  # a front point's label below and left of it: no point is faster and smaller
+            on_front = r in front
+            label = ax.annotate(_point_label(r, labelled), (r.step_s * 1e3, r.peak_bytes / GiB), fontsize=6,
+                                xytext=(-4, -4) if on_front else (3, 3), textcoords="offset points",
+                                ha="right" if on_front else "left", va="top" if on_front else "bottom")
+            (left_labels if on_front else other_labels).append(label)
+        ax.margins(x=0.25)
+    peaks = [r.peak_bytes / GiB for r in p.rows]
+    lo, hi = min(peaks), max(peaks)
+    budget = p.budget_bytes / GiB
+    if lo * 0.8 <= budget <= hi * 1.25:  # the budget is drawn where it does not squash the data
+        ax.axhline(budget, color="black", ls="--", lw=1)
+        lo, hi = min(lo, budget), max(hi, budget)
+    ax.set_ylim(lo - 0.12 * (hi - lo + 1e-9), hi + 0.1 * (hi - lo + 1e-9))  # room below for the front's labels
+    times = [r.step_s for r in p.rows]
+    if max(times) > 10 * min(times):  # a log axis where the times span more than a decade
+        ax.set_xscale("log")
+        plots.plain_ticks(ax.xaxis)
+    ax.set_xlabel("predicted step time (ms): roofline + communication + host transfers")
+    ax.set_ylabel("peak per device (GiB)")
+    c = None if p.fastest is None else p.fastest.combination
+    verdict = "nothing fits" if c is None else (
+        f"fastest: {c.ranks} × {c.parallel}, micro-batch {c.micro_batch} × {c.accum_steps}, {c.checkpointing}, "
+        f"{c.precision}")
+    ax.set_title(f"{p.model} on {p.gpus} × {p.device}, batch {p.batch} × {p.seq_len}; budget {budget:.1f} GiB "
+                 f"({p.reserve_fraction:.0%} reserved)\n{verdict}", fontsize=9)
+    handles = [ax.plot([], [], marker=mk, color="grey", ls="none", label=k)[0]
+               for k, mk in PRECISION_MARKERS.items() if any(r.combination.precision == k for r in p.rows)]
+    handles += [ax.plot([], [], marker="o", color=col, ls="none", label=f"ckpt {k}")[0]
+                for k, col in CKPT_COLORS.items() if any(r.combination.checkpointing == k for r in p.rows)]
+    for what, col in PLACEMENT_EDGES.items():
+        if any((c.offload if what == "offload" else c.optimizer == "host") for c in (r.combination for r in p.rows)):
+            handles.append(ax.plot([], [], marker="o", color="#a6a6a6", mec=col, mew=1.5, ls="none",
+                                   label=what)[0])  # filled: hollow means only "does not fit"
+    if not all(r.fits for r in p.rows):
+        hollow = dict(marker="o", color="grey", mfc="none", ls="none")
+        handles.append(ax.plot([], [], **hollow, label="does not fit (hollow)")[0])
+    if front:
+        handles.append(ax.plot([], [], "-*", color="#55a868", mfc="black", mec="black",
+                               label="Pareto front, fastest")[0])
+    ax.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), borderaxespad=0)
+    if _collide(fig, left_labels + other_labels):  # too close to read: the front's points get their row numbers
+        for label in other_labels:
+            label.remove()
+        places = [(r.step_s * 1e3, r.peak_bytes / GiB) for r in front]
+        for label in left_labels:  # the row of the front's table (format_plan's #), fastest first
+            label.set_text(str(1 + places.index(label.xy)))
+        left_labels.sort(key=lambda label: int(label.get_text()))
+        if _collide(fig, left_labels):  # numbers close together: every second one above and right of its point
+            for label in left_labels[1::2]:
+                label.set(position=(4, 4), ha="left", va="bottom")
+            left_labels = left_labels[::2]  # (those above and right of their points cannot reach the y-axis)
+        ax.text(1.01, 0.0, "1, 2, ...: the Pareto\nfront's rows (#) in\nthe table above", transform=ax.transAxes,
+                fontsize=7, va="bottom")
+    # last: a label's width in data units depends on the scale, and on the axes' width once title and legend are in
+    _leave_room_left(fig, ax, left_labels)
+    return fig
