@@ -370,7 +370,8 @@ class MemoryMeter(TorchDispatchMode):
     # -- dispatch ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "prim":  # metadata queries (prim.device: fake tensors ask it): nothing allocated
-            return func(*args, **(kwargs or {}))
+            device = fake_device(func, args)
+            return device if device is not None else func(*args, **(kwargs or {}))
         # Inputs first seen here (the batch, an untracked weight) are counted, never refused.
         records = self._records
         for a in (args, kwargs.values()) if kwargs else (args,):
@@ -541,6 +542,20 @@ def _freed(meter_ref, key: int, rec: _Record, _storage_ref) -> None:
     if meter._records.get(key) is rec:
         del meter._records[key]
         del meter._refs[key]
+
+
+_PRIM_DEVICE = torch.ops.prim.device.default
+
+
+def fake_device(func, args) -> torch.device | None:
+    """Return a fake tensor's device when `func` is prim.device, answered as FakeTensorMode answers it, else None.
+
+    C++ autograd asks a fake tensor's device at nearly every operator (two thirds of a fake step's dispatches): a mode
+    above FakeTensorMode answers at once instead of passing the question down through every mode below it.
+    """
+    if func is _PRIM_DEVICE and type(args[0]) is FakeTensor:
+        return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+    return None
 
 
 class DispatchFloor(TorchDispatchMode):

@@ -19,6 +19,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from labkit.meter import fake_device
+
 aten = torch.ops.aten
 # torch's formulas, and the CPU's fused attention (what SDPA runs on a CPU, fake tensors included), which torch's
 # registry leaves out: it takes the CUDA flash kernel's leading arguments, so the same formulas count it
@@ -154,7 +156,8 @@ class WorkCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace == "prim":  # metadata queries (prim.device: fake tensors ask it): no data, no kernel
-            return func(*args, **kwargs)
+            device = fake_device(func, args)
+            return device if device is not None else func(*args, **kwargs)
         if func.namespace in ("c10d", "_c10d_functional"):
             self._communication(func, args)
             return func(*args, **kwargs)

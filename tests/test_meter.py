@@ -698,3 +698,16 @@ def test_a_cuda_backward_on_autograds_device_thread_counts_the_resize():
         loss.backward()
         assert m.peak_bytes >= before + 1000 * F32 + 100 * F32, (m.peak_bytes, before)
     assert m.cuda_max_allocated_bytes >= m.peak_bytes  # the allocator rounds up; it never holds less
+
+
+def test_a_fake_tensors_device_is_answered_as_fake_tensor_mode_answers_it():
+    """labkit's dispatch modes answer prim.device for a fake tensor themselves (two thirds of a fake step's
+    dispatches), with FakeTensorMode's answer; any other operator or tensor goes on down the stack."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from labkit.meter import fake_device
+    with FakeTensorMode():
+        t = torch.empty(3)
+    assert fake_device(torch.ops.prim.device.default, (t,)) == t.device == torch.device("cpu")
+    assert fake_device(torch.ops.aten.add.Tensor, (t, t)) is None
+    assert fake_device(torch.ops.prim.device.default, (torch.empty(1),)) is None  # a real tensor: not answered here
