@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import os
 import pickle
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from labkit.cpu import one_thread
 from labkit.meter import MemoryMeter
@@ -83,6 +84,60 @@ def remembered(key: tuple, count):
     return value
 
 
+_KEYED_FIELDS = {"dtype", "shape", "stride", "device", "layout", "memory_format", "storage_offset", "storage_bytes",
+                 "requires_grad", "is_quantized", "is_conj", "is_neg", "is_inference", "is_sparse", "is_coalesced",
+                 "dense_dim", "sparse_dim"}  # torch's TensorMetadata fields the lean key covers (memory_format: by the
+#                                             shape and strides; the last five: only dense, unquantized tensors keyed)
+_LEAN = object()  # marks a fake tensor keyed the lean way: no key of torch's own format equals one of these
+
+
+class LeanFakeTensorMode(FakeTensorMode):
+    """FakeTensorMode whose operator cache keys a fake tensor by the fields that decide an operator's output, read
+    directly (dtype, shape, strides, offset, storage bytes, device, layout, autograd and view flags).
+
+    torch's key builds a TensorMetadata dataclass per tensor and walks its fields: 36% of a fake training step (a
+    4-block llama-style step, counted 2026-11-30). Anything else (a sparse, quantized or symbolic tensor, a SymInt, a
+    function) is keyed by torch's own code. Use `fake_mode()`, which falls back to FakeTensorMode where torch's
+    metadata has a field this key does not cover.
+    """
+
+    def _prep_args_for_hash(self, result, args, state, *rest):
+        if isinstance(args, dict):
+            return super()._prep_args_for_hash(result, args, state, *rest)
+        if isinstance(args, (list, tuple)):
+            result.append(type(args))
+            result.append(len(args))
+        for arg in args:
+            if type(arg) is FakeTensor and arg.fake_mode is self and arg.constant is None and arg.layout is _STRIDED \
+                    and not arg.is_quantized and not arg._has_symbolic_sizes_strides:
+                result.extend((_LEAN, arg.dtype, arg.shape, arg.stride(), arg.fake_device, arg.storage_offset(),
+                               arg.untyped_storage().nbytes(), arg.requires_grad, arg.is_inference(), arg.is_conj(),
+                               arg.is_neg()))
+            elif arg is None or type(arg) in _PLAIN:
+                result.append(type(arg))
+                result.append(arg)
+            elif type(arg) in (list, tuple):
+                self._prep_args_for_hash(result, arg, state, *rest)
+            else:  # torch's own key for the rest (and its reasons to bypass the cache)
+                super()._prep_args_for_hash(result, (arg,), state, *rest)
+
+
+_STRIDED = torch.strided
+_PLAIN = {bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format}
+
+
+def fake_mode(**kwargs) -> FakeTensorMode:
+    """Return a LeanFakeTensorMode(**kwargs), or a FakeTensorMode where this torch's TensorMetadata has fields the
+    lean key does not cover (another torch version: the same figures, torch's slower key)."""
+    try:
+        from torch._subclasses.fake_tensor import TensorMetadata
+        fields = {f.name for f in dataclasses.fields(TensorMetadata)}
+    except (ImportError, TypeError):
+        fields = None
+    lean = fields is not None and fields <= _KEYED_FIELDS and hasattr(FakeTensorMode, "_prep_args_for_hash")
+    return (LeanFakeTensorMode if lean else FakeTensorMode)(**kwargs)
+
+
 def fake_step(build, trace: bool = False) -> tuple:
     """Meter one step of `build()` on fake tensors; return its peak bytes, split at the peak, split after it, n.
 
@@ -91,7 +146,7 @@ def fake_step(build, trace: bool = False) -> tuple:
     each step once.
     """
     # one thread: fake operators compute nothing, and a second thread only adds overhead (1.4x slower with 2)
-    with one_thread(), FakeTensorMode(allow_non_fake_inputs=True):  # (FSDP2's meta shards enter as non-fake inputs)
+    with one_thread(), fake_mode(allow_non_fake_inputs=True):  # (FSDP2's meta shards enter as non-fake inputs)
         model, attach, run = build()
         with MemoryMeter("cpu", timeline=trace, every_record=trace) as meter:
             attach(meter)

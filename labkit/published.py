@@ -72,15 +72,14 @@ def run_config(run: dict):
 def flops_per_token(run: dict) -> float:
     """Return labkit.work's FLOPs per token of a published run's step: a bf16 step of one row of seq_len tokens on fake
     tensors at depths 1 and 2, each further block adding the same (the optimizer's elementwise ops count none)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from labkit.checkpointing import checkpoint_blocks
+    from labkit.estimate import fake_mode
     from labkit.models import build_model
     from labkit.work import count_work
     cfg, layers = run_config(run), run["model"]["layers"]
     flops = []
     for depth in (1, 2):
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with fake_mode(allow_non_fake_inputs=True):
             model = build_model(dataclasses.replace(cfg, n_layer=depth))
             kind = run.get("plan", {}).get("checkpointing") or ("full" if run["checkpointing"].startswith("full")
                                                                  else "none")

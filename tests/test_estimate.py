@@ -295,3 +295,28 @@ def test_a_plan_run_read_from_the_shared_folder_is_the_one_counted(tmp_path, mon
     monkeypatch.setattr(P, "_count_fake_run", lambda *a: pytest.fail("counted again"))
     assert P._fake_run(spec, step, 1) == counted and counted[2]["at_optimizer"] and counted[4][1] > 0
     assert P._FLOPS[(spec.key, 1, step)] == counted[4]
+
+
+def test_the_lean_fake_mode_gives_the_plain_modes_figures_and_keys_what_decides_an_output(monkeypatch):
+    """LeanFakeTensorMode (fake_step's mode on this torch) keys a fake tensor by its metadata read directly: every
+    planner figure as FakeTensorMode's (autocast, checkpointing, pure bf16, FSDP2, foreach Adam), strides told apart,
+    and a torch whose TensorMetadata has a field it does not cover gets FakeTensorMode itself."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from labkit import estimate
+    from labkit import plan as P
+    assert type(estimate.fake_mode()) is estimate.LeanFakeTensorMode
+    with estimate.fake_mode():  # a transposed input after a contiguous one of the same shape: its own cache entry
+        assert (torch.empty(8, 4) * 1).stride() == (4, 1)
+        assert (torch.empty(4, 8).t() * 1).stride() == (1, 8)  # (a key without strides: (4, 1), the entry above's)
+        assert (torch.empty(10)[2:] + 0).shape == (8,)
+    cfg = replace(P.PRESETS["llama-7b"], n_layer=2, n_embd=32, n_head=2, mlp_hidden=64, vocab_size=256)
+    spec = P.gpt_spec(cfg)
+    steps = [P.Step(2, 2, 8, "every", "bf16"), P.Step(1, 1, 8, "selective", "bf16-pure", adam_impl="foreach"),
+             P.Step(1, 2, 8, "none", "bf16-mp", shard=(2, True))]
+    lean = [P._count_fake_run(spec, step, 2, False, True)[:5] for step in steps]
+    monkeypatch.setattr(estimate, "fake_mode", lambda **kw: FakeTensorMode(**kw))
+    assert lean == [P._count_fake_run(spec, step, 2, False, True)[:5] for step in steps]
+    monkeypatch.undo()
+    monkeypatch.setattr(estimate, "_KEYED_FIELDS", estimate._KEYED_FIELDS - {"is_neg"})  # a field not covered
+    assert type(estimate.fake_mode()) is FakeTensorMode
