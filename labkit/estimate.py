@@ -96,7 +96,7 @@ class LeanFakeTensorMode(FakeTensorMode):
     directly (dtype, shape, strides, offset, storage bytes, device, layout, autograd and view flags).
 
     torch's key builds a TensorMetadata dataclass per tensor and walks its fields: 36% of a fake training step (a
-    4-block llama-style step, counted 2026-11-30). Anything else (a sparse, quantized or symbolic tensor, a SymInt, a
+    4-block llama-style step, counted 2026-11-29). Anything else (a sparse, quantized or symbolic tensor, a SymInt, a
     function) is keyed by torch's own code. Use `fake_mode()`, which falls back to FakeTensorMode where torch's
     metadata has a field this key does not cover.
     """
