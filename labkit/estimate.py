@@ -88,6 +88,8 @@ _KEYED_FIELDS = {"dtype", "shape", "stride", "device", "layout", "memory_format"
                  "requires_grad", "is_quantized", "is_conj", "is_neg", "is_inference", "is_sparse", "is_coalesced",
                  "dense_dim", "sparse_dim"}  # torch's TensorMetadata fields the lean key covers (memory_format: by the
 #                                             shape and strides; the last five: only dense, unquantized tensors keyed)
+_STRIDED = torch.strided
+_PLAIN = {bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format}  # keyed as they are
 _LEAN = object()  # marks a fake tensor keyed the lean way: no key of torch's own format equals one of these
 
 
@@ -120,10 +122,6 @@ class LeanFakeTensorMode(FakeTensorMode):
                 self._prep_args_for_hash(result, arg, state, *rest)
             else:  # torch's own key for the rest (and its reasons to bypass the cache)
                 super()._prep_args_for_hash(result, (arg,), state, *rest)
-
-
-_STRIDED = torch.strided
-_PLAIN = {bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format}
 
 
 def fake_mode(**kwargs) -> FakeTensorMode:
