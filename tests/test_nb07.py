@@ -64,6 +64,15 @@ def test_notebook_07_invariants_with_another_seed_on_four_ranks(execute_notebook
     assert by_kind["FSDP2 ZeRO-3"]["reduce_scatter"]["sent_bytes"] == pytest.approx(4 * psi * ring, rel=0.01)
     for point, kinds in by_kind.items():
         assert sum(k["sent_bytes"] for k in kinds.values()) == pytest.approx(comm[point]), point
+    # each rank counted its step's work as it ran: sharding changes no FLOPs, checkpointing recomputes, 16 bits
+    # compute in 16 bits; the projection sends what the counter counted
+    work = m["work_by_point"]
+    flops = {p: sum(w["flops"].values()) for p, w in work.items()}
+    assert all(flops[p] == pytest.approx(flops["DDP"], rel=1e-3) for p in POINTS) and flops["DDP"] > 0
+    assert flops["FSDP2 ZeRO-3 + checkpointing"] > 1.1 * flops["FSDP2 ZeRO-3"]
+    assert set(work[f"FSDP2 ZeRO-3 {m['half_precision']}"]["flops"]) >= {m["half_precision"]}
+    assert all(w["sent_bytes"] == comm[p] for p, w in work.items() if p in comm)
+    assert set(m["gpu_step_s_by_point"]) == set(work) and all(s > 0 for s in m["gpu_step_s_by_point"].values())
     # the budget verdict, checked against the recorded per-rank peaks and budget
     peaks, budget = m["checkpointing_peak_bytes_per_rank"], m["rank_budget_bytes"]
     assert len(peaks) == n and budget == labkit.running_example().budget_bytes // n
