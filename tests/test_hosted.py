@@ -86,6 +86,17 @@ def test_the_install_cell_does_nothing_in_the_checkout_and_says_so(monkeypatch):
     assert out == "labkit 0.1.0 is installed: nothing to do\n"
 
 
+def test_the_install_cell_accepts_a_checkout_on_the_path_without_package_metadata(monkeypatch):
+    import importlib.metadata
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)  # PYTHONPATH=checkout, never pip-installed
+    out = _run_install_cell(monkeypatch, labkit_found=True)
+    assert out == f"labkit is importable from {ROOT / 'labkit'}, not installed: nothing to do\n"
+
+
 def test_the_install_cell_refuses_the_placeholder_address_naming_the_variable(monkeypatch):
     monkeypatch.delenv(hosted.SOURCE_ENV, raising=False)
     with pytest.raises(RuntimeError, match=f"does not know labkit's repository: set {hosted.SOURCE_ENV}"):

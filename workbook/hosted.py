@@ -32,8 +32,11 @@ INSTALL_CELL = '''\
 # overrides where it comes from.
 import importlib.metadata, importlib.util, os, subprocess, sys
 
-if importlib.util.find_spec("labkit") is not None:
-    print(f"labkit {{importlib.metadata.version('labkit')}} is installed: nothing to do")
+if (spec := importlib.util.find_spec("labkit")) is not None:
+    try:
+        print(f"labkit {{importlib.metadata.version('labkit')}} is installed: nothing to do")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not pip-installed
+        print(f"labkit is importable from {{os.path.dirname(spec.origin)}}, not installed: nothing to do")
 else:
     source = os.environ.get("{env}") or "git+https://github.com/{repository}"
     if "<owner>" in source:
