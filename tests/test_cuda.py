@@ -34,7 +34,7 @@ def test_auto_and_cuda_resolve_to_an_indexed_device():
     assert resolve_device("cuda").index is not None
 
 
-@pytest.mark.parametrize("check", ["meter", "budget", "offload", "precision", "plan"])
+@pytest.mark.parametrize("check", ["meter", "budget", "offload", "precision", "roofline", "plan"])
 def test_gpu_check_rows_hold(setup, check):
     row = getattr(gpucheck, f"check_{check}")(setup)
     assert row.ok, (row.measured, row.note, row.figures)

@@ -31,6 +31,10 @@ def test_rehearsal_on_cpu_runs_every_check(tmp_path, one_thread):
     assert max(l2l["peak_bytes"].values()) < l2l["plain_peak_bytes"]
     assert 0 < rows["precision"]["figures"]["activation_ratio_to_fp32"]["bf16"] < 1
     assert "fp16" not in rows["precision"]["figures"]["step_s"]  # never fp16 compute on a CPU
+    roofline = rows["roofline"]["figures"]
+    assert rows["roofline"]["ok"] is None and list(roofline["step_s"]) == ["fp32"]  # no 16-bit timing on a CPU
+    assert roofline["flops"]["fp32"]["fp32"] > 0 and roofline["bytes_accessed"]["fp32"] > 0
+    assert roofline["bound_s"]["fp32"] == max(roofline["compute_s"]["fp32"], roofline["memory_s"]["fp32"])
     assert rows["plan"]["ok"] is None and all(e == 0 for e in rows["plan"]["figures"]["relative_difference"].values())
     assert rows["tests"]["ok"] is None and rows["notebooks"]["ok"] is None  # GPU only, said so
 

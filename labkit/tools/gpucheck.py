@@ -36,9 +36,10 @@ from labkit.results import build_dir, checkout_root
 from labkit.throughput import copy_bandwidth, measure_throughputs
 from labkit.train import make_optimizer, measure_step, seeded_model, train_step
 
-CHECKS = ("meter", "budget", "offload", "l2l", "precision", "checkpoint", "plan", "tests", "notebooks")
+CHECKS = ("meter", "budget", "offload", "l2l", "precision", "checkpoint", "roofline", "plan", "tests", "notebooks")
 METER_TOLERANCE = 0.05  # the meter's peak within 5% of max_memory_allocated
 PLAN_TOLERANCE = 0.03  # labkit.plan's predicted peak within 3% of max_memory_allocated (issue 24's target)
+ROOFLINE_SLACK = 0.9  # no step may run faster than 90% of its roofline (10% for clocks and timing noise)
 
 
 @dataclass
@@ -262,6 +263,48 @@ def check_checkpoint(setup: Setup) -> Row:
                "sit below it)" if _cuda(setup) else "rehearsal on cpu: one timed round, not judged", figures)
 
 
+def check_roofline(setup: Setup) -> Row:
+    """Time a training step per precision beside its roofline here: counted FLOPs and bytes (WorkCounter) at
+    this GPU's datasheet rates (labkit.gpus), the bound every chapter's GPU time comes from."""
+    from labkit.gpus import cuda_profile, device_profile, step_time
+    from labkit.work import WorkCounter
+
+    cuda = _cuda(setup)
+    choice = half_precision(setup.device)
+    precisions = ("fp32", choice.precision) if cuda else ("fp32",)  # never 16-bit timing on a CPU
+    batch = setup.data()
+    models = {p: setup.model() for p in precisions}
+    opts = {p: make_optimizer("adam", m.parameters()) for p, m in models.items()}
+    scaler = torch.amp.GradScaler(setup.device.type) if cuda and choice.needs_scaler else None
+    steps = {p: (lambda p=p: amp_train_step(models[p], opts[p], [batch], precision=p,
+                                            scaler=scaler if p == "fp16" else None)) for p in precisions}
+    works = {}
+    for p, fn in steps.items():
+        fn()  # warm-up: Adam's state exists, so the counted step is a steady one
+        synchronize(setup.device)
+        with WorkCounter() as counter:
+            fn()
+        works[p] = counter.work()
+    times = _step_s(setup, steps)
+    profile = cuda_profile(setup.device) if cuda else device_profile("cpu")
+    bounds = {p: step_time(w, profile) for p, w in works.items()}
+    ratio = {p: times[p] / bounds[p].bound_s for p in precisions}
+    figures = {"gpu": profile.name, "step_s": times, "bound_s": {p: b.bound_s for p, b in bounds.items()},
+               "compute_s": {p: b.compute_s for p, b in bounds.items()},
+               "memory_s": {p: b.memory_s for p, b in bounds.items()},
+               "estimate_s": {p: b.estimate_s for p, b in bounds.items()},
+               "flops": {p: w.flops for p, w in works.items()},
+               "bytes_accessed": {p: w.bytes_accessed for p, w in works.items()},
+               "kernels": {p: w.kernels for p, w in works.items()}, "measured_over_bound": ratio}
+    measured = "; ".join(f"{p} {times[p] * 1e3:.1f} ms = {ratio[p]:.2f}x its roofline {bounds[p].bound_s * 1e3:.1f} ms "
+                         f"({'FLOPs' if bounds[p].compute_s >= bounds[p].memory_s else 'bytes'})" for p in precisions)
+    ok = all(r >= ROOFLINE_SLACK for r in ratio.values()) if cuda else None
+    return Row("roofline", measured, f"measured >= {ROOFLINE_SLACK:.0%} of the roofline on {profile.name}", ok,
+               "the roofline is a bound: the ratio is how far this GPU's kernels are from its datasheet peak "
+               "(unfused operators, launches); below the bound the counted work or the profile is wrong"
+               if cuda else "rehearsal on cpu: fp32 only, not judged", figures)
+
+
 def check_plan(setup: Setup) -> Row:
     """Hold labkit.plan's predicted peaks (fake tensors) against the real steps' max_memory_allocated."""
     from labkit.gpus import DeviceProfile
@@ -346,7 +389,8 @@ def check_notebooks(setup: Setup, repo: Path | None, out: Path) -> Row:
 def run_checks(setup: Setup, only=CHECKS, repo: Path | None = Path("."), out: Path = Path("build")) -> list[Row]:
     """Run the chosen checks in order; a check that raises becomes a failed row with its error."""
     funcs = {"meter": check_meter, "budget": check_budget, "offload": check_offload, "l2l": check_l2l,
-             "precision": check_precision, "checkpoint": check_checkpoint, "plan": check_plan,
+             "precision": check_precision, "checkpoint": check_checkpoint, "roofline": check_roofline,
+             "plan": check_plan,
              "tests": lambda s: check_tests(s, repo),
              "notebooks": lambda s: check_notebooks(s, repo, out / "gpu-check-notebooks")}
     rows = []
