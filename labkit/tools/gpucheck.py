@@ -367,22 +367,31 @@ def check_notebooks(setup: Setup, repo: Path | None, out: Path) -> Row:
     """Execute every notebook with DEVICE="cuda" (the multi-rank chapters: "auto" with fewer GPUs than ranks)."""
     if row := _not_run("notebooks", "every notebook ok with DEVICE='cuda'", setup, repo):
         return row
+    import papermill
+
     gpus = torch.cuda.device_count()
-    status, seconds = {}, {}
+    status, seconds, own_default = {}, {}, []
     for nb in sorted((repo / "notebooks").glob("[0-9][0-9]_*.ipynb")):
         multi_rank = nb.name[:2] in ("06", "07")
         device = "cuda" if not multi_rank or gpus >= 2 else "auto"
+        declared = papermill.inspect_notebook(str(nb)).get("DEVICE")
+        if declared is None or "cuda" not in declared["help"]:  # no DEVICE, or a CPU-only one (09's check)
+            own_default.append(nb.stem[:2])
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "workbook.runner", "--notebooks", str(repo / "notebooks"),
-                               "--out", str(out), "--only", nb.name, "-p", "DEVICE", device],
+                               "--out", str(out), "--only", nb.name,
+                               *(() if nb.stem[:2] in own_default else ("-p", "DEVICE", device))],
                               cwd=repo, capture_output=True, text=True)
         seconds[nb.stem] = time.perf_counter() - t0
         status[nb.stem] = "ok" if proc.returncode == 0 else f"failed: {(proc.stdout + proc.stderr)[-600:]}"
     failed = [k for k, v in status.items() if v != "ok"]
     return Row("notebooks", f"{len(status) - len(failed)}/{len(status)} ok" + (f"; failed {failed}" if failed else ""),
                "every notebook ok with DEVICE='cuda'", not failed and bool(status),
-               "" if gpus >= 2 else "06 and 07 need one GPU per rank: with one GPU they ran with DEVICE='auto' (cpu)",
-               {"status": status, "seconds": seconds, "gpus": gpus})
+               "; ".join(([] if gpus >= 2 else ["06 and 07 need one GPU per rank: with one GPU they ran with "
+                                               "DEVICE='auto' (cpu)"])
+                         + ([f"{', '.join(own_default)} ran with their own DEVICE (no 'cuda' among its choices)"]
+                            if own_default else [])),
+               {"status": status, "seconds": seconds, "gpus": gpus, "own_device": own_default})
 
 
 # -- running and reporting -----------------------------------------------------------------------
