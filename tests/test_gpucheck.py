@@ -23,7 +23,7 @@ def test_rehearsal_on_cpu_runs_every_check(tmp_path, one_thread):
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     rows = {r["check"]: r for r in report["rows"]}
     assert list(rows) == list(gpucheck.CHECKS)
-    assert report["rehearsal"] is True
+    assert report["rehearsal"] is True and report["complete"] is True
     assert rows["budget"]["ok"] is True and rows["budget"]["figures"]["next_step_ran"] is True
     offload = rows["offload"]["figures"]
     assert offload["peak_bytes"]["offload+prefetch"] < offload["peak_bytes"]["plain"]
@@ -48,3 +48,14 @@ def test_a_check_that_raises_is_a_failed_row(monkeypatch, one_thread):
                                                                    vocab_size=32), 1, 8, 1, 1)
     (row,) = gpucheck.run_checks(setup, ["meter"])
     assert row.ok is False and "copy engine on fire" in row.note
+
+
+def test_a_run_stopped_part_way_leaves_the_rows_it_finished(monkeypatch, tmp_path, one_thread):
+    def interrupted(setup):
+        raise KeyboardInterrupt  # a time limit or Ctrl-C during the third check
+
+    monkeypatch.setattr(gpucheck, "check_offload", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        gpucheck.main(["--rehearse-on-cpu", "--out", str(tmp_path), "--skip", "plan"])
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert [r["check"] for r in report["rows"]] == ["meter", "budget"] and report["complete"] is False

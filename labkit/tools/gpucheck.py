@@ -384,6 +384,7 @@ def check_notebooks(setup: Setup, repo: Path | None, out: Path) -> Row:
                               cwd=repo, capture_output=True, text=True)
         seconds[nb.stem] = time.perf_counter() - t0
         status[nb.stem] = "ok" if proc.returncode == 0 else f"failed: {(proc.stdout + proc.stderr)[-600:]}"
+        print(f"  notebooks: {nb.stem} {status[nb.stem][:6].rstrip(':')} in {seconds[nb.stem]:.0f} s", flush=True)
     failed = [k for k, v in status.items() if v != "ok"]
     return Row("notebooks", f"{len(status) - len(failed)}/{len(status)} ok" + (f"; failed {failed}" if failed else ""),
                "every notebook ok with DEVICE='cuda'", not failed and bool(status),
@@ -395,8 +396,12 @@ def check_notebooks(setup: Setup, repo: Path | None, out: Path) -> Row:
 
 
 # -- running and reporting -----------------------------------------------------------------------
-def run_checks(setup: Setup, only=CHECKS, repo: Path | None = Path("."), out: Path = Path("build")) -> list[Row]:
-    """Run the chosen checks in order; a check that raises becomes a failed row with its error."""
+def run_checks(setup: Setup, only=CHECKS, repo: Path | None = Path("."), out: Path = Path("build"),
+               on_row=None) -> list[Row]:
+    """Run the chosen checks in order; a check that raises becomes a failed row with its error.
+
+    `on_row(rows)`: called with the rows so far after each one (main writes the report, so a run stopped
+    part-way leaves the rows it finished)."""
     funcs = {"meter": check_meter, "budget": check_budget, "offload": check_offload, "l2l": check_l2l,
              "precision": check_precision, "checkpoint": check_checkpoint, "roofline": check_roofline,
              "plan": check_plan,
@@ -412,6 +417,8 @@ def run_checks(setup: Setup, only=CHECKS, repo: Path | None = Path("."), out: Pa
         row.figures["seconds"] = time.perf_counter() - t0
         rows.append(row)
         print(format_row(row), flush=True)
+        if on_row is not None:
+            on_row(rows)
         if setup.device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -466,14 +473,19 @@ def main(argv=None) -> int:
     header = (f"{hardware_report(device)}\nmodel: {count_params(GPT(cfg)) / 1e6:.1f}M parameters "
               f"({cfg.n_layer} layers, width {cfg.n_embd}), batch {args.batch} x {args.seq_len} tokens")
     print(header, flush=True)
-    rows = run_checks(setup, [c for c in CHECKS if c not in args.skip], repo=repo, out=out)
-    print("\n" + header + "\n" + table(rows))
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"hardware": hardware_report(device), "torch": torch.__version__, "config": asdict(cfg),
-              "batch": args.batch, "seq_len": args.seq_len, "rehearsal": args.rehearse_on_cpu,
-              "rows": [asdict(r) for r in rows]}
     path = out / "gpu-check.json"
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    wanted = [c for c in CHECKS if c not in args.skip]
+
+    def write_report(rows: list[Row]) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        report = {"hardware": hardware_report(device), "torch": torch.__version__, "config": asdict(cfg),
+                  "batch": args.batch, "seq_len": args.seq_len, "rehearsal": args.rehearse_on_cpu,
+                  "complete": len(rows) == len(wanted), "rows": [asdict(r) for r in rows]}
+        path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+    rows = run_checks(setup, wanted, repo=repo, out=out, on_row=write_report)
+    write_report(rows)  # also when every check was skipped
+    print("\n" + header + "\n" + table(rows))
     failed = [r.check for r in rows if r.ok is False]
     print(f"\n{path}: {len(rows) - len(failed)}/{len(rows)} checks without failure"
           + (f"; failed: {', '.join(failed)}" if failed else ""))
