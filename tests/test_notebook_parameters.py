@@ -13,7 +13,8 @@ import pytest
 import labkit
 from workbook.nbcheck import find_notebooks
 
-STEMS = [p.stem for p in find_notebooks(Path(__file__).resolve().parents[1] / "notebooks")]
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+STEMS = [p.stem for p in find_notebooks(NOTEBOOKS)]
 
 BAD = [  # (chapter, parameters, words the error must contain)
     ("00_where_the_memory_goes", dict(BATCH=0), ["BATCH", "[1, 4096]"]),
@@ -100,3 +101,20 @@ def test_bad_parameters_are_refused_naming_them(validate_parameters, stem, param
 
 def test_every_chapter_has_bad_parameter_cases():
     assert sorted({stem for stem, _, _ in BAD}) == STEMS
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_papermill_reads_every_parameter_with_its_comment(stem, caplog):
+    """`papermill --help-notebook` (and Jupyter's parameter tools) list each parameter with its comment as help."""
+    import ast
+
+    import nbformat
+    import papermill
+
+    nb = nbformat.read(NOTEBOOKS / f"{stem}.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    assigned = [t.id for node in ast.parse(cell.source).body if isinstance(node, ast.Assign) for t in node.targets]
+    with caplog.at_level("WARNING", logger="papermill"):
+        read = papermill.inspect_notebook(str(NOTEBOOKS / f"{stem}.ipynb"))
+    assert not caplog.records, [r.getMessage() for r in caplog.records]  # "Unable to parse line ..."
+    assert list(read) == assigned and all(p["help"] for p in read.values()), read
