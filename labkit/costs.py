@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from labkit.gpus import DeviceProfile, device_profile, step_time
+from labkit.gpus import EAGER_OPERATOR_S, DeviceProfile, device_profile, step_time
 from labkit.work import Work
 
 
@@ -38,7 +38,7 @@ def cost_table(works: Mapping[str, Work], gpu: str | DeviceProfile, baseline: st
     width = max(len("setting"), *(len(str(name)) for name in works))
     half = device.half
     head = (f"{'setting':<{width}} {'GFLOP fp32':>10} {'GFLOP ' + half:>10} {'GB moved':>9} {'kernels':>8} "
-            f"{'MiB host':>8} {'MiB sent':>8} {('estimate' if estimate else 'bound') + ' (ms)':>13}"
+            f"{'MiB host':>8} {'MiB sent':>8} {('estimate' if estimate else 'bound') + ' (ms)':>13} {'launch (ms)':>11}"
             + (f" {'x base':>7}" if baseline is not None else ""))
     lines = [f"counted per optimizer step; its time on the {device.name}: "
              + (f"an estimate at {device.efficiency.fraction:.1%} of peak ({device.efficiency.source.split(':')[0]})"
@@ -48,7 +48,7 @@ def cost_table(works: Mapping[str, Work], gpu: str | DeviceProfile, baseline: st
         sixteen = sum(n for p, n in w.flops.items() if p != "fp32")
         line = (f"{str(name):<{width}} {w.flops.get('fp32', 0) / 1e9:>10.3f} {sixteen / 1e9:>10.3f} "
                 f"{w.bytes_accessed / 1e9:>9.3f} {w.kernels:>8,.0f} {w.host_bytes / 2**20:>8.1f} "
-                f"{w.sent_bytes / 2**20:>8.1f} {seconds[name] * 1e3:>13.3f}")
+                f"{w.sent_bytes / 2**20:>8.1f} {seconds[name] * 1e3:>13.3f} {times[name].launch_s * 1e3:>11.3f}")
         if baseline is not None:
             line += f" {seconds[name] / seconds[baseline]:>7.2f}"
         lines.append(line)
@@ -56,4 +56,11 @@ def cost_table(works: Mapping[str, Work], gpu: str | DeviceProfile, baseline: st
                  "MiB host: over the host link (PCIe); MiB sent: to other GPUs" + (f"; 16-bit FLOPs run as {half} on the "
                                                                          f"{device.name}" if half != "bf16" else "")
                  + (f"; x base: the time over {baseline}'s" if baseline is not None else ""))
+    bound_by_launches = [name for name, t in times.items() if t.launch_bound]
+    lines.append(f"launch: the kernels one after another at {EAGER_OPERATOR_S * 1e6:.1f} µs each, eager PyTorch's host "
+                 "time per operator (measured on an H200's host: labkit.gpus.EAGER_OPERATOR_S), left out of the "
+                 + ("estimate" if estimate else "bound") + f"; {len(bound_by_launches)} of {len(times)} settings "
+                 f"{'takes' if len(bound_by_launches) == 1 else 'take'} longer to launch than to run on the {device.name}"
+                 + (": there the host sets the pace, and the time above is the GPU's share of it, not the step's"
+                    if bound_by_launches else ""))
     return "\n".join(lines)

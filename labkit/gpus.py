@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -175,6 +176,16 @@ def check_gpu(param: str, value) -> DeviceProfile:
     return device_profile(value)
 
 
+# The host's time per operator when PyTorch runs eagerly: each operator is dispatched from Python and its kernel
+# launched one after another, and a GPU whose kernels finish sooner waits for the next (the "overhead" regime of
+# Horace He, "Making Deep Learning Go Brrrr From First Principles", 2022). No datasheet gives it: this is the
+# project's recorded H200 run (data/gpu_run_h200.json: chapter 00's plain step of the running example, 11.8 ms over
+# 671 operators; torch 2.11.0, a 16-core Xeon host, 2026-11-30). A slower host takes longer; CUDA graphs and
+# torch.compile's fused kernels take less.
+EAGER_OPERATOR_S = 17.6e-6
+GPU_RUN_PATH = Path(__file__).parent / "data" / "gpu_run_h200.json"  # that run's results.json
+
+
 @dataclass(frozen=True)
 class StepTime:
     """A step's time on one GPU from its counted work: the roofline (a bound) and, where published, an estimate."""
@@ -185,6 +196,12 @@ class StepTime:
     host_s: float  # the bytes over the host link at its one-way bandwidth
     comm_s: float  # the bytes sent to other GPUs at the peer bandwidth
     fraction: float | None  # the GPU class's achieved fraction of peak (DeviceProfile.efficiency), None: unpublished
+    launch_s: float = 0.0  # a GPU's operators one after another at EAGER_OPERATOR_S each: its host's time (0 on a CPU)
+
+    @property
+    def launch_bound(self) -> bool:
+        """Return whether the host's launches take longer than the GPU's own work: an overhead-bound step."""
+        return self.launch_s > self.device_s
 
     @property
     def bound_s(self) -> float:
@@ -227,4 +244,5 @@ def step_time(work: Work, gpu: str | DeviceProfile) -> StepTime:
         compute_s += flops / rate
     return StepTime(device.name, compute_s, work.bytes_accessed / device.memory_bytes_per_s,
                     work.host_bytes / device.host_bytes_per_s, work.sent_bytes / device.peer_bytes_per_s,
-                    None if device.efficiency is None else device.efficiency.fraction)
+                    None if device.efficiency is None else device.efficiency.fraction,
+                    0.0 if device.name == "cpu" else work.kernels * EAGER_OPERATOR_S)  # a CPU runs what it dispatches

@@ -65,3 +65,27 @@ def test_each_efficiency_is_its_source_runs_and_predicts_another_run_within_25_p
     error = min(abs(predicted / lo - 1), abs(predicted / hi - 1))
     assert error <= 0.25, (check["id"], predicted, lo, hi)
     assert f"{predicted:,.0f} predicted" in profile.efficiency.check  # the docstring's figure is this one
+
+
+def test_the_launch_time_per_operator_is_the_recorded_gpu_runs():
+    """EAGER_OPERATOR_S is chapter 00's plain step on the recorded H200 over its counted operators, to 0.1 µs."""
+    import json
+
+    run = json.loads(gpus.GPU_RUN_PATH.read_text())
+    assert "H200" in run["hardware"] and run["torch"].startswith("2.11")
+    m = run["notebooks"]["00_where_the_memory_goes"]["measurements"]
+    assert gpus.EAGER_OPERATOR_S == pytest.approx(m["step_s"] / m["work_plain"]["kernels"], abs=0.05e-6)
+
+
+def test_a_step_of_many_small_kernels_is_launch_bound_and_a_large_one_is_not():
+    from labkit.costs import cost_table
+
+    small = Work(flops={"fp32": 5 * 10**9}, bytes_accessed=5 * 10**8, kernels=700)  # the running example, about
+    large = dataclasses.replace(small, flops={"fp32": 5 * 10**13})  # the same kernels, 10,000 x the FLOPs
+    t = gpus.step_time(small, "a100-80gb")
+    assert t.launch_s == pytest.approx(700 * gpus.EAGER_OPERATOR_S) and t.launch_bound
+    assert not gpus.step_time(large, "a100-80gb").launch_bound
+    assert t.time_s == gpus.step_time(dataclasses.replace(small, kernels=0), "a100-80gb").time_s  # left out of it
+    table = cost_table({"small": small, "large": large}, "t4")
+    assert "1 of 2 settings takes longer to launch than to run on the t4" in table
+    assert gpus.step_time(small, gpus.measure_cpu(n=64, repeats=1)).launch_s == 0  # a CPU runs what it dispatches

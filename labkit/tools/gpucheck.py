@@ -292,12 +292,14 @@ def check_roofline(setup: Setup) -> Row:
     figures = {"gpu": profile.name, "step_s": times, "bound_s": {p: b.bound_s for p, b in bounds.items()},
                "compute_s": {p: b.compute_s for p, b in bounds.items()},
                "memory_s": {p: b.memory_s for p, b in bounds.items()},
+               "launch_s": {p: b.launch_s for p, b in bounds.items()},  # kernels x labkit.gpus.EAGER_OPERATOR_S
                "estimate_s": {p: b.estimate_s for p, b in bounds.items()},
                "flops": {p: w.flops for p, w in works.items()},
                "bytes_accessed": {p: w.bytes_accessed for p, w in works.items()},
                "kernels": {p: w.kernels for p, w in works.items()}, "measured_over_bound": ratio}
     measured = "; ".join(f"{p} {times[p] * 1e3:.1f} ms = {ratio[p]:.2f}x its roofline {bounds[p].bound_s * 1e3:.1f} ms "
-                         f"({'FLOPs' if bounds[p].compute_s >= bounds[p].memory_s else 'bytes'})" for p in precisions)
+                         f"({'FLOPs' if bounds[p].compute_s >= bounds[p].memory_s else 'bytes'}), "
+                         f"launches {bounds[p].launch_s * 1e3:.1f} ms" for p in precisions)
     ok = all(r >= ROOFLINE_SLACK for r in ratio.values()) if cuda else None
     return Row("roofline", measured, f"measured >= {ROOFLINE_SLACK:.0%} of the roofline on {profile.name}", ok,
                "the roofline is a bound: the ratio is how far this GPU's kernels are from its datasheet peak "
