@@ -237,3 +237,26 @@ def test_the_side_by_side_line_names_pairs_the_separate_timings_order_the_other_
     assert "02 and 05" in line and "the other way round" in line
     chosen["ratios"][names["02"]] = 2.01  # within the noise band: not a disagreement
     assert "02 and 05" not in closing.side_by_side_line(rows, chosen)
+
+
+def test_the_recorded_gpu_runs_steps_beside_their_roofline_and_their_operators():
+    """Chapter 10's 'Measured on a GPU': the H200 run's measured ratios, each beside the two counted predictions."""
+    import json
+
+    from labkit.gpus import GPU_RUN_PATH
+
+    run = json.loads(GPU_RUN_PATH.read_text())
+    rows = {r["technique"]: r for r in closing.gpu_run_rows(run)}
+    assert list(rows) == ["accumulation k=2", "accumulation k=4", "accumulation k=8", "bf16 autocast",
+                          "layer-to-layer"]
+    k8 = rows["accumulation k=8"]
+    m1 = run["notebooks"]["01_gradient_accumulation"]["measurements"]
+    assert k8["measured"] == m1["step_time_ratio_by_accum_steps"]["8"]
+    assert k8["operators"] == m1["work_by_accum_steps"]["8"]["kernels"] / m1["work_by_accum_steps"]["1"]["kernels"]
+    half = rows["bf16 autocast"]  # a speed ratio in the record, a time ratio here
+    assert half["measured"] == 1 / run["notebooks"]["03_mixed_precision"]["measurements"]["throughput_ratio_half"]
+    for r in rows.values():
+        nearer_ops = abs(r["operators"] - r["measured"]) < abs(r["roofline"] - r["measured"])
+        assert r["nearer"] == ("operators" if nearer_ops else "roofline")
+    lines = closing.gpu_run_lines(run, list(rows.values()))
+    assert "NVIDIA H200" in lines[0] and len(lines) == 2 + len(rows)

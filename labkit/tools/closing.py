@@ -380,3 +380,37 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
         f"  splitting the model over {f['model_parallel_ranks']} ranks left at most "
         f"{format_bytes(f['model_parallel_peak_max'])} per rank, against {format_bytes(f['plain_peak'])} on one device.")
     return lines
+
+
+def gpu_run_rows(run: dict) -> list[dict]:
+    """Return one row per step the recorded GPU run timed against a plain one: its measured time ratio there, the
+    roofline's ratio on that GPU from the same counted work, and the ratio of their operators (kernels)."""
+    rows = []
+    m1, m3, m5 = (_m(run, s) for s in ("01_gradient_accumulation", "03_mixed_precision", "05_layer_to_layer"))
+    works = _by_int_key(m1["work_by_accum_steps"])
+    measured = _by_int_key(m1["step_time_ratio_by_accum_steps"])
+    roofline = _by_int_key(m1["gpu_step_time_ratio_by_accum_steps"])
+    for k in sorted(k for k in works if k > 1):
+        rows.append({"technique": f"accumulation k={k}", "measured": measured[k], "roofline": roofline[k],
+                     "operators": works[k]["kernels"] / works[1]["kernels"]})
+    rows.append({"technique": f"{m3['half_precision']} autocast", "measured": 1 / m3["throughput_ratio_half"],
+                 "roofline": m3["gpu_step_time_ratio_half"],
+                 "operators": m3["work_half"]["kernels"] / m3["work_fp32"]["kernels"]})
+    rows.append({"technique": "layer-to-layer", "measured": m5["step_time_ratio_l2l"],
+                 "roofline": m5["gpu_step_time_ratio_l2l"],
+                 "operators": m5["work_l2l"]["kernels"] / m5["work_plain"]["kernels"]})
+    for r in rows:  # which of the two counted figures the measurement sits nearer
+        r["nearer"] = "operators" if abs(r["operators"] - r["measured"]) < abs(r["roofline"] - r["measured"]) \
+            else "roofline"
+    return rows
+
+
+def gpu_run_lines(run: dict, rows: list[dict]) -> list[str]:
+    """Return the recorded GPU run's table: where it ran, then one line per row of gpu_run_rows."""
+    when = run["generated_utc"][:10]
+    lines = [f"recorded {when}: {run['hardware']} (labkit/data/gpu_run_h200.json); each step's time over the plain "
+             "step's", f"{'step':24s} {'measured':>9s} {'roofline':>9s} {'operators':>10s}  nearer the measurement"]
+    for r in rows:
+        lines.append(f"{r['technique']:24s} {r['measured']:>8.2f}x {r['roofline']:>8.2f}x {r['operators']:>9.2f}x  "
+                     f"{r['nearer']}")
+    return lines
