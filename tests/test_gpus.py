@@ -89,3 +89,18 @@ def test_a_step_of_many_small_kernels_is_launch_bound_and_a_large_one_is_not():
     table = cost_table({"small": small, "large": large}, "t4")
     assert "1 of 2 settings takes longer to launch than to run on the t4" in table
     assert gpus.step_time(small, gpus.measure_cpu(n=64, repeats=1)).launch_s == 0  # a CPU runs what it dispatches
+
+
+def test_the_readme_quotes_the_recorded_gpu_run_as_recorded():
+    import json
+    from pathlib import Path
+
+    from labkit.costs import work_from_record
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    m = json.loads(gpus.GPU_RUN_PATH.read_text())["notebooks"]["00_where_the_memory_goes"]["measurements"]
+    bound_s = gpus.step_time(work_from_record(m["work_plain"]), "h200").bound_s
+    quoted = (f"{m['step_s'] * 1e3:.1f} ms for the running example's plain step, {m['step_s'] / bound_s:.0f} times its "
+              f"roofline ({bound_s * 1e3:.3f} ms), or {gpus.EAGER_OPERATOR_S * 1e6:.1f} µs for each of its\n"
+              f"{m['work_plain']['kernels']} operators")
+    assert quoted in readme
