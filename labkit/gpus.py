@@ -180,8 +180,9 @@ def check_gpu(param: str, value) -> DeviceProfile:
 # launched one after another, and a GPU whose kernels finish sooner waits for the next (the "overhead" regime of
 # Horace He, "Making Deep Learning Go Brrrr From First Principles", 2022). No datasheet gives it: this is the
 # project's recorded H200 run (data/gpu_run_h200.json: chapter 00's plain step of the running example, 11.8 ms over
-# 671 operators; torch 2.11.0, a 16-core Xeon host, 2026-11-30). A slower host takes longer; CUDA graphs and
-# torch.compile's fused kernels take less.
+# 671 operators; torch 2.11.0, a 16-core Xeon host, 2026-11-30; another timing of the same step in that run, 9.76 ms,
+# gives 14.5 us: about 15-18 us on that host). A slower host takes longer; CUDA graphs and torch.compile's fused
+# kernels take less.
 EAGER_OPERATOR_S = 17.6e-6
 GPU_RUN_PATH = Path(__file__).parent / "data" / "gpu_run_h200.json"  # that run's results.json
 
@@ -202,6 +203,11 @@ class StepTime:
     def launch_bound(self) -> bool:
         """Return whether the host's launches take longer than the GPU's own work: an overhead-bound step."""
         return self.launch_s > self.device_s
+
+    @property
+    def with_launches_s(self) -> float:
+        """Return the step's time with the host's launches counted: the longer of them and `time_s`."""
+        return max(self.launch_s, self.time_s)
 
     @property
     def bound_s(self) -> float:

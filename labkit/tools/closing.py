@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from labkit.costs import work_from_record
@@ -382,6 +383,9 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
     return lines
 
 
+NEAR = 1.25  # a prediction within this factor of a measured ratio (either way) is near it; else "neither"
+
+
 def gpu_run_rows(run: dict) -> list[dict]:
     """Return one row per step the recorded GPU run timed against a plain one: its measured time ratio there, the
     roofline's ratio on that GPU from the same counted work, and the ratio of their operators (kernels)."""
@@ -399,9 +403,10 @@ def gpu_run_rows(run: dict) -> list[dict]:
     rows.append({"technique": "layer-to-layer", "measured": m5["step_time_ratio_l2l"],
                  "roofline": m5["gpu_step_time_ratio_l2l"],
                  "operators": m5["work_l2l"]["kernels"] / m5["work_plain"]["kernels"]})
-    for r in rows:  # which of the two counted figures the measurement sits nearer
-        r["nearer"] = "operators" if abs(r["operators"] - r["measured"]) < abs(r["roofline"] - r["measured"]) \
-            else "roofline"
+    for r in rows:  # which of the two counted figures the measurement sits nearer, if either is near it
+        off = {k: abs(math.log(r[k] / r["measured"])) for k in ("operators", "roofline")}
+        nearest = min(off, key=off.get)
+        r["nearer"] = nearest if off[nearest] <= math.log(NEAR) else "neither"
     return rows
 
 
@@ -409,7 +414,7 @@ def gpu_run_lines(run: dict, rows: list[dict]) -> list[str]:
     """Return the recorded GPU run's table: where it ran, then one line per row of gpu_run_rows."""
     when = run["generated_utc"][:10]
     lines = [f"recorded {when}: {run['hardware']} (labkit/data/gpu_run_h200.json); each step's time over the plain "
-             "step's", f"{'step':24s} {'measured':>9s} {'roofline':>9s} {'operators':>10s}  nearer the measurement"]
+             "step's", f"{'step':24s} {'measured':>9s} {'roofline':>9s} {'operators':>10s}  within {NEAR:.2f}x of it"]
     for r in rows:
         lines.append(f"{r['technique']:24s} {r['measured']:>8.2f}x {r['roofline']:>8.2f}x {r['operators']:>9.2f}x  "
                      f"{r['nearer']}")

@@ -267,26 +267,30 @@ def check_roofline(setup: Setup) -> Row:
     """Time a training step per precision beside its roofline here: counted FLOPs and bytes (WorkCounter) at
     this GPU's datasheet rates (labkit.gpus), the bound every chapter's GPU time comes from."""
     from labkit.gpus import cuda_profile, device_profile, step_time
-    from labkit.work import WorkCounter
+    from labkit.validate import ParameterError
+    from labkit.work import count_work
 
     cuda = _cuda(setup)
+    try:
+        profile = cuda_profile(setup.device) if cuda else device_profile("cpu")
+    except ParameterError:  # a card without a datasheet profile in labkit.gpus.GPUS: nothing to hold it against
+        return Row("roofline", "not run", "a datasheet profile of this GPU in labkit.gpus.GPUS", None,
+                   f"no profile for {torch.cuda.get_device_name(setup.device)}: add its datasheet figures to GPUS")
     choice = half_precision(setup.device)
     precisions = ("fp32", choice.precision) if cuda else ("fp32",)  # never 16-bit timing on a CPU
     batch = setup.data()
     models = {p: setup.model() for p in precisions}
     opts = {p: make_optimizer("adam", m.parameters()) for p, m in models.items()}
-    scaler = torch.amp.GradScaler(setup.device.type) if cuda and choice.needs_scaler else None
+    scaler = choice.scaler(setup.device, init_scale=2.0**10) if cuda else None  # fp16 only; a scale that steps
     steps = {p: (lambda p=p: amp_train_step(models[p], opts[p], [batch], precision=p,
                                             scaler=scaler if p == "fp16" else None)) for p in precisions}
-    works = {}
-    for p, fn in steps.items():
-        fn()  # warm-up: Adam's state exists, so the counted step is a steady one
-        synchronize(setup.device)
-        with WorkCounter() as counter:
-            fn()
-        works[p] = counter.work()
+    for p, fn in steps.items():  # warm-up: Adam's state exists and (fp16) the scaler steps, so each counted step is steady
+        for _ in range(20):
+            if fn().stepped:
+                break
+    synchronize(setup.device)
+    works = {p: count_work(fn) for p, fn in steps.items()}
     times = _step_s(setup, steps)
-    profile = cuda_profile(setup.device) if cuda else device_profile("cpu")
     bounds = {p: step_time(w, profile) for p, w in works.items()}
     ratio = {p: times[p] / bounds[p].bound_s for p in precisions}
     figures = {"gpu": profile.name, "step_s": times, "bound_s": {p: b.bound_s for p, b in bounds.items()},
@@ -297,9 +301,9 @@ def check_roofline(setup: Setup) -> Row:
                "flops": {p: w.flops for p, w in works.items()},
                "bytes_accessed": {p: w.bytes_accessed for p, w in works.items()},
                "kernels": {p: w.kernels for p, w in works.items()}, "measured_over_bound": ratio}
-    measured = "; ".join(f"{p} {times[p] * 1e3:.1f} ms = {ratio[p]:.2f}x its roofline {bounds[p].bound_s * 1e3:.1f} ms "
+    measured = "; ".join(f"{p} {times[p] * 1e3:.2f} ms = {ratio[p]:.2f}x its roofline {bounds[p].bound_s * 1e3:.3f} ms "
                          f"({'FLOPs' if bounds[p].compute_s >= bounds[p].memory_s else 'bytes'}), "
-                         f"launches {bounds[p].launch_s * 1e3:.1f} ms" for p in precisions)
+                         f"launches {bounds[p].launch_s * 1e3:.2f} ms" for p in precisions)
     ok = all(r >= ROOFLINE_SLACK for r in ratio.values()) if cuda else None
     return Row("roofline", measured, f"measured >= {ROOFLINE_SLACK:.0%} of the roofline on {profile.name}", ok,
                "the roofline is a bound: the ratio is how far this GPU's kernels are from its datasheet peak "
