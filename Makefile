@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup run test unit lab student grade gpu-check plan bench dashboard clean
+.PHONY: setup run readtime test unit lab student grade gpu-check plan bench dashboard clean
 
 # labkit declares a torch range; constraints.txt pins the exact versions the project is tested with
 # (here: the CPU wheel of torch on disk). Only `make setup` and CI use it.
@@ -25,6 +25,9 @@ setup: $(STAMP)  ## create .venv and install labkit with its dependencies
 
 run: $(STAMP)  ## execute every notebook (fast defaults) into build/, write build/results.json and build/report.html; 10, last, reads the others' figures
 	$(PY) -m workbook.runner --notebooks notebooks --out build
+
+readtime: $(STAMP)  ## each executed chapter's reading time (prose, output, code; appendix left out) against a 60-minute sitting; run after make run
+	$(PY) -m workbook.readtime build/notebooks
 
 # Tests run in TEST_WORKERS processes (pytest-xdist; a notebook's cells stay together in one), each on one
 # thread: two processes of two OpenMP threads on two cores spin against each other and run many times slower.

@@ -27,6 +27,16 @@ NOTEBOOKS = ROOT / "notebooks"
 KNOWN_FIGURE_PROBLEMS: dict[str, set[str]] = {  # chapters 00-07 and 09 pass every rule since 2026-11-25
     "08_memory_aware_search": {"legend over data", "cut off"},  # the trial timeline (its x label at small sizes); one legend
 }
+# Reading time (workbook.readtime: prose, printed output and code, the appendix left out) of the chapters still over a
+# sitting's 60 minutes, as `make run` read them on 2026-11-30 plus a tenth for other parameters' output: a test that
+# runs the chapter fails above its figure here (60 for the rest). Lower a figure as its chapter shrinks: the list only
+# shrinks, to nothing (issue 37).
+READING_MIN_AT_MOST: dict[str, float] = {
+    "00_where_the_memory_goes": 82, "01_gradient_accumulation": 93, "02_activation_checkpointing": 134,
+    "03_mixed_precision": 154, "04_activation_offload": 112, "05_layer_to_layer": 105,
+    "06_model_and_pipeline_parallel": 148, "07_sharded_data_parallel": 142, "08_memory_aware_search": 99,
+    "09_will_it_fit": 115,
+}
 NOTEBOOK_FIXTURES = {"execute_notebook", "validate_parameters"}
 # The chapters whose whole-chapter test runs in JupyterLab in the browser where Chromium is installed; the others
 # run under papermill with their widget panel run twice in the kernel (labdriver.panel_cell). The browser cost about
@@ -305,6 +315,8 @@ def execute_notebook(tmp_path, student_copies, monkeypatch, request):
     from papermill.parameterize import parameterize_notebook
 
     from workbook.figcheck import rule_of
+    from workbook.readtime import LIMIT_MIN as READ_LIMIT_MIN
+    from workbook.readtime import reading
     from workbook.runner import run_notebook
 
     monkeypatch.setenv("LABKIT_BUILD_DIR", str(tmp_path / "build"))  # chapter 08's studies: this test's own
@@ -338,6 +350,9 @@ def execute_notebook(tmp_path, student_copies, monkeypatch, request):
         known = KNOWN_FIGURE_PROBLEMS.get(stem, set())
         new = [p for p in entry.get("figure_problems", []) if rule_of(p["problem"]) not in known]
         assert not new, f"{stem}: figures that break CONTRIBUTING.md's rules (cell, figure, problem): {new}"
+        minutes = reading(json.loads(entry["path"].read_text()), stem).minutes
+        at_most = READING_MIN_AT_MOST.get(stem, READ_LIMIT_MIN)
+        assert minutes <= at_most, f"{stem}: {minutes:.0f} minutes to read (workbook.readtime), over its {at_most:g}"
         crowded = entry.get("crowded_sections", [])
         assert not crowded, f"{stem}: sections with more than one PASS line (CONTRIBUTING.md: one check per section): {crowded}"
         return entry
