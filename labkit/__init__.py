@@ -8,6 +8,7 @@ from labkit.meter import CATEGORIES, PHASES, FitResult, MemoryMeter, OutOfMemory
 from labkit.models import GPT, MLP, GPTConfig, MLPConfig, build_model, count_params
 from labkit.progress import progress
 from labkit.results import record, recorded
+from labkit.tables import print_rows
 from labkit.throughput import Throughput, measure_throughput, measure_throughputs
 from labkit.train import make_optimizer, measure_step, seeded_model, train_step
 from labkit.validate import ParameterError
@@ -17,6 +18,6 @@ __all__ = [
     "MemoryMeter", "OutOfMemory", "PHASES", "ParameterError", "RunningExample", "Throughput", "build_model",
     "count_params", "estimate_training_memory", "example_batch", "format_bytes", "hardware_report",
     "in_kernel", "is_batch", "make_optimizer", "measure_step", "measure_throughput", "measure_throughputs",
-    "progress", "record", "recorded", "resolve_device", "running_example", "seeded_model", "synchronize", "train_step",
+    "print_rows", "progress", "record", "recorded", "resolve_device", "running_example", "seeded_model", "synchronize", "train_step",
     "try_fit",
 ]
