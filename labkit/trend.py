@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 
 def trend_shape(ys, tol: float = 0.0) -> str:
     """Return the shape of a sequence: "flat", "rises", "falls", "dips" (down then up), "peaks" (up then down), "mixed".
@@ -49,3 +51,26 @@ def describe_trend(xs, ys, fmt: str = "{:.3f}", x_name: str = "x", tol: float = 
     lo, hi = min(range(len(ys)), key=ys.__getitem__), max(range(len(ys)), key=ys.__getitem__)
     return (f"moves up and down without one direction ({', '.join(fmt.format(y) for y in ys)}): lowest "
             f"{at[lo]}, highest {at[hi]}")
+
+
+def ranks(values) -> list[float]:
+    """Return the ranks of `values` (1 = smallest), ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def rank_correlation(xs, ys) -> float:
+    """Return Spearman's rank correlation of two equally long sequences: how well one orders like the other
+    (1: the same order, -1: reversed; chapter 09 sets the planner's predicted step times against measured ones)."""
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError(f"rank correlation needs two sequences of one length, at least 2; got {len(xs)} and {len(ys)}")
+    return statistics.correlation(ranks(xs), ranks(ys))

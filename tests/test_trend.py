@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit.trend import describe_trend, shape_words, trend_shape
+from labkit.trend import describe_trend, rank_correlation, ranks, shape_words, trend_shape
 
 MS = [1, 2, 4, 8, 16]
 BUBBLE = [0.515, 0.406, 0.316, 0.339, 0.411]  # notebook 06's GPipe bubble on one run: lowest at M = 4
@@ -46,3 +46,13 @@ def test_shape_words_follow_the_numbers():
     assert shape_words(sorted(BUBBLE)) == "rises"
     assert shape_words([0.52, 0.39, 0.50, 0.46, 0.63]) == "moves up and down"
     assert shape_words([0.30, 0.301, 0.302], tol=0.005) == "stays level"
+
+
+def test_ranks_share_ties_and_rank_correlation_is_spearmans():
+    assert ranks([30, 10, 20, 20]) == [4.0, 1.0, 2.5, 2.5]
+    assert rank_correlation([1, 2, 3, 4], [10, 20, 30, 400]) == pytest.approx(1.0)  # the same order, any spacing
+    assert rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # by hand: ranks (1, 2.5, 2.5, 4) and (1, 3, 2, 4); covariance 4.5 over sqrt(4.5 * 5)
+    assert rank_correlation([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / (4.5 * 5) ** 0.5)
+    with pytest.raises(ValueError, match="one length"):
+        rank_correlation([1, 2], [1])
