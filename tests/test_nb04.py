@@ -22,7 +22,8 @@ def test_notebook_invariants_hold_for_another_seed_and_depth(execute_notebook):
     assert m["host_tier"] == "disk"
     budget = labkit.running_example(n_layer=2, batch_size=6, seq_len=32).budget_bytes
     assert m["fits_in_budget"] == (m["device_peak_bytes_offload"] <= budget)
-    assert m["step_time_ratio_offload"] > 0 and m["step_time_verdict_offload"] in ("slower", "faster", "not told apart")
+    assert m["step_time_ratio_offload"] > 0
+    assert m["step_time_verdict_offload"] in ("slower", "faster", "not told apart", "unreliable")
     base, off = (labkit.costs.work_from_record(m[k]) for k in ("work_baseline", "work_offload"))
     assert off.host_bytes == 2 * m["bytes_offloaded_per_step"] and base.host_bytes == 0  # out and back, counted
     assert off.flops == base.flops  # offload computes nothing more
