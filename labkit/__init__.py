@@ -18,6 +18,6 @@ __all__ = [
     "MemoryMeter", "OutOfMemory", "PHASES", "ParameterError", "RunningExample", "Throughput", "build_model",
     "count_params", "estimate_training_memory", "example_batch", "format_bytes", "hardware_report",
     "in_kernel", "is_batch", "make_optimizer", "measure_step", "measure_throughput", "measure_throughputs",
-    "print_rows", "progress", "record", "recorded", "resolve_device", "running_example", "seeded_model", "synchronize", "train_step",
-    "try_fit",
+    "print_rows", "progress", "record", "recorded", "resolve_device", "running_example", "seeded_model", "synchronize",
+    "train_step", "try_fit",
 ]
