@@ -82,19 +82,24 @@ def _run_install_cell(monkeypatch, labkit_found: bool) -> str:
 
 
 def test_the_install_cell_does_nothing_in_the_checkout_and_says_so(monkeypatch):
+    import torch
     out = _run_install_cell(monkeypatch, labkit_found=True)
-    assert out == "labkit 0.1.0 is installed: nothing to do\n"
+    assert out == f"labkit from {ROOT / 'labkit'}; torch=={torch.__version__} as it was\n"
 
 
 def test_the_install_cell_accepts_a_checkout_on_the_path_without_package_metadata(monkeypatch):
     import importlib.metadata
 
+    real = importlib.metadata.version
+
     def not_installed(name):
-        raise importlib.metadata.PackageNotFoundError(name)
+        if name == "labkit":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
 
     monkeypatch.setattr(importlib.metadata, "version", not_installed)  # PYTHONPATH=checkout, never pip-installed
     out = _run_install_cell(monkeypatch, labkit_found=True)
-    assert out == f"labkit is importable from {ROOT / 'labkit'}, not installed: nothing to do\n"
+    assert out.startswith(f"labkit from {ROOT / 'labkit'}; torch=="), out
 
 
 def test_the_install_cell_refuses_the_placeholder_address_naming_the_variable(monkeypatch):
@@ -242,7 +247,8 @@ def test_installing_labkit_keeps_an_allowed_torch(tmp_path, allowed):
     assert readme_line == {"labkit": "0.1.0"}, readme_line
     proc = _install_cell(env, src)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout == f"installed labkit 0.1.0 from {src}; torch {allowed} kept\n", proc.stdout
+    assert re.fullmatch(rf"labkit from {re.escape(str(env))}/lib/python[\d.]+/site-packages/labkit; "
+                        rf"torch=={re.escape(allowed)} as it was\n", proc.stdout), proc.stdout
     assert _dists(env, "torch") == [f"torch-{allowed}.dist-info"] and _dists(env, "labkit") == ["labkit-0.1.0.dist-info"]
 
 
@@ -314,7 +320,8 @@ def test_a_chapter_runs_from_an_empty_folder_in_a_fresh_environment(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     cells = json.loads((folder / "out.ipynb").read_text())["cells"]
     said = "".join("".join(o.get("text", "")) for o in cells[1]["outputs"])
-    assert re.fullmatch(rf"installed labkit 0\.1\.0 from {re.escape(environ[hosted.SOURCE_ENV])}; torch \S+ kept\n", said), said
+    assert re.fullmatch(rf"labkit from {re.escape(str(env))}/lib/python[\d.]+/site-packages/labkit; torch==\S+ as it was\n",
+                        said), said  # installed into the environment, its torch kept
     after = torch_here()
     assert after.split()[:2] == before.split()[:2], (before, after)  # same torch version, same files
     where = subprocess.run([python, "-c", "import labkit; print(labkit.__file__)"], capture_output=True, text=True,

@@ -27,29 +27,22 @@ INSTALL_CELL_ID = "labkit-install"
 LINKS_MARK = "colab.research.google.com"  # how the links line is found again in the first markdown cell
 
 INSTALL_CELL = '''\
-# Colab, Kaggle or a Jupyter without labkit: install it, keeping this machine's torch. In the project's
-# checkout (`make setup`) labkit is there and nothing happens. {env} (a folder, git or wheel address)
-# overrides where it comes from.
-import importlib.metadata, importlib.util, os, subprocess, sys
+# Colab, Kaggle or a Jupyter without labkit: pip installs it and keeps this machine's torch ({env}: a folder,
+# git or wheel address to install from instead). In the project's checkout (`make setup`) nothing happens.
+import importlib, importlib.metadata as meta, importlib.util as util, os, subprocess, sys
 
-if (spec := importlib.util.find_spec("labkit")) is not None:
-    try:
-        print(f"labkit {{importlib.metadata.version('labkit')}} is installed: nothing to do")
-    except importlib.metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not pip-installed
-        print(f"labkit is importable from {{os.path.dirname(spec.origin)}}, not installed: nothing to do")
-else:
-    source = os.environ.get("{env}") or "git+https://github.com/{repository}"
+source = os.environ.get("{env}") or "git+https://github.com/{repository}"
+keep = [f"torch=={{meta.version('torch')}}"] if util.find_spec("torch") else []  # pip keeps that torch or refuses
+if util.find_spec("labkit") is None:
     if "<owner>" in source:
         raise RuntimeError("this copy of the notebook does not know labkit's repository: set {env} to its pip "
                            "address (git+https://github.com/OWNER/NAME or a folder) and run this cell again")
-    keep = [f"torch=={{importlib.metadata.version('torch')}}"] if importlib.util.find_spec("torch") else []
     pip = subprocess.run([sys.executable, "-m", "pip", "install", source, *keep], capture_output=True, text=True)
     if pip.returncode:
         raise RuntimeError(f"labkit was not installed; {{' '.join(keep) or 'torch'}} left as it was. pip said:\\n"
                            + (pip.stdout[-1500:] + pip.stderr[-1500:]).strip())
     importlib.invalidate_caches()
-    print(f"installed labkit {{importlib.metadata.version('labkit')}} from {{source}}"
-          + (f"; torch {{keep[0][7:]}} kept" if keep else ""))'''
+print(f"labkit from {{os.path.dirname(util.find_spec('labkit').origin)}}; {{' '.join(keep) or 'no torch'}} as it was")'''
 
 
 def install_cell_source(repository: str = REPOSITORY) -> str:
