@@ -152,6 +152,21 @@ def plot_series(ax, x, series: dict[str, list], xlabel: str, ylabel: str, title:
     return ax
 
 
+def plot_fit(ax, xs, ys, fit=None, xlabel: str = "", ylabel: str = "", title: str = "", scale: float = 1.0,
+             fit_label: str = "fitted curve"):
+    """Plot measured points (ys so far, against the first xs) and, once known, `fit` as a dashed curve over the xs'
+    range, every value divided by `scale` (chapter 00: activation bytes in MiB against the batch and the sequence)."""
+    ax.plot(list(xs)[:len(ys)], [y / scale for y in ys], "o", ms=6, color="#4c72b0", label="measured", zorder=3)
+    if fit is not None:
+        fine = [xs[0] + (xs[-1] - xs[0]) * k / 50 for k in range(51)]
+        ax.plot(fine, [fit(x) / scale for x in fine], "--", color="black", lw=1, label=fit_label)
+    ax.set_xticks(list(xs))
+    ax.set(xlabel=xlabel, ylabel=ylabel, ylim=(0, None))
+    ax.legend(fontsize=8, loc="lower right")  # measured sizes rise to the upper right
+    ax.set_title(title, fontsize=10)
+    return ax
+
+
 class LiveFigure:
     """A figure that redraws in place as results arrive (one display handle, updated)."""
 

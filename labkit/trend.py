@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 
 def trend_shape(ys, tol: float = 0.0) -> str:
@@ -74,3 +75,30 @@ def rank_correlation(xs, ys) -> float:
     if len(xs) != len(ys) or len(xs) < 2:
         raise ValueError(f"rank correlation needs two sequences of one length, at least 2; got {len(xs)} and {len(ys)}")
     return statistics.correlation(ranks(xs), ranks(ys))
+
+
+@dataclass(frozen=True)
+class PolynomialFit:
+    """y ≈ coeffs[0] + coeffs[1]·x + coeffs[2]·x² + …: a least-squares fit of measured points (chapter 00 fits the
+    activation bytes with a line in the batch and a quadratic in the sequence length)."""
+
+    coeffs: tuple  # lowest power first
+
+    def __call__(self, x: float) -> float:
+        """Return the fitted value at `x`."""
+        return sum(c * x**k for k, c in enumerate(self.coeffs))
+
+    def max_rel_deviation(self, xs, ys) -> float:
+        """Return the largest |fit - measured| / |measured| over the points."""
+        return max(abs(self(x) - y) / abs(y) for x, y in zip(xs, ys))
+
+
+def fit_polynomial(xs, ys, degree: int) -> PolynomialFit:
+    """Fit a polynomial of `degree` to the points (xs, ys) by least squares (in float64)."""
+    if len(xs) != len(ys) or len(xs) < degree + 1:
+        raise ValueError(f"a degree-{degree} fit needs at least {degree + 1} points (x, y); got {len(xs)} and "
+                         f"{len(ys)} values")
+    import torch
+    a = torch.tensor([[float(x) ** k for k in range(degree + 1)] for x in xs], dtype=torch.float64)
+    b = torch.tensor([float(y) for y in ys], dtype=torch.float64)[:, None]
+    return PolynomialFit(tuple(torch.linalg.lstsq(a, b).solution.flatten().tolist()))

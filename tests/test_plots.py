@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from labkit import plots
 
 
@@ -62,3 +64,17 @@ def test_the_plan_figure_keeps_its_labels_apart_clear_of_the_axis_and_its_times_
     legend = {t.get_text() for t in ax.get_legend().get_texts()}
     assert {"fp32", "bf16", "bf16-mp", "bf16-pure", "ckpt none", "ckpt every", "ckpt full", "ckpt op",
             "ckpt selective", "does not fit (hollow)"} <= legend
+
+
+def test_plot_fit_draws_the_points_so_far_and_the_fit_over_the_whole_range():
+    from labkit.trend import fit_polynomial
+    fig, ax = plots.new_figure()
+    plots.plot_fit(ax, [2, 4, 8, 16], [2 * 2**20, 4 * 2**20], scale=2**20)  # two points measured, no fit yet
+    (points,) = ax.get_lines()
+    assert list(points.get_xdata()) == [2, 4] and list(points.get_ydata()) == [2, 4]
+    fig, ax = plots.new_figure()
+    fit = fit_polynomial([2, 4, 8, 16], [2, 4, 8, 16], 1)
+    plots.plot_fit(ax, [2, 4, 8, 16], [2, 4, 8, 16], fit, fit_label="fitted line")
+    points, curve = ax.get_lines()
+    assert curve.get_xdata()[0] == 2 and curve.get_xdata()[-1] == 16 and curve.get_ydata()[-1] == pytest.approx(16)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["measured", "fitted line"]

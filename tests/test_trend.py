@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit.trend import describe_trend, rank_correlation, ranks, shape_words, trend_shape
+from labkit.trend import describe_trend, fit_polynomial, rank_correlation, ranks, shape_words, trend_shape
 
 MS = [1, 2, 4, 8, 16]
 BUBBLE = [0.515, 0.406, 0.316, 0.339, 0.411]  # notebook 06's GPipe bubble on one run: lowest at M = 4
@@ -56,3 +56,15 @@ def test_ranks_share_ties_and_rank_correlation_is_spearmans():
     assert rank_correlation([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / (4.5 * 5) ** 0.5)
     with pytest.raises(ValueError, match="one length"):
         rank_correlation([1, 2], [1])
+
+
+def test_a_polynomial_fit_recovers_exact_coefficients_and_measures_its_misfit():
+    line = fit_polynomial([2, 4, 8, 16], [7 + 3 * b for b in (2, 4, 8, 16)], 1)
+    assert line.coeffs == pytest.approx((7, 3)) and line(10) == pytest.approx(37)
+    assert line.max_rel_deviation([2, 4], [13, 19]) == pytest.approx(0)
+    quad = fit_polynomial([16, 32, 64, 96], [5 + 2 * t + 0.5 * t * t for t in (16, 32, 64, 96)], 2)
+    assert quad.coeffs == pytest.approx((5, 2, 0.5))
+    bent = fit_polynomial([1, 2, 3], [1, 4, 9], 1)  # a line through a parabola: y = 4x - 10/3, 2/3 at x = 1
+    assert bent.coeffs == pytest.approx((-10 / 3, 4)) and bent.max_rel_deviation([1], [1]) == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="at least 3 points"):
+        fit_polynomial([1, 2], [1, 2], 2)
