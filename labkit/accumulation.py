@@ -7,13 +7,14 @@ tokens, "naive" divides each mean loss by k (the transformers #24725 bug, kept t
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from labkit.models import IGNORE_INDEX, count_tokens
-from labkit.validate import check_choice, check_int
+from labkit.validate import ParameterError, check_choice, check_int, check_int_list
 
 NORMALISATIONS = ("mean", "tokens", "naive")
 
@@ -24,6 +25,23 @@ def split_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
     check_int("batch_size", batch_size, 1)
     full, rest = divmod(batch_size, micro_batch_size)
     return [micro_batch_size] * full + ([rest] if rest else [])
+
+
+def check_accum_steps(name: str, ks, batch: int | None = None, top: int = 64) -> list[int]:
+    """Check a sweep of accumulation steps k (chapters 01 and 05): increasing, from 1 (the plain step, to compare
+    with) up to `top`; with `batch`, each k realisable as micro-batches of ceil(batch / k) rows."""
+    ks = check_int_list(name, ks, 1, batch or top, min_len=2, increasing=True)
+    if ks[0] != 1:
+        raise ParameterError(f"{name} must be a sweep starting at 1 (the plain step, to compare with), got {ks!r}")
+    if batch is not None:  # batch 16, k = 5: micro-batches of 4 rows, so 4 of them
+        realisable = sorted({math.ceil(batch / math.ceil(batch / k)) for k in range(1, batch + 1)})
+        for k in ks:
+            if k not in realisable:
+                raise ParameterError(
+                    f"{name} contains k={k}, which BATCH={batch} cannot realise: micro-batches of ceil({batch}/{k}) = "
+                    f"{math.ceil(batch / k)} rows give {math.ceil(batch / math.ceil(batch / k))} micro-batches. "
+                    f"Realisable k for BATCH={batch}: {realisable}")
+    return ks
 
 
 def split_batch(batch: Sequence[torch.Tensor], micro_batch_size: int) -> list[tuple]:

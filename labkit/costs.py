@@ -40,10 +40,9 @@ def cost_table(works: Mapping[str, Work], gpu: str | DeviceProfile, baseline: st
     head = (f"{'setting':<{width}} {'GFLOP fp32':>10} {'GFLOP ' + half:>10} {'GB moved':>9} {'kernels':>8} "
             f"{'MiB host':>8} {'MiB sent':>8} {('estimate' if estimate else 'bound') + ' (ms)':>13} {'launch (ms)':>11}"
             + (f" {'x base':>7}" if baseline is not None else ""))
-    lines = [f"counted per optimizer step; its time on the {device.name}: "
+    lines = [f"counted per optimizer step; time on the {device.name}: "
              + (f"an estimate at {device.efficiency.fraction:.1%} of peak ({device.efficiency.source.split(':')[0]})"
-                if estimate else "the roofline, a bound (every unit at its datasheet peak, transfers overlapped; no "
-                                 "published run gives this GPU's achieved share of it)"), head]
+                if estimate else "the roofline, a bound (no published run gives this GPU's share of peak)"), head]
     for name, w in works.items():
         sixteen = sum(n for p, n in w.flops.items() if p != "fp32")
         line = (f"{str(name):<{width}} {w.flops.get('fp32', 0) / 1e9:>10.3f} {sixteen / 1e9:>10.3f} "
@@ -52,15 +51,13 @@ def cost_table(works: Mapping[str, Work], gpu: str | DeviceProfile, baseline: st
         if baseline is not None:
             line += f" {seconds[name] / seconds[baseline]:>7.2f}"
         lines.append(line)
-    lines.append("GB moved: bytes operators read and write (no fusion); kernels: operators that compute or move data; "
-                 "MiB host: over the host link (PCIe); MiB sent: to other GPUs" + (f"; 16-bit FLOPs run as {half} on the "
-                                                                         f"{device.name}" if half != "bf16" else "")
-                 + (f"; x base: the time over {baseline}'s" if baseline is not None else ""))
+    lines.append("GB moved: operators' reads and writes; kernels: operators run; MiB host: over PCIe; MiB sent: to "
+                 "other GPUs" + (f"; 16-bit runs as {half} on the {device.name}" if half != "bf16" else "")
+                 + (f"; x base: time over {baseline}'s" if baseline is not None else ""))
     bound_by_launches = [name for name, t in times.items() if t.launch_bound]
-    lines.append(f"launch: the kernels one after another at {EAGER_OPERATOR_S * 1e6:.1f} µs each, eager PyTorch's host "
-                 "time per operator (measured on an H200's host: labkit.gpus.EAGER_OPERATOR_S), left out of the "
-                 + ("estimate" if estimate else "bound") + f"; {len(bound_by_launches)} of {len(times)} settings "
+    lines.append(f"launch: kernels × {EAGER_OPERATOR_S * 1e6:.1f} µs, eager PyTorch's host time per operator "
+                 "(labkit.gpus.EAGER_OPERATOR_S), outside the " + ("estimate" if estimate else "bound")
+                 + f"; {len(bound_by_launches)} of {len(times)} settings "
                  f"{'takes' if len(bound_by_launches) == 1 else 'take'} longer to launch than to run on the {device.name}"
-                 + (": there the host sets the pace, and the time above is the GPU's share of it, not the step's"
-                    if bound_by_launches else ""))
+                 + (" (the host sets their pace)" if bound_by_launches else ""))
     return "\n".join(lines)

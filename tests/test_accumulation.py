@@ -153,3 +153,18 @@ def test_peak_falls_with_k_at_constant_batch_and_is_flat_at_constant_micro_batch
     assert p1 > p2 > p4 > p8
     flat = [peak(4, 4 * k) for k in (2, 3, 5)]
     assert (max(flat) - min(flat)) / min(flat) < 0.01
+
+
+def test_a_sweep_of_accumulation_steps_is_checked_before_any_work():
+    from labkit.accumulation import check_accum_steps
+    from labkit.validate import ParameterError
+    assert check_accum_steps("KS", [1, 2, 4, 8], batch=16) == [1, 2, 4, 8]
+    assert check_accum_steps("KS", [1, 3, 6], batch=12) == [1, 3, 6]
+    with pytest.raises(ParameterError, match=r"KS must be a sweep starting at 1"):
+        check_accum_steps("KS", [2, 4])
+    with pytest.raises(ParameterError, match=r"KS contains k=5, which BATCH=16 cannot realise: .* Realisable k for "
+                                             r"BATCH=16: \[1, 2, 3, 4, 6, 8, 16\]"):
+        check_accum_steps("KS", [1, 5], batch=16)  # micro-batches of 4 rows: 4 of them
+    with pytest.raises(ParameterError, match=r"KS\[1\]"):
+        check_accum_steps("KS", [1, 32], batch=16)
+    assert check_accum_steps("KS", [1, 32]) == [1, 32]  # no batch: up to 64

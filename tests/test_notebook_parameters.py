@@ -28,7 +28,7 @@ BAD = [  # (chapter, parameters, words the error must contain)
     ("00_where_the_memory_goes", dict(MEMORY_SNAPSHOT="trace.json"), ["MEMORY_SNAPSHOT", ".pickle"]),
     ("01_gradient_accumulation", dict(BATCH=8, MICRO_BATCH=8), ["MICRO_BATCH", "[1, 7]"]),
     ("01_gradient_accumulation", dict(ACCUM_STEPS_SWEEP=[1, 5]), ["ACCUM_STEPS_SWEEP", "k=5", "cannot realise"]),
-    ("01_gradient_accumulation", dict(ACCUM_STEPS_SWEEP_FIXED_MICRO=[2, 4]), ["ACCUM_STEPS_SWEEP_FIXED_MICRO", "start at 1"]),
+    ("01_gradient_accumulation", dict(ACCUM_STEPS_SWEEP_FIXED_MICRO=[2, 4]), ["ACCUM_STEPS_SWEEP_FIXED_MICRO", "starting at 1"]),
     ("01_gradient_accumulation", dict(DEVICE="tpu"), ["DEVICE", "'auto', 'cpu', 'cuda'"]),
     ("02_activation_checkpointing", dict(SWEEP_N_LAYER=1), ["SWEEP_N_LAYER", "[2, 64]"]),
     ("02_activation_checkpointing", dict(SWEEP_BATCH=1, SEQ_LEN=16), ["SWEEP_BATCH × SEQ_LEN", "32 tokens"]),
