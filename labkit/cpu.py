@@ -90,14 +90,18 @@ def bf16_native(flags=None, capability: str | None = None, env=None) -> bool:
     return capability == "AVX512" and env.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() in BF16_ISAS
 
 
-def no_bf16_words(flags=None, capability: str | None = None) -> str:
+def no_bf16_words(flags=None, capability: str | None = None, env=None) -> str:
     """Return why torch computes no bf16 on 16-bit units here, in the chapters' words (where bf16_native is False):
-    the CPU has none, or torch's kernels do not use those it has (chapters 03 and 09)."""
+    the CPU has none, or torch's kernels do not use those it has, naming the DISPATCH_ENV variables that cap them
+    (chapters 03, 08 and 09)."""
     found = [f for f in BF16_CPU_FLAGS if f in (_flags() if flags is None else set(flags))]
     capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
+    env = os.environ if env is None else env
     if not found:
         return "this CPU has no bf16 units"
-    return f"torch's kernels here ({capability}) use none of this CPU's bf16 units ({', '.join(found)})"
+    capped = " ".join(f"{k}={env[k]}" for k in DISPATCH_ENV if k in env)
+    return (f"torch's kernels here ({capability}{', set by ' + capped if capped else ''}) use none of this CPU's bf16 "
+            f"units ({', '.join(found)})")
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,16 @@ def test_bf16_is_native_only_with_its_units_and_a_dispatch_that_uses_them(flags,
     assert cpu.bf16_native(flags, capability, env) is native
 
 
-@pytest.mark.parametrize("flags, capability, words", [
-    ((), "AVX2", "this CPU has no bf16 units"),
-    (("avx512_bf16", "amx_bf16"), "AVX2", "torch's kernels here (AVX2) use none of this CPU's bf16 units "
-                                          "(avx512_bf16, amx_bf16)"),
+@pytest.mark.parametrize("flags, capability, env, words", [
+    ((), "AVX2", {}, "this CPU has no bf16 units"),
+    (("avx512_bf16", "amx_bf16"), "AVX2", {}, "torch's kernels here (AVX2) use none of this CPU's bf16 units "
+                                              "(avx512_bf16, amx_bf16)"),
+    (("avx512_bf16",), "AVX2", {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "HOME": "/root"},
+     "torch's kernels here (AVX2, set by ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) use none of this CPU's "
+     "bf16 units (avx512_bf16)"),  # the reference machine's emulation, named
 ])
-def test_the_chapters_say_whether_the_cpu_lacks_bf16_units_or_torch_does_not_use_them(flags, capability, words):
-    assert cpu.no_bf16_words(flags, capability) == words
+def test_the_chapters_say_whether_the_cpu_lacks_bf16_units_or_torch_does_not_use_them(flags, capability, env, words):
+    assert cpu.no_bf16_words(flags, capability, env) == words
 
 
 def test_the_line_names_the_cpu_its_vector_level_the_dispatch_variables_and_the_ratio():

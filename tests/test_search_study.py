@@ -320,3 +320,39 @@ def test_a_brute_force_speed_study_tries_every_setting_once_passing_over_a_trial
     assert len(tried) == len(everything) and all(s in tried for s in everything)
     others = [t for t in study.trials if t.number != bare.number]
     assert len(others) == len(everything) and all(t.state == TrialState.COMPLETE for t in others)  # no extra trial
+
+
+def test_the_prediction_check_counts_verdicts_errors_repeats_and_growth():
+    """labkit.search.checks on hand-made trials: what held, where a peak differs, which trial repeats which setting."""
+    import datetime
+
+    import optuna
+
+    from labkit.search.checks import check_predictions
+    from labkit.search.workers import WORKER_ATTR
+    t0 = datetime.datetime(2026, 1, 1)
+
+    def trial(number, knobs, status, start_s, end_s, predicted=None, peak=None, live=0, pid=1):
+        attrs = {"status": status, "live_tensor_bytes_at_start": live,
+                 WORKER_ATTR: {"trial": number, "pid": pid, "host": "h", "start": 0}}
+        if predicted is not None:
+            attrs.update(predicted_peak_bytes=predicted, peak_bytes=peak)
+        t = optuna.trial.create_trial(params=knobs, distributions={k: optuna.distributions.CategoricalDistribution([v])
+                                                                   for k, v in knobs.items()}, value=1.0,
+                                      user_attrs=attrs)
+        t.number, t.datetime_start, t.datetime_complete = (number, t0 + datetime.timedelta(seconds=start_s),
+                                                           t0 + datetime.timedelta(seconds=end_s))
+        return t
+    a, b = {"micro_batch": 8}, {"micro_batch": 4}
+    trials = [trial(0, a, "ok", 0, 5, 1000, 1000, live=10), trial(1, b, "ok", 1, 3, 1010, 1000, live=10),
+              trial(2, a, "ok", 2, 6, 1000, 1000, live=10, pid=2),  # a while trial 0 still ran
+              trial(3, b, "oom", 7, 8, 900, 1000, live=10), trial(4, a, "ok", 9, 10, 1000, 1000, live=30),  # a again
+              trial(5, {"micro_batch": 16}, "predicted", 11, 11, live=30)]
+    check = check_predictions(trials, config=None)  # nothing predicted not to fit: no step to run
+    assert check.ran_within == [True, True, True, False, True] and check.agreement == 0.8
+    assert check.peak_errors == {0: 0.0, 1: 0.01, 2: 0.0, 3: -0.1, 4: 0.0} and check.largest_error == -0.1
+    assert check.repeats_while == [2] and check.repeats_after == [3, 4] and check.predicted_only == [5]
+    assert check.growth_bytes == 20  # worker 1 (trials 0, 1, 3, 4, 5): 10, 10, 10, 30, 30; from its second trial on
+    assert [d[0] for d in check.details] == [1, 3]
+    rows = dict(check.rows())
+    assert rows["peaks exact to the byte"] == "3 of 5" and rows["drew a setting another trial still ran"] == "2"

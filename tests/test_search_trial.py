@@ -244,3 +244,27 @@ def test_config_round_trips_through_plain_data(tiny):
 def test_fp16_compute_is_refused_on_a_cpu(tiny):
     with pytest.raises(ValueError, match="fp16 compute on CPU"):
         search.train(dict(PLAIN, precision="fp16", micro_batch=8), tiny)
+
+
+def test_the_finalists_are_the_fastest_distinct_settings_timed_with_their_twins(tiny):
+    import optuna
+    from labkit.search.trial import CONTROL
+
+    def trial(number, params, value):
+        t = optuna.trial.create_trial(params=params, value=value, distributions={
+            k: optuna.distributions.CategoricalDistribution([v]) for k, v in params.items()})
+        t.number = number
+        return t
+    a, b, c = (dict(PLAIN, micro_batch=m) for m in (8, 4, 2))
+    a, b, c = ({k: v for k, v in s.items() if k != "lr"} for s in (a, b, c))
+    trials = [trial(0, a, 1.0), trial(3, a, 0.99), trial(1, b, 0.8), trial(2, c, 0.3)]  # a twice; c below the band
+    fair = search.time_finalists(trials, {"chapter": dict(b, lr=1e-3)}, tiny, most=3, band=0.5, rounds=2,
+                                 noise_limit=10.0)
+    assert list(fair.finalists.values()) == [dict(sorted(a.items())), dict(sorted(b.items()))]  # distinct, in the band
+    assert set(fair.candidates) == {"search #1 (trial 0)", "search #2 (trial 1)", CONTROL, "chapter"}
+    assert set(fair.twin_ratios) == {("search #1 (trial 0)", CONTROL), ("search #2 (trial 1)", "chapter")}
+    assert fair.rounds == 2 and fair.reliable and fair.chosen in fair.finalists  # within 10x: the first timing stands
+    assert all(t.steps == 2 for t in fair.timed.values())
+    strict = search.time_finalists(trials[:1], {}, tiny, most=1, band=0.5, rounds=1, noise_limit=0.0, attempts=2)
+    assert strict.rounds == 2 and not strict.reliable  # two copies never time exactly alike: twice the rounds, then
+    #                                                    called unreliable

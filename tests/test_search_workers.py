@@ -30,30 +30,6 @@ SHAPE = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, batch=8, seq_len=16,
 FITS = {"technique": "l2l", "lr": 1e-3}
 
 
-
-def running_trial(study: optuna.Study, timeout_s: float = 60.0, min_running_s: float = 0.0, space: list | None = None):
-    """Wait for a trial running `min_running_s` in some worker with its setting drawn; return (trial number, worker pid).
-
-    Drawn: every active parameter of `space` (default: the study's space less its `fixed` knobs, what
-    the "loss" objective draws; pass `config.space(only=MEMORY_KNOBS)` for the "speed" objective).
-    """
-    if space is None:
-        config = studies.settings_of(study)[0]
-        fixed = study.user_attrs["settings"].get("fixed") or {}
-        space = [p for p in config.space() if p.name not in fixed]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            worker = workers.worker_of(t)  # recorded first thing in the trial, by this trial's own worker
-            started = t.datetime_start
-            if worker is not None and started is not None and _complete(t.params, space):
-                age = (time.time() - started.timestamp())
-                if age >= min_running_s:
-                    return t.number, worker["pid"]
-        time.sleep(0.1)
-    raise TimeoutError(f"no trial of study {study.study_name!r} was running within {timeout_s} s")
-
-
 def _complete(params: dict, space) -> bool:
     """Return whether `params` is a whole setting of `space` (a trial's setting is drawn one parameter at a time)."""
     try:
@@ -61,6 +37,7 @@ def _complete(params: dict, space) -> bool:
     except ValueError:
         return False
     return True
+
 
 def _config(train_steps: int) -> search.StudyConfig:
     return search.StudyConfig(budget_bytes=10**7, train_steps=train_steps, **SHAPE)  # everything fits
@@ -76,19 +53,20 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc (Linux)")
 def test_a_worker_killed_mid_trial_loses_no_trial(tmp_path):
-    """SIGKILL one of two workers inside a trial: the trial is failed by heartbeat, retried, and completed."""
+    """run_workers SIGKILLs one of two workers inside a trial: the trial is failed, retried and completed; a replacement
+    worker joins."""
     url = studies.storage_url(tmp_path / "kill.db")
     storage = studies.make_storage(url, heartbeat_s=1, grace_s=2)
     config = _config(train_steps=48)  # about half a second per trial: long enough to be caught running
     study = studies.create_study("kill", storage, config, "loss", sampler="random", pruner="none")
-    with ChildProcesses() as kids:
-        for i in range(2):
-            kids.start(workers.worker_argv(url, "kill", trials=12, total=8, index=i), env=workers.worker_env(),
-                       log_path=tmp_path / f"worker-{i}.log")
-        number, pid = running_trial(study, timeout_s=60, min_running_s=0.1)  # either may run 8 alone: 12 each
-        os.kill(pid, signal.SIGKILL)
-        codes = kids.wait(timeout_s=120)
-    assert sorted(codes) == sorted([-signal.SIGKILL, 0]), codes
+    space = [p for p in config.space() if p.name not in (study.user_attrs["settings"].get("fixed") or {})]
+    seen = []
+    run = workers.run_workers(url, study, 2, 8, tmp_path, kill_one=True, timeout_s=120, on_progress=seen.append,
+                              drawn=lambda t: _complete(t.params, space))  # every knob drawn: the retry repeats it
+    assert run.killed is not None and not run.timed_out and run.seconds > 0
+    number, codes = run.killed[0], run.exit_codes
+    assert codes[0] == -signal.SIGKILL and codes[1:] == [0, 0], codes  # the killed one, the other, the replacement
+    assert len(seen) >= 2 and len(seen[-1]) == len(study.get_trials(deepcopy=False))  # drawn as it ran, and at the end
     # the surviving worker did not leave before the silent trial went stale: it failed it and ran the retry
     trials = study.get_trials(deepcopy=False)
     killed = trials[number]

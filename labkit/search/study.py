@@ -86,6 +86,18 @@ def make_storage(url: str, heartbeat_s: int = 2, grace_s: int = 6, max_retry: in
 STORAGE_EXAMPLES = "sqlite:///path/to/file.db, or a database server: postgresql+psycopg://user@host:5432/db"
 
 
+def check_study_names(prefix_name: str, prefix, resume_name: str, resume, storage_url: str) -> None:
+    """Check a study name prefix (letters, digits, - and _) and the name of a study to resume ('' for none: a fresh
+    study), which must be in `storage_url`; raise ParameterError naming the parameter otherwise (chapter 08)."""
+    if not isinstance(prefix, str) or not prefix.replace("-", "").replace("_", "").isalnum():
+        raise ParameterError(f"{prefix_name} must be a name of letters, digits, - and _, got {prefix!r}")
+    if not isinstance(resume, str):
+        raise ParameterError(f"{resume_name} must be '' or a study's name, got {resume!r}")
+    if resume and resume not in optuna.get_all_study_names(storage_url):
+        raise ParameterError(f"{resume_name} = {resume!r} is not a study in {storage_url}: give the name an earlier "
+                             "run printed, or '' for a fresh study")
+
+
 def check_storage_url(name: str, url, timeout_s: float = 10) -> str:
     """Return `url` if it names a database every worker can share that answers within `timeout_s`.
 

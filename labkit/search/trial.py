@@ -348,3 +348,75 @@ def time_settings(settings: dict[str, dict], config: StudyConfig, rounds: int) -
         fns[name] = lambda step=step, batches=batches: step.step(next(batches))
     return measure_throughputs(fns, samples_per_step=config.batch, tokens_per_step=config.tokens_per_step,
                                device=device, warmup_steps=1, steps=rounds)
+
+
+@dataclass
+class FinalistTiming:
+    """A fair timing of a study's finalists beside other settings (chapter 08 on CUDA): `time_finalists`."""
+
+    finalists: dict  # name -> knobs: the study's distinct settings it timed fastest
+    candidates: dict  # name -> setting timed (lr included): the finalists, the noise control, the others
+    timed: dict  # name -> Throughput over `rounds` interleaved rounds
+    twin_ratios: dict  # (a, b) -> b's step time over a's, round by round (median): two copies of one setting
+    rounds: int
+    noise_limit: float
+
+    @property
+    def noise(self) -> float:
+        """Return the twin ratio furthest from 1: how far apart two copies of one setting timed."""
+        return max(self.twin_ratios.values(), key=lambda r: abs(r - 1))
+
+    @property
+    def reliable(self) -> bool:
+        """Tell whether two copies of one setting timed within noise_limit of each other."""
+        return abs(self.noise - 1) <= self.noise_limit
+
+    def ratio(self, a: str, b: str) -> float:
+        """Return the median over rounds of b's step time over a's (above 1: a is faster)."""
+        from labkit.throughput import paired_ratio
+        return paired_ratio(self.timed, b, a).median
+
+    @property
+    def chosen(self) -> str:
+        """Return the finalist that beats each other finalist round by round (by its worst paired ratio)."""
+        names = list(self.finalists)
+        return max(names, key=lambda n: min(self.ratio(n, o) for o in names if o != n) if len(names) > 1 else 0)
+
+
+CONTROL = "search #1 again (noise control)"  # the second copy of the study's fastest setting
+
+
+def time_finalists(trials, others: dict[str, dict], config: StudyConfig, most: int, band: float, rounds: int,
+                   noise_limit: float, attempts: int = 3) -> FinalistTiming:
+    """Time a speed study's finalists fairly beside `others` (name -> setting): chapter 08's answer on CUDA.
+
+    trials: the study's feasible trials, fastest first. Finalists: its distinct settings timed at `band` of the fastest or
+    more, at most `most`. Every setting runs one step per round, interleaved, on one thread (as each worker did); a
+    second copy of the fastest, and each other setting equal to a finalist, must time within `noise_limit` of its
+    twin, or the timing is repeated with twice the rounds, `attempts` times in all (then `reliable` is False).
+    """
+    finalists: dict = {}
+    for t in trials:  # distinct settings: a retried or repeated setting counts once
+        knobs = dict(sorted(t.params.items()))
+        if knobs not in finalists.values() and len(finalists) < most and t.value >= band * trials[0].value:
+            finalists[f"search #{len(finalists) + 1} (trial {t.number})"] = knobs
+    if not finalists:
+        raise ValueError("time_finalists needs at least one feasible trial")
+    first = next(iter(finalists))
+    candidates = {**{n: dict(k, lr=1e-3) for n, k in finalists.items()}, CONTROL: dict(finalists[first], lr=1e-3),
+                  **others}
+    twins = [(first, CONTROL)] + [(f, o) for o, p in others.items() for f, k in finalists.items()
+                                  if {n: v for n, v in p.items() if n != "lr"} == k]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread is not disturbed by other processes' threads
+    try:
+        for attempt in range(attempts):
+            n = rounds * 2 ** attempt  # more rounds each time: a median over more of them
+            timing = FinalistTiming(finalists, candidates, time_settings(candidates, config, rounds=n), {}, n,
+                                    noise_limit)
+            timing.twin_ratios.update({pair: timing.ratio(*pair) for pair in twins})
+            if timing.reliable:
+                break
+    finally:
+        torch.set_num_threads(threads)
+    return timing

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import sys
 import time
 import warnings
+from dataclasses import dataclass
+from pathlib import Path
 
 import optuna
 from optuna.storages import fail_stale_trials
 from optuna.trial import TrialState
 
-from labkit.children import process_gone, this_process
+from labkit.children import ChildProcesses, process_gone, this_process
 from labkit.validate import check_int
 
 WORKER_ATTR = "worker"  # the user attribute `mark_worker` writes
@@ -36,6 +39,63 @@ def worker_argv(storage_url: str, study: str | list[str], trials: int, total: in
 def worker_env(threads: int = 1) -> dict:
     """Return the environment of a worker: one OpenMP thread per worker (several workers share the cores)."""
     return {**os.environ, "OMP_NUM_THREADS": str(threads)}
+
+
+@dataclass
+class WorkersRun:
+    """What run_workers saw: the worker killed mid-trial, each worker's exit code, the seconds it took."""
+
+    killed: tuple[int, int] | None  # (trial number, process id) of the worker killed mid-trial, else None
+    exit_codes: list  # one per worker started, the replacement last (None: still running at the timeout, stopped)
+    seconds: float  # from the first worker's start to the last one's end
+    timed_out: bool  # the workers were stopped at timeout_s
+
+
+def run_workers(storage_url: str, study: optuna.Study, n_workers: int, n_trials: int, log_dir, kill_one: bool = False,
+                timeout_s: float = 600.0, on_progress=None, every: int = 4, poll_s: float = 0.5,
+                drawn=lambda trial: bool(trial.params)) -> WorkersRun:
+    """Run `n_workers` worker processes (`worker_argv`) on `study` until it holds `n_trials` finished trials (chapter 08).
+
+    kill_one: SIGKILL the first worker once, while it runs a trial whose setting is `drawn(trial)` (by default: a
+    parameter drawn) for 0.2 s or more (no exception, no cleanup: the trial stays RUNNING until another worker finds its worker gone, fails it and queues its retry), then start a
+    replacement worker. on_progress(trials): called at every `every`-th finished trial and once at the end (a live
+    figure). Each worker logs to `log_dir`/<study>-worker-<i>.log; the workers die with this process, and are stopped
+    on leaving, on an error or at `timeout_s`.
+    """
+    check_int("n_workers", n_workers, 1)
+    check_int("n_trials", n_trials, 1)
+    check_int("every", every, 1)
+    name, env, killed, shown, timed_out = study.study_name, worker_env(threads=1), None, None, False
+    start_s, deadline = time.perf_counter(), time.monotonic() + timeout_s
+    with ChildProcesses() as kids:
+        def start(i):
+            kids.start(worker_argv(storage_url, name, trials=n_trials, total=n_trials, index=i), env=env,
+                       log_path=Path(log_dir) / f"{name}-worker-{i}.log")
+        for i in range(n_workers):
+            start(i)
+        while any(p.poll() is None for p in kids.procs):
+            if time.monotonic() > deadline:  # leaving the block stops them
+                timed_out = True
+                break
+            trials = study.get_trials(deepcopy=False)
+            n_done = sum(t.state == TrialState.COMPLETE for t in trials)
+            if on_progress is not None and n_done // every != shown:  # drawing takes the cores the workers time on
+                on_progress(trials)
+                shown = n_done // every
+            if kill_one and killed is None and n_done < n_trials - 2:
+                first = kids.procs[0]
+                running = [t for t in trials if t.state == TrialState.RUNNING and drawn(t)  # mid-trial
+                           and (worker_of(t) or {}).get("pid") == first.pid
+                           and time.time() - t.datetime_start.timestamp() > 0.2]
+                if running:
+                    killed = (running[0].number, first.pid)
+                    os.kill(first.pid, signal.SIGKILL)
+                    start(n_workers)  # the replacement
+            time.sleep(poll_s)
+        codes = [p.returncode for p in kids.procs]
+    if on_progress is not None:
+        on_progress(study.get_trials(deepcopy=False))
+    return WorkersRun(killed, codes, time.perf_counter() - start_s, timed_out)
 
 
 def search_span_s(study: optuna.Study) -> float:

@@ -1,0 +1,76 @@
+"""Did a speed study's predictions hold? Each verdict and peak against its run (chapter 08's check)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from labkit.search.config import StudyConfig
+from labkit.search.trial import confirm_oom
+from labkit.search.workers import worker_of
+
+
+@dataclass
+class PredictionCheck:
+    """A speed study's predictions against its runs: `check_predictions`."""
+
+    ran_within: list  # per trial that ran under the budget: whether it stayed within it, as predicted
+    confirmed_oom: dict  # setting (sorted items) -> whether one step under the budget hit OutOfMemory, as predicted
+    peak_errors: dict  # trial number -> (predicted - measured) / measured peak
+    repeats_after: list  # trials that ran a setting an earlier trial had already reported
+    repeats_while: list  # trials that drew a setting another trial was still running
+    predicted_only: list  # trials predicted to fit and not run here (16-bit without 16-bit units)
+    growth_bytes: int  # live tensor bytes at a trial's start: the largest rise over a worker's trials (2nd on)
+    details: list = field(default_factory=list)  # (trial number, predicted B, measured B, params) where they differ
+
+    @property
+    def agreement(self) -> float:
+        """Return the share of checks (runs and confirmations) whose prediction held."""
+        checks = self.ran_within + list(self.confirmed_oom.values())
+        return sum(checks) / len(checks)
+
+    @property
+    def largest_error(self) -> float:
+        """Return the peak error furthest from 0 (positive: predicted more than measured)."""
+        return max(self.peak_errors.values(), key=abs, default=0.0)
+
+    def rows(self) -> list[tuple]:
+        """Return (what, how many held, of how many / figure) rows for print_rows."""
+        n_exact = sum(e == 0 for e in self.peak_errors.values())
+        return [("ran within the budget, as predicted", f"{sum(self.ran_within)} of {len(self.ran_within)} trials"),
+                ("hit OutOfMemory in one step, as predicted",
+                 f"{sum(self.confirmed_oom.values())} of {len(self.confirmed_oom)} settings"),
+                ("peaks exact to the byte", f"{n_exact} of {len(self.peak_errors)}"),
+                ("largest peak difference", f"{self.largest_error:+.2%} (positive: predicted more)"),
+                ("repeated a setting already reported", ", ".join(map(str, self.repeats_after)) or "none"),
+                ("drew a setting another trial still ran", ", ".join(map(str, self.repeats_while)) or "none"),
+                ("predicted to fit, not run here", ", ".join(map(str, self.predicted_only)) or "none"),
+                ("live tensor growth over a worker's trials", f"{self.growth_bytes:+,} B")]
+
+
+def check_predictions(trials, config: StudyConfig) -> PredictionCheck:
+    """Set a speed study's predictions beside its runs: trials that ran (status ok or oom) against their predicted
+    verdict and peak; each distinct setting predicted not to fit run for one step under the budget (`confirm_oom`);
+    repeated settings, and whether a worker's live tensors grew from trial to trial."""
+    ran = [t for t in trials if t.user_attrs.get("status") in ("ok", "oom")]
+    skipped = {tuple(sorted(t.params.items())): dict(t.params, lr=1e-3)
+               for t in trials if t.user_attrs.get("status") == "predicted_oom"}
+    errors = {t.number: (t.user_attrs["predicted_peak_bytes"] - t.user_attrs["peak_bytes"]) / t.user_attrs["peak_bytes"]
+              for t in ran}
+    first: dict = {}  # setting -> the first trial that ran it (a killed trial never finished: its retry is a first run)
+    after, during = [], []
+    for t in sorted(ran, key=lambda t: t.datetime_start):
+        key = tuple(sorted(t.params.items()))
+        if key in first:
+            (after if first[key].datetime_complete <= t.datetime_start else during).append(t.number)
+        first.setdefault(key, t)
+    by_pid: dict = {}  # each worker's live tensor bytes at its trials' starts, in order
+    for t in sorted(trials, key=lambda t: t.datetime_start or 0):
+        if "live_tensor_bytes_at_start" in t.user_attrs and worker_of(t):
+            by_pid.setdefault(worker_of(t)["pid"], []).append(t.user_attrs["live_tensor_bytes_at_start"])
+    growth = max((v[-1] - v[1] for v in by_pid.values() if len(v) > 2), default=0)  # from each worker's 2nd trial on
+    by_number = {t.number: t for t in trials}
+    details = [(n, by_number[n].user_attrs["predicted_peak_bytes"], by_number[n].user_attrs["peak_bytes"],
+                by_number[n].params) for n, e in errors.items() if e]
+    return PredictionCheck([t.user_attrs["status"] == "ok" for t in ran],
+                           {k: confirm_oom(p, config) for k, p in skipped.items()}, errors, after, during,
+                           [t.number for t in trials if t.user_attrs.get("status") == "predicted"], growth, details)
