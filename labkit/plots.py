@@ -135,11 +135,14 @@ def plot_grouped_bars(series: dict[str, dict[str, float]], ax=None, title: str =
     return bars
 
 
-def plot_series(ax, x, series: dict[str, list], xlabel: str, ylabel: str, title: str = "", logx: bool = False):
-    """Plot named y-series against x on one axes."""
+def plot_series(ax, x, series: dict[str, list], xlabel: str, ylabel: str, title: str = "", logx: bool = False,
+                colors: dict[str, str] | None = None):
+    """Plot named y-series against x on one axes (`colors`: a colour by series name, where one must match another
+    figure's; the rest take matplotlib's cycle)."""
     for name, ys in series.items():
         n = min(len(x), len(ys))
-        ax.plot(list(x)[:n], list(ys)[:n], marker="o", label=name)
+        style = {"color": colors[name]} if colors and name in colors else {}
+        ax.plot(list(x)[:n], list(ys)[:n], marker="o", label=name, **style)
     if logx:
         ax.set_xscale("log", base=2)
         plain_ticks(ax.xaxis)
