@@ -53,8 +53,8 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc (Linux)")
 def test_a_worker_killed_mid_trial_loses_no_trial(tmp_path):
-    """run_workers SIGKILLs one of two workers inside a trial: the trial is failed, retried and completed; a replacement
-    worker joins."""
+    """run_workers SIGKILLs one of two workers inside a trial: the trial is failed, retried and completed by the other
+    (the replacement worker chapter 08 starts is in test_nb08 and its nbval run)."""
     url = studies.storage_url(tmp_path / "kill.db")
     storage = studies.make_storage(url, heartbeat_s=1, grace_s=2)
     config = _config(train_steps=48)  # about half a second per trial: long enough to be caught running
@@ -62,10 +62,10 @@ def test_a_worker_killed_mid_trial_loses_no_trial(tmp_path):
     space = [p for p in config.space() if p.name not in (study.user_attrs["settings"].get("fixed") or {})]
     seen = []
     run = workers.run_workers(url, study, 2, 8, tmp_path, kill_one=True, timeout_s=120, on_progress=seen.append,
-                              drawn=lambda t: _complete(t.params, space))  # every knob drawn: the retry repeats it
+                              drawn=lambda t: _complete(t.params, space), replace=False)  # drawn: the retry repeats it
     assert run.killed is not None and not run.timed_out and run.seconds > 0
     number, codes = run.killed[0], run.exit_codes
-    assert codes[0] == -signal.SIGKILL and codes[1:] == [0, 0], codes  # the killed one, the other, the replacement
+    assert codes == [-signal.SIGKILL, 0], codes  # the killed one, the other
     assert len(seen) >= 2 and len(seen[-1]) == len(study.get_trials(deepcopy=False))  # drawn as it ran, and at the end
     # the surviving worker did not leave before the silent trial went stale: it failed it and ran the retry
     trials = study.get_trials(deepcopy=False)

@@ -53,12 +53,12 @@ class WorkersRun:
 
 def run_workers(storage_url: str, study: optuna.Study, n_workers: int, n_trials: int, log_dir, kill_one: bool = False,
                 timeout_s: float = 600.0, on_progress=None, every: int = 4, poll_s: float = 0.5,
-                drawn=lambda trial: bool(trial.params)) -> WorkersRun:
+                drawn=lambda trial: bool(trial.params), replace: bool = True) -> WorkersRun:
     """Run `n_workers` worker processes (`worker_argv`) on `study` until it holds `n_trials` finished trials (chapter 08).
 
     kill_one: SIGKILL the first worker once, while it runs a trial whose setting is `drawn(trial)` (by default: a
-    parameter drawn) for 0.2 s or more (no exception, no cleanup: the trial stays RUNNING until another worker finds its worker gone, fails it and queues its retry), then start a
-    replacement worker. on_progress(trials): called at every `every`-th finished trial and once at the end (a live
+    parameter drawn) for 0.2 s or more (no exception, no cleanup: the trial stays RUNNING until another worker finds
+    its worker gone, fails it and queues its retry), then (`replace`) start a replacement worker. on_progress(trials): called at every `every`-th finished trial and once at the end (a live
     figure). Each worker logs to `log_dir`/<study>-worker-<i>.log; the workers die with this process, and are stopped
     on leaving, on an error or at `timeout_s`.
     """
@@ -90,7 +90,8 @@ def run_workers(storage_url: str, study: optuna.Study, n_workers: int, n_trials:
                 if running:
                     killed = (running[0].number, first.pid)
                     os.kill(first.pid, signal.SIGKILL)
-                    start(n_workers)  # the replacement
+                    if replace:
+                        start(n_workers)  # the replacement
             time.sleep(poll_s)
         codes = [p.returncode for p in kids.procs]
     if on_progress is not None:
