@@ -355,4 +355,5 @@ def test_the_prediction_check_counts_verdicts_errors_repeats_and_growth():
     assert check.growth_bytes == 20  # worker 1 (trials 0, 1, 3, 4, 5): 10, 10, 10, 30, 30; from its second trial on
     assert [d[0] for d in check.details] == [1, 3]
     rows = dict(check.rows())
-    assert rows["peaks exact to the byte"] == "3 of 5" and rows["drew a setting another trial still ran"] == "2"
+    assert rows["peaks exact to the byte"] == "3 of 5" and rows["trials that drew a setting another still ran"] == "#2"
+    assert rows["trials that ran a setting already reported"] == "#3, #4"

@@ -41,10 +41,15 @@ class PredictionCheck:
                  f"{sum(self.confirmed_oom.values())} of {len(self.confirmed_oom)} settings"),
                 ("peaks exact to the byte", f"{n_exact} of {len(self.peak_errors)}"),
                 ("largest peak difference", f"{self.largest_error:+.2%} (positive: predicted more)"),
-                ("repeated a setting already reported", ", ".join(map(str, self.repeats_after)) or "none"),
-                ("drew a setting another trial still ran", ", ".join(map(str, self.repeats_while)) or "none"),
-                ("predicted to fit, not run here", ", ".join(map(str, self.predicted_only)) or "none"),
+                ("trials that ran a setting already reported", _numbers(self.repeats_after)),
+                ("trials that drew a setting another still ran", _numbers(self.repeats_while)),
+                ("trials predicted to fit, not run here", _numbers(self.predicted_only)),
                 ("live tensor growth over a worker's trials", f"{self.growth_bytes:+,} B")]
+
+
+def _numbers(trials: list) -> str:
+    """Return trial numbers as "#3, #7", or "none"."""
+    return ", ".join(f"#{n}" for n in trials) or "none"
 
 
 def check_predictions(trials, config: StudyConfig) -> PredictionCheck:
