@@ -42,6 +42,8 @@ def describe_trend(xs, ys, fmt: str = "{:.3f}", x_name: str = "x", tol: float = 
     shape = trend_shape(ys, tol)
     at = [f"{fmt.format(y)} at {x_name} = {x}" for x, y in zip(xs, ys)]
     if shape == "flat":
+        if fmt.format(ys[0]) == fmt.format(ys[-1]):  # "from 25.6 at k = 2 to 25.6 at k = 4" says it twice
+            return f"stays level at {fmt.format(ys[0])} from {x_name} = {xs[0]} to {x_name} = {xs[-1]}"
         return f"stays level, from {at[0]} to {at[-1]}"
     if shape in ("rises", "falls"):
         return f"{shape} from {at[0]} to {at[-1]}"

@@ -48,6 +48,12 @@ def test_shape_words_follow_the_numbers():
     assert shape_words([0.30, 0.301, 0.302], tol=0.005) == "stays level"
 
 
+def test_a_level_trend_names_its_value_once_when_the_ends_print_alike():
+    assert describe_trend([2, 4], [25.61, 25.64], "{:.1f} MiB", "k", tol=0.1) == "stays level at 25.6 MiB from k = 2 to k = 4"
+    assert describe_trend([2, 4], [25.61, 25.69], "{:.1f} MiB", "k", tol=0.1) == \
+        "stays level, from 25.6 MiB at k = 2 to 25.7 MiB at k = 4"
+
+
 def test_ranks_share_ties_and_rank_correlation_is_spearmans():
     assert ranks([30, 10, 20, 20]) == [4.0, 1.0, 2.5, 2.5]
     assert rank_correlation([1, 2, 3, 4], [10, 20, 30, 400]) == pytest.approx(1.0)  # the same order, any spacing
