@@ -1,10 +1,13 @@
 """Figures of a plan (chapter 09): each combination's predicted peak against its predicted step time.
 
-The planner's figure: `draw_plan(plan)`; the marker, colour and edge of a combination (`PRECISION_MARKERS`,
-`CKPT_COLORS`, `edge_of`) are the chapter's figure legend everywhere it draws combinations.
+The planner's figure: `draw_plan(plan)`; its check against the meter: `draw_check(check)`; the marker, colour and
+edge of a combination (`PRECISION_MARKERS`, `CKPT_COLORS`, `edge_of`) are the chapter's figure legend everywhere it
+draws combinations.
 """
 
 from __future__ import annotations
+
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 from labkit import plots
 from labkit.gpus import GiB
@@ -136,4 +139,65 @@ def draw_plan(p):
                 fontsize=7, va="bottom")
     # last: a label's width in data units depends on the scale, and on the axes' width once title and legend are in
     _leave_room_left(fig, ax, left_labels)
+    return fig
+
+
+def _check_style(c) -> dict:
+    """Return the plot style of a checked combination: `none` hollow and larger (the `sqrt` rows, identical at two
+    blocks, sit inside it), the host rows' edge red or purple."""
+    style = dict(marker=PRECISION_MARKERS[c.precision], color=CKPT_COLORS[c.checkpointing], ls="none",
+                 ms=9 if c.checkpointing == "none" else 6)
+    if c.checkpointing == "none":
+        style.update(mfc="none", mew=1.5)
+    if edge_of(c) in PLACEMENT_EDGES.values():
+        style.update(mec=edge_of(c), mew=1.5)
+    return style
+
+
+def draw_check(check, timed_precisions=("fp32", "bf16")):
+    """Return a figure of a labkit.plancheck.PlanCheck: predicted against measured peaks (MiB) and step times (ms)."""
+    fig, (ax0, ax1) = plots.new_figure(ncols=2, width_in=4.6, height_in=3.6)
+    MiB = 2**20
+    predicted, measured, timed = check.predicted, check.measured_bytes, check.timed
+    for n in check.names:
+        style = _check_style(predicted[n].combination)
+        ax0.plot(measured[n] / MiB, predicted[n].peak_bytes / MiB, **style)
+        if n in timed:
+            ax1.plot(timed[n].step_s * 1e3, predicted[n].step_s * 1e3, **style)
+    lo, hi = min(measured.values()) / MiB * 0.95, max(measured.values()) / MiB * 1.05
+    ax0.plot([lo, hi], [lo, hi], color="grey", lw=1, ls=":")
+    ax0.axvline(check.budget_bytes / MiB, color="black", lw=1, ls="--")
+    ax0.axhline(check.budget_bytes / MiB, color="black", lw=1, ls="--")
+    ax0.set_xlabel("measured peak (MiB)")
+    ax0.set_ylabel("predicted peak (MiB)")
+    ax0.set_title(f"Peak: {len(check.names)} combinations, largest error {check.errors[check.worst]:.2%}\n"
+                  "(dashed: the budget; dotted: exact)", fontsize=9)
+    names = check.timed_names
+    steps_ms = [timed[n].step_s * 1e3 for n in names] + [predicted[n].step_s * 1e3 for n in names]
+    t_lo, t_hi = min(steps_ms) / 1.2, max(steps_ms) * 1.2
+    ax1.plot([t_lo, t_hi], [t_lo, t_hi], color="grey", lw=1, ls=":")
+    ax1.set_xscale("log")  # log-log: the roofline's few ms and the measured tens of ms both readable
+    ax1.set_yscale("log")
+    for axis in (ax1.xaxis, ax1.yaxis):  # plain numbers at 1, 2 and 5 times the powers of ten
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
+    ax1.set_xlim(t_lo, t_hi)
+    ax1.set_ylim(t_lo, t_hi)
+    ax1.set_xlabel("measured step time (ms, median)")
+    ax1.set_ylabel("predicted step time (ms):\nroofline + host transfers")
+    untimed = "" if len(names) == len(check.names) else ", fp32 rows only (bf16 untimed)"
+    ax1.set_title(f"Step time{untimed}: rank correlation {check.rho:.2f}\n(dotted: y = x; below it, steps slower "
+                  f"than\npredicted; above it: {len(check.faster)} of {len(names)})", fontsize=9)
+    combos = [predicted[n].combination for n in check.names]
+    handles = [ax1.plot([], [], marker=mk, color="grey", ls="none",
+                        label=p if p in timed_precisions else f"{p} (peaks only, not timed)")[0]
+               for p, mk in PRECISION_MARKERS.items() if any(c.precision == p for c in combos)]
+    handles += [ax1.plot([], [], marker="o", color=col, ls="none", mfc="none" if k == "none" else col,
+                         label=f"ckpt {k}" + (" (hollow)" if k == "none" else ""))[0]
+                for k, col in CKPT_COLORS.items() if any(c.checkpointing == k for c in combos)]
+    for what, col in PLACEMENT_EDGES.items():
+        if any((c.offload if what == "offload" else c.optimizer == "host") for c in combos):
+            handles.append(ax1.plot([], [], marker="o", color="white", mec=col, mew=1.5, ls="none", label=what)[0])
+    ax1.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     return fig
