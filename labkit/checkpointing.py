@@ -119,3 +119,15 @@ def predicted_activation_bytes(n_blocks: int, segments: int, block_bytes: float,
     """Return Chen's peak activation bytes: the worst (boundaries stored before segment j + segment j) + the rest."""
     sizes = segment_sizes(n_blocks, segments)
     return rest_bytes + max((j * boundary_bytes + size * block_bytes for j, size in enumerate(sizes)), default=0.0)
+
+
+def backward_moments_bytes(sizes: list[int], block_bytes: int, boundary_bytes: int,
+                           rest_bytes: int = 0) -> tuple[int, int]:
+    """Return the activation bytes as backward starts and while it rebuilds the largest segment (chapter 02).
+
+    As it starts: the tensors outside the blocks (`rest_bytes`), the unchecked last segment and the stored boundaries;
+    in a rebuild: that segment and the boundaries before it (the head's backward has freed `rest_bytes` by then).
+    """
+    at_start = rest_bytes + (len(sizes) - 1) * boundary_bytes + sizes[-1] * block_bytes
+    in_rebuild = max((j * boundary_bytes + size * block_bytes for j, size in enumerate(sizes[:-1])), default=0)
+    return at_start, in_rebuild

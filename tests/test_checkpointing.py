@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from labkit.checkpointing import (CheckpointedSequential, checkpoint_blocks, op_level_policy,
+from labkit.checkpointing import (CheckpointedSequential, backward_moments_bytes, checkpoint_blocks, op_level_policy,
                                   predicted_activation_bytes, segment_sizes, torch_segment_sizes)
 from labkit.compare import max_grad_diff
 from labkit.work import count_work
@@ -216,3 +216,13 @@ def test_predicted_activation_bytes_follows_chen():
     assert equal[round(math.sqrt(n))] == min(equal.values())  # a = b: the minimum includes Chen's √n
     heavy = {s: predicted_activation_bytes(n, s, 25, 1) for s in range(1, n + 1)}
     assert min(heavy, key=heavy.get) == n  # a ≫ b: one block per segment
+
+
+def test_backward_moments_bytes_split_chens_sum_into_the_backwards_two_moments():
+    at_start, in_rebuild = backward_moments_bytes([2, 2, 2], block_bytes=10, boundary_bytes=1, rest_bytes=5)
+    assert (at_start, in_rebuild) == (5 + 2 * 1 + 2 * 10, 1 * 1 + 2 * 10)
+    assert backward_moments_bytes([3], 10, 1, 5) == (35, 0)  # one segment: nothing is rebuilt
+    for n, s, a, b, rest in ((16, 4, 7, 2, 30), (9, 2, 5, 5, 0), (12, 5, 20, 1, 3)):
+        start, rebuild = backward_moments_bytes(segment_sizes(n, s), a, b, rest)
+        # Chen's model adds `rest` to every segment's moment: its peak is the larger moment with rest added to both
+        assert predicted_activation_bytes(n, s, a, b, rest) == max(start, rebuild + rest)
