@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch.nn as nn
@@ -270,3 +271,160 @@ def measured_bubble(actions_by_rank: dict[int, list]) -> dict:
     makespan = end - start
     return {"makespan_s": makespan, "busy_s": busy,
             "bubble_fraction": 1.0 - sum(busy.values()) / (len(actions) * makespan)}
+
+
+def fit_inverse_m(ms: list[int], values: list[float]) -> tuple[float, float]:
+    """Fit values ≈ a + b/M by least squares; return (a, b) (chapter 06b)."""
+    import statistics
+
+    line = statistics.linear_regression([1 / m for m in ms], values)
+    return line.intercept, line.slope
+
+
+@dataclasses.dataclass
+class HeldCounts:
+    """Micro-batches each stage holds at its activation peak, and the fit's parts, by stage (chapter 06b)."""
+
+    held: dict  # {schedule: {M: [micro-batches held, by stage]}}
+    fixed_bytes: list  # c_s: what does not depend on M (1F1B's a in a + b/M)
+    working_bytes: list  # t_s: one micro-batch's working memory is t_s / M (GPipe's b)
+    fit_saved_bytes: list  # A_s from the fits: GPipe's a less 1F1B's
+
+
+def micro_batches_held(peaks: dict, points: dict, saved_bytes: list) -> HeldCounts:
+    """Count the micro-batches held from activation peaks {schedule: {M: [bytes by stage]}} (chapter 06b).
+
+    points: {"GPipe": [M...], "1F1B": [M...]}; saved_bytes: A_s by stage, the whole batch's saved activations
+    metered apart. A peak is c_s + (h·A_s + t_s)/M with GPipe's h = M: fitting a + b/M to each schedule gives c_s
+    (1F1B's a) and t_s (GPipe's b), then h = (peak − c_s − t_s/M)·M/A_s at every point.
+    """
+    held = {name: {m: [] for m in ms} for name, ms in points.items()}
+    fixed, working, fit_saved = [], [], []
+    for s, saved in enumerate(saved_bytes):
+        a_gpipe, t_s = fit_inverse_m(points["GPipe"], [peaks["GPipe"][m][s] for m in points["GPipe"]])
+        c_s, _ = fit_inverse_m(points["1F1B"], [peaks["1F1B"][m][s] for m in points["1F1B"]])
+        fixed.append(c_s)
+        working.append(t_s)
+        fit_saved.append(a_gpipe - c_s)
+        for name, ms in points.items():
+            for m in ms:
+                held[name][m].append((peaks[name][m][s] - c_s - t_s / m) * m / saved)
+    return HeldCounts(held, fixed, working, fit_saved)
+
+
+@dataclasses.dataclass
+class PipelineTimings:
+    """A pipeline launch's timed steps, read from its ranks' spans "<schedule> M=<m> #<t>" (chapter 06b).
+
+    ranks: labkit.dist.launch's RankResults (rank, spans, core_waits); steps: timed steps per point.
+    """
+
+    ranks: list
+    steps: int
+
+    def actions(self, schedule: str, micro_batches: int, compute_only: bool = False) -> list[dict[int, list]]:
+        """Return each timed step's actions by rank; compute_only: each action less its rank's waits for a core."""
+        return [{r.rank: actions_within(r.spans, f"{schedule} M={micro_batches} #{t}",
+                                        r.core_waits if compute_only else None) for r in self.ranks}
+                for t in range(self.steps)]
+
+    def bubbles(self, schedule: str, micro_batches: int) -> list[float]:
+        """Return the measured bubble fraction of each timed step."""
+        return [measured_bubble(s)["bubble_fraction"] for s in self.actions(schedule, micro_batches)]
+
+    def median_step(self, schedule: str, micro_batches: int) -> tuple[float, int]:
+        """Return the median measured bubble of a point's timed steps, and the index of the step closest to it."""
+        import statistics
+
+        fractions = self.bubbles(schedule, micro_batches)
+        median = statistics.median(fractions)
+        return median, min(range(len(fractions)), key=lambda t: abs(fractions[t] - median))
+
+    def replayed_bubble(self, schedule: str, micro_batches: int) -> float:
+        """Return the median bubble of the timed steps replayed on their compute only (waits for a core out)."""
+        import statistics
+
+        return statistics.median(measured_bubble(replay(s))["bubble_fraction"]
+                                 for s in self.actions(schedule, micro_batches, compute_only=True))
+
+    def makespans_s(self, schedule: str, micro_batches: int) -> list[tuple[float, float, float]]:
+        """Return per timed step: the measured step, its replay with whole spans, its compute-only replay (seconds)."""
+        return [(measured_bubble(s)["makespan_s"], measured_bubble(replay(s))["makespan_s"],
+                 measured_bubble(replay(c))["makespan_s"])
+                for s, c in zip(self.actions(schedule, micro_batches),
+                                self.actions(schedule, micro_batches, compute_only=True))]
+
+    def step_parts_s(self, schedule: str, micro_batches: int) -> tuple[float, float, float]:
+        """Return a step's seconds (medians over steps) in three parts: the compute-only replay, the waits for a core
+        inside actions, and the time between actions (sends, receives, the schedule's bookkeeping)."""
+        import statistics
+
+        parts = [(c, w - c, s - w) for s, w, c in self.makespans_s(schedule, micro_batches)]
+        return tuple(statistics.median(p[i] for p in parts) for i in range(3))
+
+    def per_action_s(self, schedule: str, micro_batches: int) -> tuple[float, float, float]:
+        """Return per action (seconds, medians over steps): compute, the step's waits for a core, between actions."""
+        import statistics
+
+        steps = self.actions(schedule, micro_batches)
+        n = len(next(iter(steps[0].values())))  # actions per rank: 2M, or 4M with two stages per rank
+        compute = [sum(measured_bubble(c)["busy_s"].values()) / (len(c) * n)
+                   for c in self.actions(schedule, micro_batches, compute_only=True)]
+        parts = [(w - c, s - w) for s, w, c in self.makespans_s(schedule, micro_batches)]
+        return (statistics.median(compute), statistics.median(p[0] / n for p in parts),
+                statistics.median(p[1] / n for p in parts))
+
+    def ideal_bubble_with_stage_times(self, schedule: str, micro_batches: int) -> float:
+        """Return the median bubble of the ideal schedule fed each stage's median forward and backward seconds of
+        a compute-only replay: what unequal stages alone imply (one stage per rank)."""
+        import statistics
+
+        fractions = []
+        for s in self.actions(schedule, micro_batches, compute_only=True):
+            plan = replay(s)
+            t_f = [statistics.median(b - a for label, a, b in plan[r] if label[0] == "F") for r in sorted(plan)]
+            t_b = [statistics.median(b - a for label, a, b in plan[r] if label[0] == "B") for r in sorted(plan)]
+            fractions.append(measured_bubble(ideal_schedule(schedule, len(plan), micro_batches, t_f, t_b))
+                             ["bubble_fraction"])
+        return statistics.median(fractions)
+
+    def bubble_range(self, schedule: str, micro_batches: int) -> tuple[float, float]:
+        """Return the lowest and highest measured bubble of a point's timed steps."""
+        fractions = self.bubbles(schedule, micro_batches)
+        return min(fractions), max(fractions)
+
+    def rise_told(self, schedule: str, m_from: int, m_to: int) -> bool:
+        """Tell whether the bubble's rise from M = m_from to m_to lies beyond both points' spread of timed steps."""
+        return self.steps >= 2 and self.bubble_range(schedule, m_from)[1] < self.bubble_range(schedule, m_to)[0]
+
+
+def forwards_from_zero(order: dict[int, list[str]]) -> dict[int, list[str]]:
+    """Return per-rank labels with each rank's forwards renumbered from 0 (torch's 1F1B numbers its last rank's
+    from 1); labels naming a stage ("F0/s2") as they are (chapter 06b)."""
+    out = {}
+    for r, labels in order.items():
+        first = min(int(x[1:].split("/")[0]) for x in labels if x[0] == "F")
+        out[r] = [f"F{int(x[1:]) - first}" if x[0] == "F" and "/" not in x else x for x in labels]
+    return out
+
+
+def step_from_first_forward(spans_by_rank: dict[int, list], window: str = "step") -> tuple[dict, dict]:
+    """Return each rank's spans inside `window`, cut to start at the first forward ("F") of any rank, and each
+    rank's start offset: the seconds it entered the window before that forward, only waiting (chapter 06)."""
+    inside = {}
+    for r, spans in spans_by_rank.items():
+        frames = [(a, b) for label, a, b in spans if label == window]
+        if len(frames) != 1:
+            raise ValueError(f"rank {r}: expected one span labelled {window!r}, found {len(frames)}")
+        (lo, hi), = frames
+        inside[r] = [(label, a, b) for label, a, b in spans if label != window and lo <= a and b <= hi]
+    first = min((a for spans in inside.values() for label, a, _ in spans if label.startswith("F")), default=None)
+    if first is None:
+        raise ValueError(f"no forward span inside {window!r}")
+    offsets = {r: max(first - min((a for _, a, _ in spans), default=first), 0.0) for r, spans in inside.items()}
+    return {r: [(label, max(a, first), b) for label, a, b in spans if b > first] for r, spans in inside.items()}, offsets
+
+
+def seconds_in(spans: list, *labels: str) -> float:
+    """Return the seconds a rank's spans with these labels last in all (chapter 06)."""
+    return sum(b - a for label, a, b in spans if label in labels)

@@ -32,7 +32,8 @@ SHOTS = ROOT / "build" / "browser"
 RUN_ALL_TIMEOUT_S = 600
 LIMIT_S = RUN_ALL_TIMEOUT_S + 240  # past this the watchdog kills the browser: no call waits for ever
 # the key pressed on the panel's first slider: a value that changes the plot and stays cheap to run
-KEYS = {"06_model_and_pipeline_parallel": ["ArrowRight"],  # 3 ranks
+KEYS = {"06_model_and_tensor_parallel": ["ArrowRight"],  # twice the batch
+        "06b_pipeline_parallel": ["ArrowRight"],  # 3 ranks
         "07_sharded_data_parallel": ["Home"],  # from test_nb07's 4 ranks to 2 (ArrowRight launched 8 processes)
         "08_memory_aware_search": ["End"]}  # a 64 MiB budget: every setting fits
 # keys pressed on a panel's other sliders before its first Run, (slider index, keys): a cheaper run of the same code

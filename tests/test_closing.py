@@ -49,14 +49,14 @@ def test_missing_results_and_missing_chapters_are_named_with_the_command(results
     gaps = closing.missing(None)
     assert set(gaps) == set(closing.SOURCES) and set(gaps.values()) == {"not run"}
     partial = copy.deepcopy(results)
-    del partial["notebooks"]["06_model_and_pipeline_parallel"]
+    del partial["notebooks"]["06b_pipeline_parallel"]
     partial["notebooks"]["03_mixed_precision"]["status"] = "failed"
     del partial["notebooks"]["05_layer_to_layer"]["measurements"]["l2l_peak_bytes"]
     gaps = closing.missing(partial)
     assert gaps == {"03_mixed_precision": "its last run failed", "05_layer_to_layer": "did not record l2l_peak_bytes",
-                    "06_model_and_pipeline_parallel": "not run"}
+                    "06b_pipeline_parallel": "not run"}
     line = closing.run_first(gaps)
-    assert "--only 03 --only 05 --only 06" in line and "make run" in line
+    assert "--only 03 --only 05 --only 06b" in line and "make run" in line
     assert closing.missing(partial, closing.SEARCH) == {}
 
 
@@ -210,10 +210,10 @@ def _outputs(path) -> str:
 
 
 def test_the_page_prints_the_order_from_the_fixture_and_names_what_is_missing(execute_notebook, results, tmp_path):
-    # one run, without chapter 06's figures: the one-device order still prints, the several-device part says what
+    # one run, without chapter 06b's figures: the one-device order still prints, the several-device part says what
     # is missing (nbval runs the page on the whole fixture)
     partial = copy.deepcopy(results)
-    del partial["notebooks"]["06_model_and_pipeline_parallel"]
+    del partial["notebooks"]["06b_pipeline_parallel"]
     (tmp_path / "partial.json").write_text(json.dumps(partial))
     entry = execute_notebook(PAGE, RESULTS=str(tmp_path / "partial.json"), timeout_s=120)
     assert entry["status"] == "ok", entry.get("error")
@@ -223,8 +223,8 @@ def test_the_page_prints_the_order_from_the_fixture_and_names_what_is_missing(ex
     assert f"1. {order[0]['technique']}" in text and results["note"] in text
     assert entry["measurements"]["order_one_device"] == [r["technique"] for r in order]
     assert entry["figure_problems"] == [], entry["figure_problems"]  # the page's own figures pass the check
-    assert "run these chapters first: 06_model_and_pipeline_parallel (not run)" in text
-    assert "skipped: needs the figures of chapter 06" in text
+    assert "run these chapters first: 06b_pipeline_parallel (not run)" in text
+    assert "skipped: needs the figures of chapter 06b" in text
 
 
 def test_the_side_by_side_line_names_pairs_the_separate_timings_order_the_other_way(results):

@@ -249,10 +249,10 @@ def test_writefiles_writes_the_rank_scripts_of_a_notebook_as_running_it_would(tm
 
     from labkit.tools.writefiles import write, written_files
 
-    src = __import__("pathlib").Path(__file__).resolve().parents[1] / "notebooks" / "06_model_and_pipeline_parallel.ipynb"
+    src = __import__("pathlib").Path(__file__).resolve().parents[1] / "notebooks" / "06_model_and_tensor_parallel.ipynb"
     nb = nbformat.read(src, as_version=4)
     files = dict(written_files(nb))
-    assert {"06_model_parallel_ranks.py", "06_tensor_parallel_ranks.py", "06_pipeline_ranks.py"} <= set(files)
+    assert {"06_model_parallel_ranks.py", "06_tensor_parallel_ranks.py", "06_fails_ranks.py"} <= set(files)
     assert all("labkit.dist.run(main)" in text for text in files.values())
     copy = tmp_path / src.name
     shutil.copy(src, copy)

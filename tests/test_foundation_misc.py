@@ -144,7 +144,9 @@ def test_an_executed_notebook_keeps_every_record_and_shows_one_table(tmp_path):
 def test_every_chapter_shows_its_records_once_at_its_end():
     from pathlib import Path
 
-    for path in sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+    from workbook.nbcheck import find_notebooks
+
+    for path in find_notebooks(Path(__file__).resolve().parents[1] / "notebooks"):
         cells = json.loads(path.read_text())["cells"]
         at = [i for i, c in enumerate(cells) if "show_records(" in "".join(c["source"])]
         assert len(at) == 1, f"{path.name}: {len(at)} show_records cells, one expected"

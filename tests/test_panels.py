@@ -19,9 +19,10 @@ import pytest
 
 from labkit import validate
 from labkit.widgets import ControlPanel, choices, control_panel, positions, refusal, validation_of
+from workbook.nbcheck import find_notebooks
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-CHAPTERS = sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+CHAPTERS = [p.stem for p in find_notebooks(NOTEBOOKS)]
 CHEAP_CALLS = {n for n in dir(builtins) if not n[0].isupper() and n not in {"exec", "eval", "open", "input",
                                                                               "compile", "__import__", "print"}}
 CHEAP_ATTRS = {"running_example", "replace"}  # labkit's running example is an estimate: nothing runs
@@ -31,7 +32,7 @@ BATCH, N_LAYER = 16, 4
 # -- the checks behind a panel, on functions shaped like the chapters' --------------------------------
 
 def pipeline(ranks=2, micro_batches=4, schedule="1F1B"):
-    """Chapter 06's checks, then work."""
+    """Chapter 06b's checks, then work."""
     validate.check_int("ranks", ranks, 2, N_LAYER)
     validate.check_divides("BATCH", BATCH, "micro_batches", micro_batches)
     if schedule == "1F1B" and micro_batches < ranks:

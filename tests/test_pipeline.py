@@ -258,3 +258,84 @@ def test_partition_shares_out_the_blocks_and_refuses_more_pieces_than_blocks(tin
         partition(model, 3)
     with pytest.raises(labkit.ParameterError, match="parts"):
         partition(model, 0)
+
+
+# -- chapter 06b's bookkeeping: timed steps read back, replayed and split; micro-batches held from bytes -------------
+
+class _Rank:
+    """A stand-in for labkit.dist's RankResult: its rank, spans and waits for a core."""
+
+    def __init__(self, rank, spans, core_waits):
+        self.rank, self.spans, self.core_waits = rank, spans, core_waits
+
+
+def _ranks_from(plan_by_step, gap_s=0.0, core_s=0.0):
+    """Turn ideal plans {t: {rank: actions}} into ranks' spans "GPipe M=4 #t", each action pushed `gap_s` later per
+    action before it (time between actions) and lengthened by `core_s` spent waiting for a core."""
+    ranks = {}
+    t0 = 0.0
+    for t, plan in plan_by_step.items():
+        end = t0
+        for r, acts in plan.items():
+            spans, waits = ranks.setdefault(r, ([], []))
+            for i, (label, a, b) in enumerate(acts):
+                shift = t0 + i * (gap_s + core_s)
+                spans.append((label, a + shift, b + shift + core_s))
+                waits.append(core_s)
+                end = max(end, b + shift + core_s)
+        for r in plan:
+            ranks[r][0].append((f"GPipe M=4 #{t}", t0, end))
+            ranks[r][1].append(0.0)
+        t0 = end + 1.0
+    return [_Rank(r, spans, waits) for r, (spans, waits) in sorted(ranks.items())]
+
+
+def test_pipeline_timings_replay_the_compute_and_split_the_rest():
+    from labkit.pipeline import PipelineTimings
+
+    plan = ideal_schedule("GPipe", 2, 4)
+    exact = PipelineTimings(_ranks_from({0: plan, 1: plan}), 2)
+    assert exact.bubbles("GPipe", 4) == pytest.approx([bubble_theory(2, 4)] * 2)
+    assert exact.replayed_bubble("GPipe", 4) == pytest.approx(bubble_theory(2, 4))
+    assert exact.ideal_bubble_with_stage_times("GPipe", 4) == pytest.approx(bubble_theory(2, 4))
+    assert exact.step_parts_s("GPipe", 4) == pytest.approx((15.0, 0.0, 0.0))  # (M + K - 1)·3 of compute, nothing else
+    slow = PipelineTimings(_ranks_from({0: plan, 1: plan}, gap_s=0.5, core_s=0.25), 2)
+    compute, core, between = slow.step_parts_s("GPipe", 4)
+    assert compute == pytest.approx(15.0) and core > 0 and between > 0  # the waits and the gaps, told apart
+    measured, whole, compute_only = slow.makespans_s("GPipe", 4)[0]
+    assert compute_only < whole < measured and measured == pytest.approx(compute + core + between)
+    assert slow.per_action_s("GPipe", 4)[0] == pytest.approx(1.5)  # 4 forwards of 1 s and 4 backwards of 2 s
+    assert slow.replayed_bubble("GPipe", 4) == pytest.approx(bubble_theory(2, 4))  # the compute alone: the formula
+    assert slow.median_step("GPipe", 4)[0] > bubble_theory(2, 4)  # what the gaps add
+    assert not slow.rise_told("GPipe", 4, 4)  # a point is not apart from itself
+
+
+def test_micro_batches_held_come_out_of_the_bytes():
+    from labkit.pipeline import fit_inverse_m, micro_batches_held
+
+    assert fit_inverse_m([1, 2, 4], [3 + 8 / m for m in (1, 2, 4)]) == pytest.approx((3.0, 8.0))
+    K, saved, fixed, working = 2, [100.0, 80.0], [10.0, 20.0], [6.0, 4.0]
+    ms = [2, 4, 8, 16]
+    peaks = {"GPipe": {m: [fixed[s] + saved[s] + working[s] / m for s in range(K)] for m in ms},
+             "1F1B": {m: [fixed[s] + ((K - s) * saved[s] + working[s]) / m for s in range(K)] for m in ms}}
+    fit = micro_batches_held(peaks, {"GPipe": ms, "1F1B": ms}, saved)
+    assert fit.fixed_bytes == pytest.approx(fixed) and fit.working_bytes == pytest.approx(working)
+    assert fit.fit_saved_bytes == pytest.approx(saved)
+    assert all(fit.held["GPipe"][m] == pytest.approx([m, m]) for m in ms)
+    assert all(fit.held["1F1B"][m] == pytest.approx([2, 1]) for m in ms)
+
+
+def test_forwards_from_zero_and_the_step_from_the_first_forward():
+    from labkit.pipeline import forwards_from_zero, seconds_in, step_from_first_forward
+
+    assert forwards_from_zero({0: ["F0", "B0"], 1: ["F1", "B0", "F2", "B1"]}) == {0: ["F0", "B0"],
+                                                                                  1: ["F0", "B0", "F1", "B1"]}
+    assert forwards_from_zero({0: ["F1/s0", "B1/s0"]}) == {0: ["F1/s0", "B1/s0"]}  # stage labels as they are
+    spans = {0: [("F", 1.0, 2.0), ("send", 2.0, 2.5), ("B", 4.0, 5.0), ("step", 0.5, 5.0)],
+             1: [("wait", 0.2, 2.5), ("F", 2.5, 3.0), ("B", 3.0, 4.0), ("step", 0.2, 4.0)]}
+    cut, offsets = step_from_first_forward(spans)
+    assert offsets == pytest.approx({0: 0.0, 1: 0.8})  # rank 1 began waiting 0.8 s before the first forward
+    assert cut[1][0] == ("wait", 1.0, 2.5) and all(label != "step" for s in cut.values() for label, _, _ in s)
+    assert seconds_in(cut[0], "F", "B") == pytest.approx(2.0) and seconds_in(cut[1], "wait") == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="one span labelled 'step'"):
+        step_from_first_forward({0: [("F", 0.0, 1.0)]})

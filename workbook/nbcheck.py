@@ -18,11 +18,13 @@ comment block that readers see too:
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
+NOTEBOOK_GLOB = "[0-9][0-9]*_*.ipynb"
+CHAPTER_NAME = re.compile(r"\d\d[a-z]?_")  # "06_...", and "06b_..." for a chapter that follows 06
 
 CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"
 EXPECT_HEADER = "# Expected output:"
@@ -85,7 +87,7 @@ def find_notebooks(dir: str | Path, only: Iterable[str] = ()) -> list[Path]:
     only = tuple(only)
     found = []
     for path in sorted(Path(dir).glob(NOTEBOOK_GLOB)):
-        if ".student" in path.name or "checkpoints" in path.parts:
+        if ".student" in path.name or "checkpoints" in path.parts or not CHAPTER_NAME.match(path.name):
             continue
         if only and not any(pattern in path.name for pattern in only):
             continue

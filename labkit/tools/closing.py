@@ -26,10 +26,10 @@ SOURCES = {
     "03_mixed_precision": ("half_precision", "peak_bytes_fp32", "peak_bytes_half", "work_fp32", "work_half"),
     "04_activation_offload": ("baseline_peak_bytes", "device_peak_bytes_offload", "work_baseline", "work_offload"),
     "05_layer_to_layer": ("plain_peak_bytes", "l2l_peak_bytes", "work_plain", "work_l2l"),
-    "06_model_and_pipeline_parallel": ("peak_bytes_by_rank_model_parallel", "utilisation_model_parallel",
-                                       "sent_bytes_by_rank_model_parallel", "comm_bytes_per_step_tensor_parallel",
-                                       "bubble_fraction_measured_by_microbatches",
-                                       "bubble_fraction_theory_by_microbatches", "bubble_rise_told_by_schedule"),
+    "06_model_and_tensor_parallel": ("peak_bytes_by_rank_model_parallel", "utilisation_model_parallel",
+                                     "sent_bytes_by_rank_model_parallel", "comm_bytes_per_step_tensor_parallel"),
+    "06b_pipeline_parallel": ("bubble_fraction_measured_by_microbatches", "bubble_fraction_theory_by_microbatches",
+                              "bubble_rise_told_by_schedule"),
     "07_sharded_data_parallel": ("fits_whole_and_1_over_n_budget_by_point", "comm_bytes_per_step_by_stage",
                                  "rank_budget_bytes", "use_when", "pays_by_point"),
     "08_memory_aware_search": ("fastest_fitting_params", "fastest_fitting_peak_bytes",
@@ -73,7 +73,7 @@ def missing(results: dict | None, chapters=tuple(c[:2] for c in SOURCES)) -> dic
 
 def run_first(gaps: dict[str, str]) -> str:
     """Return the line that names the chapters to run first, and the command that runs them."""
-    only = " ".join(f"--only {stem[:2]}" for stem in gaps)
+    only = " ".join(dict.fromkeys(f"--only {stem.split('_')[0]}" for stem in gaps))  # "06", "06b", ...
     return ("run these chapters first: " + "; ".join(f"{stem} ({why})" for stem, why in gaps.items())
             + f". `make run` runs them all and then this page; `.venv/bin/python -m workbook.runner {only}` "
             "runs only these, then run this page again")
@@ -81,7 +81,8 @@ def run_first(gaps: dict[str, str]) -> str:
 
 def skip_line(gaps: dict[str, str]) -> str:
     """Return the short line a section prints when it skips: the chapters it needs (named in full above)."""
-    return f"skipped: needs the figures of chapter {', '.join(stem[:2] for stem in gaps)} (see above)"
+    chapters = dict.fromkeys(stem.split("_")[0] for stem in gaps)  # "06", "06b", ...
+    return f"skipped: needs the figures of chapter {', '.join(chapters)} (see above)"
 
 
 def fixture_from(results: dict, note: str) -> dict:
@@ -251,10 +252,11 @@ def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
 
 
 def several_device_figures(results: dict) -> dict:
-    """Return chapters 06 and 07's figures for several devices: verdicts, bytes sent, per-rank peaks, the bubble."""
-    mp, sh = _m(results, "06_model_and_pipeline_parallel"), _m(results, "07_sharded_data_parallel")
+    """Return chapters 06, 06b and 07's figures for several devices: verdicts, bytes sent, per-rank peaks, the bubble."""
+    mp, sh = _m(results, "06_model_and_tensor_parallel"), _m(results, "07_sharded_data_parallel")
+    pp = _m(results, "06b_pipeline_parallel")
     peaks = list(mp["peak_bytes_by_rank_model_parallel"].values())
-    bubble = mp["bubble_fraction_measured_by_microbatches"]  # {schedule: {micro-batches: fraction}}
+    bubble = pp["bubble_fraction_measured_by_microbatches"]  # {schedule: {micro-batches: fraction}}
     return dict(
         points=sh["fits_whole_and_1_over_n_budget_by_point"], comm_bytes=sh["comm_bytes_per_step_by_stage"],
         rank_budget=sh["rank_budget_bytes"], use_when=sh["use_when"], pays=sh["pays_by_point"],
@@ -265,8 +267,8 @@ def several_device_figures(results: dict) -> dict:
         tensor_parallel_comm=mp["comm_bytes_per_step_tensor_parallel"],
         utilisation=mp["utilisation_model_parallel"],
         bubble_by_microbatches={name: _by_int_key(v) for name, v in bubble.items()},
-        bubble_theory=_by_int_key(mp.get("bubble_fraction_theory_by_microbatches") or {}),
-        bubble_rise_told=mp["bubble_rise_told_by_schedule"],  # {schedule: a rise after its lowest M beyond the spread}
+        bubble_theory=_by_int_key(pp.get("bubble_fraction_theory_by_microbatches") or {}),
+        bubble_rise_told=pp["bubble_rise_told_by_schedule"],  # {schedule: a rise after its lowest M beyond the spread}
     )
 
 
@@ -367,8 +369,8 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
     theory = f.get("bubble_theory") or {}
     lines.append(
         "  a pipeline's stages wait for each other. The measured idle share (bubble) against M micro-batches per "
-        "step, with chapter 06's theory, (K-1)/(M+K-1) for K stages, in brackets; the measured times include time "
-        "outside the compute, which the theory leaves out (chapter 06 explains it):")
+        "step, with chapter 06b's theory, (K-1)/(M+K-1) for K stages, in brackets; the measured times include time "
+        "outside the compute, which the theory leaves out (chapter 06b explains it):")
     for schedule, bubble in f["bubble_by_microbatches"].items():
         ms = sorted(bubble)
         each = ", ".join(f"M={m}: {bubble[m]:.0%}" + (f" ({theory[m]:.0%})" if m in theory else "") for m in ms)
@@ -376,7 +378,7 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
         shape = describe_trend(ms, ys, fmt="{:.0%}", x_name="M", tol=BUBBLE_LEVEL) if len(ms) > 1 else ""
         lines.append(f"    {schedule}: {each}" + (f"; it {shape}" if shape else "")
                      + ("" if "rise" not in shape or f["bubble_rise_told"].get(schedule, True) else
-                        " (that rise lies within chapter 06's timed steps' spread: not told apart)"))
+                        " (that rise lies within chapter 06b's timed steps' spread: not told apart)"))
     lines.append(
         f"  splitting the model over {f['model_parallel_ranks']} ranks left at most "
         f"{format_bytes(f['model_parallel_peak_max'])} per rank, against {format_bytes(f['plain_peak'])} on one device.")

@@ -377,7 +377,7 @@ def check_notebooks(setup: Setup, repo: Path | None, out: Path) -> Row:
 
     gpus = torch.cuda.device_count()
     status, seconds, own_default = {}, {}, []
-    for nb in sorted((repo / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+    for nb in sorted((repo / "notebooks").glob("[0-9][0-9]*_*.ipynb")):
         multi_rank = nb.name[:2] in ("06", "07")
         device = "cuda" if not multi_rank or gpus >= 2 else "auto"
         declared = papermill.inspect_notebook(str(nb)).get("DEVICE")

@@ -1,6 +1,6 @@
 """Write a notebook's `%%writefile` files next to it without running it (the rank scripts, for torchrun).
 
-    python -m labkit.tools.writefiles notebooks/06_model_and_pipeline_parallel.ipynb
+    python -m labkit.tools.writefiles notebooks/06_model_and_tensor_parallel.ipynb
 """
 
 from __future__ import annotations

@@ -1,0 +1,35 @@
+"""Notebook 06b under papermill with another seed, sequence length and micro-batch sweep: the recorded invariants hold."""
+
+import pytest
+
+STEM = "06b_pipeline_parallel"
+
+
+def test_notebook_06b_invariants_with_other_parameters(execute_notebook):
+    """Another seed and sweep, and four ranks for the memory point: the same verdicts (the check cells pass)."""
+    entry = execute_notebook(STEM, SEED=3, N_LAYER=4, BATCH=16, SEQ_LEN=32, ACCUM_STEPS_SWEEP=[2, 4, 8, 16],
+                             MEMORY_RANKS=4, TIMED_STEPS=1)
+    assert entry["status"] == "ok", entry.get("error")
+    m = entry["measurements"]
+    assert 0 <= m["max_rel_grad_diff_pipeline"] <= 1e-5
+    theory = {int(k): v for k, v in m["bubble_fraction_theory_by_microbatches"].items()}
+    assert theory == pytest.approx({2: 1 / 3, 4: 1 / 5, 8: 1 / 9, 16: 1 / 17})
+    measured = m["bubble_fraction_measured_by_microbatches"]
+    replayed = m["bubble_fraction_replayed_by_microbatches"]
+    for record in (measured, replayed):
+        assert sorted(int(k) for k in record["GPipe"]) == [2, 4, 8, 16]
+        assert sorted(int(k) for k in record["1F1B"]) == [2, 4, 8, 16]  # 1F1B needs M >= K: every point here
+        assert all(0 <= v < 1 for schedule in record.values() for v in schedule.values())
+    # the sweep does not start at 1: micro-batches held are still counted (from the fit), K - s for 1F1B; the
+    # same at K = 4 (from three points, M = 4, 8, 16: a fit with a residual, not one count repeated)
+    for key, k in (("micro_batches_held_by_microbatches", 2), ("micro_batches_held_4_stages", 4)):
+        held = {name: {int(mb): v for mb, v in by_m.items()} for name, by_m in m[key].items()}
+        assert all(abs(h - (k - s)) <= 0.25 for by_stage in held["1F1B"].values() for s, h in enumerate(by_stage))
+        assert all(abs(h - mb) <= 0.25 + 0.02 * mb for mb, by_stage in held["GPipe"].items() for h in by_stage)
+    assert sorted(int(mb) for mb in m["micro_batches_held_4_stages"]["1F1B"]) == [4, 8, 16]
+    gpipe = {int(k): v for k, v in m["stage_activation_peak_bytes_gpipe_by_microbatches"].items()}
+    one_f = {int(k): v for k, v in m["stage_activation_peak_bytes_1f1b_by_microbatches"].items()}
+    assert all(a < g for a, g in zip(one_f[16], gpipe[16]))  # 1F1B holds fewer micro-batches than GPipe
+    assert all(a16 < a2 for a2, a16 in zip(one_f[2], one_f[16]))  # and fewer bytes as M grows at a fixed batch
+    # torch's schedules ran labkit's order and, forwards numbered from 0, their own description
+    assert all(o["torch_from_0"] for o in m["schedule_orders_match"].values())
