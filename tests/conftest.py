@@ -32,7 +32,6 @@ KNOWN_FIGURE_PROBLEMS: dict[str, set[str]] = {}  # every chapter passes every ru
 # shrinks, to nothing (issue 37).
 READING_MIN_AT_MOST: dict[str, float] = {
     "03_mixed_precision": 154,
-    "07_sharded_data_parallel": 142,
 }
 NOTEBOOK_FIXTURES = {"execute_notebook", "validate_parameters"}
 # The chapters whose whole-chapter test runs in JupyterLab in the browser where Chromium is installed; the others
