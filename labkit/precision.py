@@ -210,3 +210,71 @@ def lost_update_fraction(weights: torch.Tensor, update: torch.Tensor, dtype: tor
         return 0.0
     new = (w.float() + d.float()).to(dtype)  # the update applied to the 16-bit weight, rounded back
     return float((new[mask] == w[mask]).float().mean())
+
+
+def op_result_dtypes(fn) -> dict[str, set[str]]:
+    """Run fn() under a dispatch mode and return {op name: dtype names of its floating-point results} (chapter 03)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from labkit.saved import short_dtype_name
+
+    seen: dict[str, set[str]] = {}
+
+    class Note(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    seen.setdefault(func.overloadpacket.__name__, set()).add(short_dtype_name(t.dtype))
+            return out
+
+    with Note():
+        fn()
+    return seen
+
+
+def ops_by_dtype(seen: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Group op names by the dtypes of their results, e.g. {"bf16": ["addmm", ...], "bf16+fp32": [...]} (chapter 03)."""
+    groups: dict[str, list[str]] = {}
+    for name in sorted(seen):
+        groups.setdefault("+".join(sorted(seen[name])), []).append(name)
+    return dict(sorted(groups.items()))
+
+
+@dataclass(frozen=True)
+class CurveGap:
+    """How far a 16-bit loss curve ends from fp32's, set beside how far fp32's loss fell (chapter 03)."""
+
+    steps: int  # steps in each curve
+    tail: int  # last steps averaged for each final loss (one step's loss is noisy)
+    start_loss: float  # fp32's loss at the first step
+    final_fp32: float  # mean of fp32's last `tail` losses
+    final_other: float  # mean of the other curve's last `tail` losses
+    fall: float  # start_loss - final_fp32: how far fp32's loss fell
+    gap: float  # |final_other - final_fp32|
+
+    @property
+    def rel_diff(self) -> float:
+        """Return the gap relative to fp32's final loss."""
+        return self.gap / self.final_fp32
+
+    def follows(self, share: float) -> bool:
+        """Return whether the loss fell and the gap is within `share` of that fall."""
+        return self.fall > 0 and self.gap <= share * self.fall
+
+
+def curve_gap(fp32_losses, other_losses, tail: int) -> CurveGap:
+    """Compare two loss curves of the same steps: final means over the last `tail` steps, and fp32's fall (chapter 03)."""
+    if len(fp32_losses) != len(other_losses) or not fp32_losses:
+        raise ValueError(f"two curves of the same nonzero length needed, got {len(fp32_losses)} and {len(other_losses)}")
+    if not 1 <= tail <= len(fp32_losses):
+        raise ValueError(f"tail must be 1..{len(fp32_losses)}, got {tail}")
+    end32 = sum(fp32_losses[-tail:]) / tail
+    end = sum(other_losses[-tail:]) / tail
+    return CurveGap(len(fp32_losses), tail, float(fp32_losses[0]), end32, end, fp32_losses[0] - end32, abs(end - end32))
+
+
+def forward_loss(model: torch.nn.Module, batch, precision: str = "fp32") -> torch.Tensor:
+    """Return the loss of one forward pass of `model` on `batch` under autocast at `precision` (chapter 03)."""
+    with autocast(precision, next(model.parameters()).device):
+        return model(*batch)[1]

@@ -26,13 +26,6 @@ NOTEBOOKS = ROOT / "notebooks"
 # Remove a chapter's rules once its figures pass: the list only shrinks.
 KNOWN_FIGURE_PROBLEMS: dict[str, set[str]] = {}  # every chapter passes every rule since 2026-11-30 (08's trial
 #                                                  timeline, whose x label was cut off at small sizes, left the page)
-# Reading time (workbook.readtime: prose, printed output and code, the appendix left out) of the chapters still over a
-# sitting's 60 minutes, as `make run` read them on 2026-11-30 plus a tenth for other parameters' output: a test that
-# runs the chapter fails above its figure here (60 for the rest). Lower a figure as its chapter shrinks: the list only
-# shrinks, to nothing (issue 37).
-READING_MIN_AT_MOST: dict[str, float] = {
-    "03_mixed_precision": 154,
-}
 NOTEBOOK_FIXTURES = {"execute_notebook", "validate_parameters"}
 # The chapters whose whole-chapter test runs in JupyterLab in the browser where Chromium is installed; the others
 # run under papermill with their widget panel run twice in the kernel (labdriver.panel_cell). The browser cost about
@@ -349,8 +342,8 @@ def execute_notebook(tmp_path, student_copies, monkeypatch, request):
         new = [p for p in entry.get("figure_problems", []) if rule_of(p["problem"]) not in known]
         assert not new, f"{stem}: figures that break CONTRIBUTING.md's rules (cell, figure, problem): {new}"
         minutes = reading(json.loads(entry["path"].read_text()), stem).minutes
-        at_most = READING_MIN_AT_MOST.get(stem, READ_LIMIT_MIN)
-        assert minutes <= at_most, f"{stem}: {minutes:.0f} minutes to read (workbook.readtime), over its {at_most:g}"
+        assert minutes <= READ_LIMIT_MIN, (f"{stem}: {minutes:.1f} minutes to read (workbook.readtime), over a "
+                                           f"sitting's {READ_LIMIT_MIN}")
         crowded = entry.get("crowded_sections", [])
         assert not crowded, f"{stem}: sections with more than one PASS line (CONTRIBUTING.md: one check per section): {crowded}"
         return entry

@@ -156,6 +156,14 @@ def _chapter_03_code() -> list[str]:
     return ["".join(c["source"]) for c in json.loads(CHAPTER_03.read_text())["cells"] if c["cell_type"] == "code"]
 
 
+def _chapter_03_appendix_code() -> list[str]:
+    """Return chapter 03's code cells from its first appendix on, in order."""
+    cells = json.loads(CHAPTER_03.read_text())["cells"]
+    start = next(i for i, c in enumerate(cells)
+                 if c["cell_type"] == "markdown" and "".join(c["source"]).startswith("## Appendix"))
+    return ["".join(c["source"]) for c in cells[start:] if c["cell_type"] == "code"]
+
+
 def _chapter_03_statements(marker: str, *names: str) -> str:
     """Return the top-level statements of the chapter-03 cell holding `marker` that assign or define `names`."""
     (cell,) = [c for c in _chapter_03_code() if marker in c]
@@ -187,7 +195,8 @@ def test_chapter_03_trains_in_the_format_of_its_device(monkeypatch, capsys):
 
 
 def test_chapter_03_measures_in_the_chosen_format_only():
-    """From the choice to the panel, no measured call names bf16 itself: each takes `half` (fp16 on a T4).
+    """From the choice to the panel, and in the appendices, no measured call names bf16 itself: each takes `half`
+    (fp16 on a T4).
 
     bf16 may be named where it is the subject, not the compute format: the per-format tables (dict keys), the
     cost of storing weights in bf16 (lost updates), the CPU's bf16 instructions, and the panel's offer on a
@@ -197,8 +206,9 @@ def test_chapter_03_measures_in_the_chosen_format_only():
     first = next(i for i, c in enumerate(cells) if "half_precision(device)" in c)
     last = next(i for i, c in enumerate(cells) if "control_panel(" in c)
     subject = ("lost_update_fraction", "cpu_bf16_features", "control_panel(")
+    cells = cells[first:last + 1] + _chapter_03_appendix_code()  # the main text's measurements, then the appendices'
     named = []
-    for i in range(first, last + 1):
+    for i in range(len(cells)):
         if any(s in cells[i] for s in subject):
             continue
         tree = ast.parse(cells[i])
@@ -217,7 +227,7 @@ def test_chapter_03_measures_in_the_chosen_format_only():
     # every measured section reaches the choice: the step check, memory, speed, the sweep, the loss curves
     for marker in ("def grads_of", "def step_peak", "def run_precision", "sweep_precisions =", "def train_curve",
                    "saved_tensor_census(", "try_fit(", "products = {"):
-        (cell,) = [c for c in cells[first:last + 1] if marker in c]
+        (cell,) = [c for c in cells if marker in c]
         assert "half." in cell, f"the cell of {marker!r} does not take its format from `half`"
 
 

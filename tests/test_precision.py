@@ -17,6 +17,7 @@ import labkit
 from labkit import precision as P
 from labkit.compare import flat, rel_diff
 from labkit.data import MarkovTokens
+from labkit.validate import ParameterError
 
 
 def _grads_used(model, step):
@@ -227,3 +228,44 @@ def test_a_wide_model_on_few_tokens_keeps_more_bytes_in_bf16_than_in_fp32():
         return sum(v for k, v in census.by_dtype_kind().items() if k.endswith("activations"))
 
     assert 0.5 < saved(torch.bfloat16) / saved(None) < 1.0  # saved_activation_ratio_half
+
+
+def test_op_result_dtypes_sees_autocast_casts_and_fp32_loss():
+    lin = torch.nn.Linear(4, 3)
+    x, y = torch.randn(2, 4), torch.tensor([0, 2])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        seen = P.op_result_dtypes(lambda: torch.nn.functional.cross_entropy(lin(x), y))
+    assert seen["addmm"] == {"bf16"}  # the linear layer runs in 16 bits
+    assert "fp32" in seen["nll_loss_forward"] or "fp32" in seen.get("_log_softmax", set())  # the loss in fp32
+    with torch.no_grad():
+        plain = P.op_result_dtypes(lambda: lin(x))
+    assert plain == {"addmm": {"fp32"}, "t": {"fp32"}}  # no autocast: no casts, fp32 results
+
+
+def test_ops_by_dtype_groups_and_sorts():
+    groups = P.ops_by_dtype({"mm": {"bf16"}, "add": {"fp32"}, "_to_copy": {"fp32", "bf16"}, "addmm": {"bf16"}})
+    assert groups == {"bf16": ["addmm", "mm"], "bf16+fp32": ["_to_copy"], "fp32": ["add"]}
+
+
+def test_curve_gap_measures_final_means_and_fall():
+    g = P.curve_gap([5.0, 4.0, 3.0, 2.0], [5.0, 4.0, 3.2, 2.2], tail=2)
+    assert (g.final_fp32, g.start_loss, g.fall) == (2.5, 5.0, 2.5)
+    assert g.gap == pytest.approx(0.2) and g.rel_diff == pytest.approx(0.08)
+    assert g.follows(0.10) and not g.follows(0.05)
+    assert not P.curve_gap([2.0, 3.0], [2.0, 3.0], tail=1).follows(0.5)  # the loss rose: nothing to follow
+    with pytest.raises(ValueError):
+        P.curve_gap([1.0, 2.0], [1.0], tail=1)
+    with pytest.raises(ValueError):
+        P.curve_gap([1.0, 2.0], [1.0, 2.0], tail=3)
+
+
+def test_forward_loss_runs_under_the_named_autocast(tiny_gpt, tiny_batch):
+    model, batch = tiny_gpt(), tiny_batch(4)
+    plain = P.forward_loss(model, batch, "fp32")
+    with torch.no_grad():
+        assert torch.equal(plain.detach(), model(*batch)[1])  # fp32: autocast off, the model's own loss
+    half = P.forward_loss(model, batch, "bf16")
+    assert half.dtype == torch.float32 and half.requires_grad  # the loss runs in fp32 and keeps its graph
+    assert 0 < abs(float(half) - float(plain)) < 0.05 * float(plain)  # 16-bit matmuls: close, not equal
+    with pytest.raises(ParameterError):
+        P.forward_loss(model, batch, "fp8")

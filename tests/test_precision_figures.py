@@ -1,0 +1,43 @@
+"""labkit.precision_figures: chapter 03's loss-curve figure."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+
+from labkit.precision_figures import plot_loss_curves  # noqa: E402
+from workbook.figcheck import figure_problems  # noqa: E402
+
+COLORS = {"fp32": "#505050", "bf16": "#64b5cd", "fp16": "#da8bc3"}
+
+
+def test_loss_curves_draw_each_curve_and_its_difference_from_fp32():
+    curves = {"fp32": [5.0, 4.0, 3.0], "bf16": [5.0, 4.1, 3.2], "fp16": [5.0, 3.9, 3.1]}
+    fig = plot_loss_curves(curves, COLORS, best_loss=2.0, title="Loss curves", suptitle="a summary")
+    ax, ax_diff = fig.axes[:2]
+    assert [line.get_label() for line in ax.get_lines()][:3] == ["fp32", "bf16", "fp16"]
+    diffs = {line.get_label(): list(line.get_ydata()) for line in ax_diff.get_lines() if "−" in line.get_label()}
+    assert diffs["bf16 − fp32"] == pytest.approx([0.0, 0.1, 0.2]) and diffs["fp16 − fp32"] == pytest.approx([0.0, -0.1, 0.1])
+    assert any(list(line.get_ydata()) == [2.0, 2.0] for line in ax.get_lines())  # the best possible loss
+    assert fig._suptitle.get_text() == "a summary"
+    assert figure_problems(fig) == []
+
+
+def test_loss_curves_need_fp32():
+    with pytest.raises(ValueError, match="fp32"):
+        plot_loss_curves({"bf16": [1.0, 0.5]}, COLORS)
+
+
+def test_step_memory_and_time_draws_bars_and_the_speed_ratio():
+    from labkit.precision_figures import plot_step_memory_and_time
+
+    splits = {"fp32 step": {"parameters": 400, "activations": 800}, "bf16 step": {"parameters": 400, "activations": 500}}
+    fig = plot_step_memory_and_time(splits, {"fp32": 2.0, "bf16": 1.6}, COLORS, "t4", "Memory, width 8")
+    ax_mem, ax_time = fig.axes[:2]
+    assert [round(p.get_height(), 6) for p in ax_time.patches] == [2.0, 1.6]
+    assert ax_time.get_title() == "bf16: 1.25× fp32's speed" and "t4" in ax_time.get_ylabel()
+    assert ax_mem.get_title() == "Memory, width 8"
+    assert figure_problems(fig) == []
+    with pytest.raises(ValueError, match="fp32"):
+        plot_step_memory_and_time(splits, {"bf16": 1.0}, COLORS, "t4")
