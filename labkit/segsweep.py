@@ -147,7 +147,7 @@ def draw_segment_sweep(fig, axes, c: SweepCurves) -> None:
     ax0.set_xlabel("segments s")
     ax0.set_ylabel("activations at the peak (MiB)")
     best = min(range(len(c.balanced_bytes)), key=lambda k: (c.balanced_bytes[k], k))  # from the sweep so far
-    ax0.set_title(f"{c.n_layer}-block GPT: activations lowest at s = {c.s[best]} "
+    ax0.set_title(f"{c.n_layer}-block GPT, the last segment plain: activations lowest at s = {c.s[best]} "
                   f"({c.balanced_bytes[best] / c.balanced_bytes[0]:.0%} of s = 1)", fontsize=9)
     ax0.legend(fontsize=7)
     ax1.plot(c.s, c.flop_ratio, "D", ms=6, color=BALANCED, label="FLOPs / plain (counted)")
