@@ -14,7 +14,7 @@ from labkit.validate import ParameterError, check_choice, check_int
 SCHEDULES = ("GPipe", "1F1B")
 ACTION_KINDS = ("F", "B", "W")  # forward, backward (input and weights), weight-only backward (zero bubble)
 LOSS_KIND = "L"  # the last stage's loss of one micro-batch: part of that micro-batch's forward
-BUBBLE_LEVEL = 0.005  # two bubble fractions closer than this count as level in a trend sentence (chapters 06, 10)
+BUBBLE_LEVEL = 0.005  # two bubble fractions closer than this count as level in a trend sentence (chapters 06b, 10)
 
 
 class EmbedStage(nn.Module):
@@ -396,6 +396,31 @@ class PipelineTimings:
     def rise_told(self, schedule: str, m_from: int, m_to: int) -> bool:
         """Tell whether the bubble's rise from M = m_from to m_to lies beyond both points' spread of timed steps."""
         return self.steps >= 2 and self.bubble_range(schedule, m_from)[1] < self.bubble_range(schedule, m_to)[0]
+
+
+def level_from(ranges: list[tuple[float, float]]) -> int:
+    """Return the first index from which every two points' (low, high) ranges overlap: the level tail (chapter 06b)."""
+    for i in range(len(ranges)):
+        tail = ranges[i:]
+        if all(a[0] <= b[1] and b[0] <= a[1] for a in tail for b in tail):
+            return i
+    return len(ranges) - 1
+
+
+def describe_bubble(ms: list[int], bubbles: list[float], ranges: list[tuple[float, float]],
+                    tol: float = BUBBLE_LEVEL) -> str:
+    """Say how measured bubbles move over M, calling level the points whose timed steps' ranges overlap (chapter 06b)."""
+    from labkit.trend import describe_trend
+
+    i = level_from(ranges)
+    if i == len(ms) - 1:  # no two last points alike: the medians' own trend
+        return describe_trend(ms, bubbles, x_name="M", tol=tol)
+    lo, hi = min(r[0] for r in ranges[i:]), max(r[1] for r in ranges[i:])
+    level = f"level within the timed steps' spread ({lo:.3f}-{hi:.3f})"
+    if i == 0:
+        return f"stays {level} from M = {ms[0]} to M = {ms[-1]}"
+    return (describe_trend(ms[:i + 1], bubbles[:i + 1], x_name="M", tol=tol)
+            + f"; from M = {ms[i]} to M = {ms[-1]} {level}")
 
 
 def forwards_from_zero(order: dict[int, list[str]]) -> dict[int, list[str]]:

@@ -27,6 +27,9 @@ def test_notebook_06_invariants_with_other_parameters(execute_notebook):
     assert 0.5 < m["param_bytes_per_rank_ratio_tensor_parallel"] < 1  # embeddings, norms and head stay whole
     # six all-reduces of a (B, T, C) fp32 activation per block: 2 forward, 4 backward (q, k, v, up)
     assert m["comm_bytes_per_step_tensor_parallel"] == 4 * 6 * 16 * 32 * 128 * 4
+    tp_peaks = m["peak_bytes_by_rank_tensor_parallel"]  # heads and hidden units split: every rank fits
+    assert sorted(tp_peaks) == ["0", "1"] and all(p <= ex.budget_bytes for p in tp_peaks.values())
+    assert all(p < ex.baseline_peak_bytes for p in tp_peaks.values())
 
 
 def test_the_model_parallel_script_keeps_its_reference_on_the_batchs_device(monkeypatch, tmp_path):

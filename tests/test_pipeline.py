@@ -339,3 +339,26 @@ def test_forwards_from_zero_and_the_step_from_the_first_forward():
     assert seconds_in(cut[0], "F", "B") == pytest.approx(2.0) and seconds_in(cut[1], "wait") == pytest.approx(1.5)
     with pytest.raises(ValueError, match="one span labelled 'step'"):
         step_from_first_forward({0: [("F", 0.0, 1.0)]})
+
+
+def test_level_from_finds_the_tail_whose_ranges_overlap():
+    from labkit.pipeline import level_from
+
+    assert level_from([(0.5, 0.51), (0.37, 0.39), (0.36, 0.40), (0.22, 0.33), (0.28, 0.46)]) == 3
+    assert level_from([(0.1, 0.3), (0.2, 0.4), (0.25, 0.35)]) == 0  # every pair overlaps
+    assert level_from([(0.5, 0.5), (0.4, 0.4), (0.3, 0.3)]) == 2  # one timed step each: no tail
+
+
+def test_describe_bubble_says_level_only_where_the_spreads_overlap():
+    from labkit.pipeline import describe_bubble
+
+    ms, ys = [1, 2, 4, 8, 16], [0.511, 0.383, 0.375, 0.327, 0.370]
+    ranges = [(0.511, 0.512), (0.374, 0.387), (0.359, 0.401), (0.223, 0.333), (0.276, 0.458)]
+    words = describe_bubble(ms, ys, ranges)
+    assert words == ("falls from 0.511 at M = 1 to 0.327 at M = 8; from M = 8 to M = 16 level within the timed "
+                     "steps' spread (0.223-0.458)")
+    assert "rise" not in words
+    points = [(y, y) for y in ys]  # one timed step each: the medians' own trend, rise and all
+    assert describe_bubble(ms, ys, points) == ("falls from 0.511 at M = 1 to its lowest, 0.327 at M = 8, then rises "
+                                               "to 0.370 at M = 16")
+    assert describe_bubble([2, 4], [0.3, 0.31], [(0.2, 0.4), (0.25, 0.35)]).startswith("stays level within")

@@ -39,6 +39,14 @@ def test_the_appendix_and_the_tests_cells_are_left_out_until_the_next_heading_of
     assert (r.prose_words, r.code_lines, r.appendix_cells) == (4 + 6, 1, 4)  # (a heading's hashes count as a word: split on spaces)
 
 
+def test_a_comment_in_a_fenced_block_is_not_a_heading():
+    md = nbformat.v4.new_markdown_cell
+    cells = [md("# Title"), md("## Appendix A: machinery\n```bash\n# one machine\ntorchrun x.py\n```\nskipped"),
+             md("still the appendix"), md("## Further reading\nread")]
+    r = readtime.reading(_notebook(cells))
+    assert (r.prose_words, r.appendix_cells) == (2 + 4, 2)
+
+
 def test_the_command_exits_1_over_the_limit_and_2_without_notebooks(tmp_path, capsys):
     assert readtime.main([str(tmp_path)]) == 2
     long = _notebook([_code("\n".join(["x = 1"] * 700))])  # 70 minutes of code

@@ -25,6 +25,7 @@ OUTPUT_WORDS_PER_MIN = 150
 CODE_LINES_PER_MIN = 10
 LIMIT_MIN = 60  # a sitting
 HEADING = re.compile(r"^(#{1,6})\s+(.*)$", re.MULTILINE)
+FENCE = re.compile(r"^```.*?^```[^\n]*$", re.MULTILINE | re.DOTALL)  # a fenced block: its "# ..." lines are code
 TEST_CELL = "# (added by the tests"
 
 
@@ -65,7 +66,7 @@ def reading(nb: dict, name: str = "") -> Reading:
     for cell in nb["cells"]:
         source = _text(cell.get("source", ""))
         if cell["cell_type"] == "markdown":
-            for hashes, title in HEADING.findall(source):
+            for hashes, title in HEADING.findall(FENCE.sub("", source)):
                 if appendix_level is not None and len(hashes) <= appendix_level:
                     appendix_level = None
                 if appendix_level is None and title.strip().lower().startswith("appendix"):
