@@ -48,16 +48,21 @@ def load(path: str | Path | None = None) -> dict | None:
 
 
 ONE_DEVICE = ("00", "01", "02", "03", "04", "05")  # the chapters each section of the page reads
-SEVERAL_DEVICES = ("00", "06", "07")
+SEVERAL_DEVICES = ("00", "06", "06b", "07")
 SEARCH = ("08",)
 
 
-def missing(results: dict | None, chapters=tuple(c[:2] for c in SOURCES)) -> dict[str, str]:
+def chapter(stem: str) -> str:
+    """Return a notebook stem's chapter number: "06b" for "06b_pipeline_parallel"."""
+    return stem.split("_", 1)[0]
+
+
+def missing(results: dict | None, chapters=tuple(chapter(c) for c in SOURCES)) -> dict[str, str]:
     """Return {chapter: why its figures are missing} for each of `chapters` ("03", ...) this page cannot read."""
     notebooks = (results or {}).get("notebooks", {})
     gaps = {}
     for stem, keys in SOURCES.items():
-        if stem[:2] not in chapters:
+        if chapter(stem) not in chapters:
             continue
         entry = notebooks.get(stem)
         if entry is None:
@@ -73,7 +78,7 @@ def missing(results: dict | None, chapters=tuple(c[:2] for c in SOURCES)) -> dic
 
 def run_first(gaps: dict[str, str]) -> str:
     """Return the line that names the chapters to run first, and the command that runs them."""
-    only = " ".join(dict.fromkeys(f"--only {stem.split('_')[0]}" for stem in gaps))  # "06", "06b", ...
+    only = " ".join(dict.fromkeys(f"--only {chapter(stem)}" for stem in gaps))  # "06", "06b", ...
     return ("run these chapters first: " + "; ".join(f"{stem} ({why})" for stem, why in gaps.items())
             + f". `make run` runs them all and then this page; `.venv/bin/python -m workbook.runner {only}` "
             "runs only these, then run this page again")
@@ -81,7 +86,7 @@ def run_first(gaps: dict[str, str]) -> str:
 
 def skip_line(gaps: dict[str, str]) -> str:
     """Return the short line a section prints when it skips: the chapters it needs (named in full above)."""
-    chapters = dict.fromkeys(stem.split("_")[0] for stem in gaps)  # "06", "06b", ...
+    chapters = dict.fromkeys(chapter(stem) for stem in gaps)  # "06", "06b", ...
     return f"skipped: needs the figures of chapter {', '.join(chapters)} (see above)"
 
 
@@ -333,7 +338,7 @@ def _fewest(fit: list[str], comm: dict, chosen: str, pays: dict) -> str:
 
 
 def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
-    """Return the few-GPU and many-GPU lines: each rule (chapters 06-07) beside this run's figure that bears on it."""
+    """Return the few-GPU and many-GPU lines: each rule (chapters 06, 06b and 07) beside this run's figure that bears on it."""
     lines = []
     points, comm = f["points"], f["comm_bytes"]
     part = next((k for v in points.values() for k in v if k != "whole budget"), None)  # "1/N of it"
