@@ -36,11 +36,22 @@ def plot_loss_curves(curves: dict[str, list[float]], colors: dict[str, str], bes
     return fig
 
 
+def legend_used_categories(ax, splits: dict[str, dict[str, int]]) -> None:
+    """Redraw a memory-bar legend without the categories that are zero in every bar (chapter 03)."""
+    from labkit.meter import CATEGORIES
+
+    unused = {cat.replace("_", " ") for cat in CATEGORIES if all(not split.get(cat, 0) for split in splits.values())}
+    handles, labels = ax.get_legend_handles_labels()
+    kept = [(h, label) for h, label in zip(handles, labels) if label not in unused]
+    ax.legend(*zip(*kept), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+
+
 def plot_step_memory_and_time(splits: dict[str, dict[str, int]], step_ms: dict[str, float], colors: dict[str, str],
-                              gpu_name: str, memory_title: str = ""):
+                              gpu_name: str, memory_title: str = "", time_words: str = "counted"):
     """Draw each step's memory at its peak by category beside its time on a GPU, one bar per precision (chapter 03).
 
-    `splits`: {"fp32 step": {category: bytes}, ...}; `step_ms`: {"fp32": ms, "bf16": ms}, fp32 first; returns the figure.
+    `splits`: {"fp32 step": {category: bytes}, ...}; `step_ms`: {"fp32": ms, "bf16": ms}, fp32 first; `time_words`
+    says what the times count (e.g. "roofline bound"); returns the figure.
     """
     from labkit.plots import plot_memory_bars
 
@@ -49,10 +60,10 @@ def plot_step_memory_and_time(splits: dict[str, dict[str, int]], step_ms: dict[s
     names = list(step_ms)
     fig, (ax_mem, ax_time) = new_figure(ncols=2, width_in=4.6)
     plot_memory_bars(splits, ax=ax_mem, title=memory_title or "Memory at the step's peak")
-    ax_mem.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
+    legend_used_categories(ax_mem, splits)  # beside the bars, never over them; no empty category
     bars = ax_time.bar(names, [step_ms[p] for p in names], color=[colors[p] for p in names])
     ax_time.bar_label(bars, fmt="%.2f ms", fontsize=8)
-    ax_time.set_ylabel(f"ms per step on the {gpu_name} (counted)")
+    ax_time.set_ylabel(f"ms per step on the {gpu_name}\n({time_words})")
     other = names[-1]
     ax_time.set_title(f"{other}: {step_ms['fp32'] / step_ms[other]:.2f}× fp32's speed", fontsize=9)
     return fig

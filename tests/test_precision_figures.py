@@ -33,11 +33,24 @@ def test_step_memory_and_time_draws_bars_and_the_speed_ratio():
     from labkit.precision_figures import plot_step_memory_and_time
 
     splits = {"fp32 step": {"parameters": 400, "activations": 800}, "bf16 step": {"parameters": 400, "activations": 500}}
-    fig = plot_step_memory_and_time(splits, {"fp32": 2.0, "bf16": 1.6}, COLORS, "t4", "Memory, width 8")
+    fig = plot_step_memory_and_time(splits, {"fp32": 2.0, "bf16": 1.6}, COLORS, "t4", "Memory, width 8", "roofline bound")
     ax_mem, ax_time = fig.axes[:2]
     assert [round(p.get_height(), 6) for p in ax_time.patches] == [2.0, 1.6]
     assert ax_time.get_title() == "bf16: 1.25× fp32's speed" and "t4" in ax_time.get_ylabel()
+    assert "roofline bound" in ax_time.get_ylabel()
+    assert [t.get_text() for t in ax_mem.get_legend().get_texts()] == ["parameters", "activations"]
     assert ax_mem.get_title() == "Memory, width 8"
     assert figure_problems(fig) == []
     with pytest.raises(ValueError, match="fp32"):
         plot_step_memory_and_time(splits, {"bf16": 1.0}, COLORS, "t4")
+
+
+def test_legend_used_categories_drops_categories_zero_in_every_bar():
+    from labkit.plots import new_figure, plot_memory_bars
+    from labkit.precision_figures import legend_used_categories
+
+    splits = {"a": {"parameters": 400, "gradients": 0, "activations": 800}, "b": {"parameters": 400, "activations": 0}}
+    _, ax = new_figure()
+    plot_memory_bars(splits, ax=ax, budget_bytes=1000)
+    legend_used_categories(ax, splits)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["budget", "parameters", "activations"]
