@@ -384,15 +384,19 @@ def test_the_suites_guard_finds_a_process_left_behind():
     from conftest import SESSION_TAG, leftover_processes
 
     tag = f"guard-test-{os.getpid()}"  # a tag of its own: the real session's processes stay out of it
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                               env={**os.environ, SESSION_TAG: tag})
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"],
+                               env={**os.environ, SESSION_TAG: tag}, stdout=subprocess.PIPE, text=True)
     try:
+        # Popen returns once exec has begun; the kernel sets the new environment's bounds a moment later, and until
+        # then /proc/<pid>/environ reads empty (a loaded CI machine caught that moment): wait for the child to run
+        assert sleeper.stdout.readline() == "up\n"
         left = leftover_processes(tag, wait_s=0)
         assert [line.split(":")[0] for line in left] == [str(sleeper.pid)]
         assert "time.sleep(600)" in left[0]
     finally:
         sleeper.kill()
         sleeper.wait(timeout=10)
+        sleeper.stdout.close()
     assert leftover_processes(tag, wait_s=5) == []  # gone (and reaped): nothing to report
 
 
