@@ -80,6 +80,27 @@ def test_rows_are_the_chapters_figures_and_their_work_on_the_gpu(results):
     assert all(r["timing"] == "counted work on the t4 (the roofline, a bound)" for r in rows.values())
 
 
+def _with_launches(m: dict, before: str, after: str, gpu: str) -> tuple[float, bool]:
+    b, a = (gpus.step_time(work_from_record(m[k]), gpu) for k in (before, after))
+    return a.with_launches_s / b.with_launches_s, a.launch_bound or b.launch_bound
+
+
+def test_each_row_carries_its_ratio_with_the_hosts_launches_and_says_when_they_set_the_pace(results):
+    rows = {r["chapter"]: r for r in closing.one_device_rows(results, "t4")}
+    mp = results["notebooks"]["03_mixed_precision"]["measurements"]
+    ratio, bound = _with_launches(mp, "work_fp32", "work_half", "t4")
+    assert rows["03"]["time_ratio_launches"] == ratio and rows["03"]["launch_bound"] == bound
+    acc = results["notebooks"]["01_gradient_accumulation"]["measurements"]
+    ratio, bound = _with_launches(acc["work_by_accum_steps"], "1", str(acc["fitting_accum_steps"]), "t4")
+    assert rows["01"]["time_ratio_launches"] == ratio and rows["01"]["launch_bound"] == bound
+    for r in rows.values():  # a launch-bound row's line gives both figures; one set by its work gives one
+        line = closing.order_line(1, r, [r])
+        assert (f"with the host's launches {r['time_ratio_launches']:.2f}x" in line) == r["launch_bound"], line
+    cpu = closing.one_device_rows(results, "cpu")  # a CPU runs what it dispatches: no launches, one figure
+    assert not any(r["launch_bound"] for r in cpu)
+    assert all(r["time_ratio_launches"] == pytest.approx(r["time_ratio"]) for r in cpu)
+
+
 def test_another_gpu_moves_the_times_not_the_memory(results):
     t4, h100 = ({r["chapter"]: r for r in closing.one_device_rows(results, g)} for g in ("t4", "h100"))
     assert all(t4[c]["saved"] == h100[c]["saved"] and t4[c]["fits"] == h100[c]["fits"] for c in t4)
@@ -125,7 +146,7 @@ def test_the_order_and_its_sentence_change_with_the_figures(results):
     # made faster than every other, it comes first
     fast = closing.cost_order(closing.one_device_rows(_set_time_ratio(results, last["chapter"], 0.01)))
     assert fast[0]["technique"] == last["technique"]
-    assert "saved memory and the step got faster" in closing.order_sentence(fast)
+    assert "saves memory and its counted work projects a shorter step" in closing.order_sentence(fast)
 
 
 def test_close_costs_are_tied_and_time_savers_go_first_by_time_saved(results):
@@ -174,7 +195,7 @@ def test_the_several_device_lines_print_every_bubble_and_say_a_tie(results):
     text = "\n".join(closing.several_device_lines(f, 8))
     for schedule, bubble in f["bubble_by_microbatches"].items():
         for m, b in bubble.items():
-            assert f"M={m}: {b:.0%}" in text
+            assert f"M={m}: {b:.1%}" in text
     assert "with its share of the batch" in text
     comm, chosen, pays = f["comm_bytes"], f["use_when"]["whole_budget"], f["pays"]
     tied = [p for p, v in f["points"].items() if v.get("whole budget") and p != chosen and comm[p] == comm[chosen]

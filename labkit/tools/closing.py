@@ -126,6 +126,8 @@ def one_device_rows(results: dict, gpu: str | DeviceProfile = GPU_AUTO) -> list[
     The ratio is each chapter's counted work (labkit.work: the plain step's and the technique's, on the running
     example) projected on `gpu` by labkit.gpus.step_time: the estimate where a published run gives the GPU class's
     achieved share of peak, else the roofline. Copies over the host link (04, 05) overlap compute, as on a side stream.
+    `time_ratio_launches` is the same ratio with the host's launches counted (StepTime.with_launches_s);
+    `launch_bound` says whether either step's launches take longer than its work.
     """
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
     budget = budget_bytes(results)
@@ -155,8 +157,10 @@ def one_device_rows(results: dict, gpu: str | DeviceProfile = GPU_AUTO) -> list[
     ]
     kind = "an estimate" if device.efficiency is not None else "the roofline, a bound"
     for row in rows:
-        before, after = (step_time(work_from_record(w), device).time_s for w in row.pop("work"))
-        row["time_ratio"] = after / before
+        before, after = (step_time(work_from_record(w), device) for w in row.pop("work"))
+        row["time_ratio"] = after.time_s / before.time_s
+        row["time_ratio_launches"] = after.with_launches_s / before.with_launches_s  # the host's launches counted
+        row["launch_bound"] = before.launch_bound or after.launch_bound  # launches, not the work, set a step's pace
         row["saved"] = row["before"] - row["after"]
         row["fits"] = row["after"] <= budget
         row["headroom"] = budget - row["after"]  # what the budget leaves for what the tensors do not show
@@ -211,15 +215,20 @@ def ties(order: list[dict], tolerance: float = TIME_TOLERANCE) -> dict[str, list
     return out
 
 
+def launches_clause(row: dict) -> str:
+    """Return "; with the host's launches N.NNx" for a launch-bound row, else "" (chapter 10)."""
+    return f"; with the host's launches {row['time_ratio_launches']:.2f}x" if row.get("launch_bound") else ""
+
+
 def order_line(place: int, row: dict, order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
     """Return one numbered line of the order: what the row saves and what it pays."""
     cost = cost_per_mib(row)
     if cost == float("inf"):
         paid = "saves nothing here"
     elif saves_time(row, tolerance):
-        paid = f"free: the step also got faster, {row['time_ratio']:.2f}x the plain step's time"
+        paid = f"free by its counted work: {row['time_ratio']:.2f}x the plain step's time{launches_clause(row)}"
     else:
-        paid = f"pays {cost:.2%} of a step per MiB ({row['time_ratio']:.2f}x the step time)"
+        paid = f"pays {cost:.2%} of a step per MiB ({row['time_ratio']:.2f}x the step time{launches_clause(row)})"
     with_ = ties(order, tolerance)[row["technique"]]
     return (f"{place}. {row['technique']} (chapter {row['chapter']}): saves {format_bytes(row['saved'])}, {paid}"
             + (f"; tied with place {', '.join(map(str, with_))} within the tolerance" if with_ else "")
@@ -232,7 +241,9 @@ def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
     if cost_per_mib(first) == float("inf"):
         return "no technique saved memory on this run: nothing to order"
     cost = cost_per_mib(first)
-    why = (f"it saved memory and the step got faster ({first['time_ratio']:.2f}x the plain step's time)"
+    why = (f"it saves memory and its counted work projects a shorter step ({first['time_ratio']:.2f}x the plain "
+           f"step's time{launches_clause(first)}" + (", and the launches set the pace at this size" if
+                                                     first.get("launch_bound") else "") + ")"
            if saves_time(first, tolerance) else f"it pays the least time per MiB it saves ({cost:.2%} of a step)")
     with_ = ties(order, tolerance)[first["technique"]]
     if with_:
@@ -302,7 +313,8 @@ def search_lines(chosen: dict) -> list[str]:
                 f" (timed {ratio:.2f}x apart: two copies of one setting, part of the noise band)" if chosen["noise"]
                 else ""))
         elif abs(ratio - 1) > chosen["noise"]:
-            lines.append(f"  against {name}: {ratio:.2f}x as fast")
+            lines.append(f"  against {name}: {'projected ' if chosen['speed_on'].startswith('projected') else ''}"
+                         f"{ratio:.2f}x as fast")
         else:
             lines.append(f"  against {name}: {ratio:.2f}x (within the timing's noise of {chosen['noise']:.1%}: "
                          "not told apart)")
@@ -378,9 +390,9 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
         "outside the compute, which the theory leaves out (chapter 06b explains it):")
     for schedule, bubble in f["bubble_by_microbatches"].items():
         ms = sorted(bubble)
-        each = ", ".join(f"M={m}: {bubble[m]:.0%}" + (f" ({theory[m]:.0%})" if m in theory else "") for m in ms)
+        each = ", ".join(f"M={m}: {bubble[m]:.1%}" + (f" ({theory[m]:.0%})" if m in theory else "") for m in ms)
         ys = [bubble[m] for m in ms]
-        shape = describe_trend(ms, ys, fmt="{:.0%}", x_name="M", tol=BUBBLE_LEVEL) if len(ms) > 1 else ""
+        shape = describe_trend(ms, ys, fmt="{:.1%}", x_name="M", tol=BUBBLE_LEVEL) if len(ms) > 1 else ""
         lines.append(f"    {schedule}: {each}" + (f"; it {shape}" if shape else "")
                      + ("" if "rise" not in shape or f["bubble_rise_told"].get(schedule, True) else
                         " (that rise lies within chapter 06b's timed steps' spread: not told apart)"))
