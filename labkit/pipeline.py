@@ -398,29 +398,71 @@ class PipelineTimings:
         return self.steps >= 2 and self.bubble_range(schedule, m_from)[1] < self.bubble_range(schedule, m_to)[0]
 
 
-def level_from(ranges: list[tuple[float, float]]) -> int:
-    """Return the first index from which every two points' (low, high) ranges overlap: the level tail (chapter 06b)."""
-    for i in range(len(ranges)):
-        tail = ranges[i:]
-        if all(a[0] <= b[1] and b[0] <= a[1] for a in tail for b in tail):
-            return i
-    return len(ranges) - 1
+def _overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
+def level_stretch(bubbles: list[float], ranges: list[tuple[float, float]]) -> tuple[int, int]:
+    """Return the first and last index of the stretch around the lowest median whose (low, high) ranges all overlap
+    pairwise: the points no measurement tells apart (chapter 06b)."""
+    low = min(range(len(bubbles)), key=lambda k: (bubbles[k], k))
+    first = last = low
+    while first > 0 and all(_overlap(ranges[first - 1], ranges[k]) for k in range(first, last + 1)):
+        first -= 1
+    while last < len(ranges) - 1 and all(_overlap(ranges[last + 1], ranges[k]) for k in range(first, last + 1)):
+        last += 1
+    return first, last
+
+
+def _rise_after(ranges: list[tuple[float, float]], first: int, last: int) -> int | None:
+    """Return the stretch's index whose range the next point's lies wholly above (the lowest such high), if any."""
+    if last == len(ranges) - 1:
+        return None
+    below = [k for k in range(first, last + 1) if ranges[k][1] < ranges[last + 1][0]]
+    return min(below, key=lambda k: ranges[k][1]) if below else None
+
+
+def _pairwise(ranges: list[tuple[float, float]]) -> bool:
+    return all(_overlap(a, b) for a in ranges for b in ranges)
 
 
 def describe_bubble(ms: list[int], bubbles: list[float], ranges: list[tuple[float, float]],
                     tol: float = BUBBLE_LEVEL) -> str:
-    """Say how measured bubbles move over M, calling level the points whose timed steps' ranges overlap (chapter 06b)."""
+    """Say how measured bubbles move over M: level only where every pair of timed steps' ranges overlaps, a rise or
+    fall only between points whose ranges do not (chapter 06b)."""
     from labkit.trend import describe_trend
 
-    i = level_from(ranges)
-    if i == len(ms) - 1:  # no two last points alike: the medians' own trend
+    if all(lo == hi for lo, hi in ranges):  # one timed step each: no spread, the medians' own trend
         return describe_trend(ms, bubbles, x_name="M", tol=tol)
-    lo, hi = min(r[0] for r in ranges[i:]), max(r[1] for r in ranges[i:])
-    level = f"level within the timed steps' spread ({lo:.3f}-{hi:.3f})"
-    if i == 0:
-        return f"stays {level} from M = {ms[0]} to M = {ms[-1]}"
-    return (describe_trend(ms[:i + 1], bubbles[:i + 1], x_name="M", tol=tol)
-            + f"; from M = {ms[i]} to M = {ms[-1]} {level}")
+    first, last = level_stretch(bubbles, ranges)
+    lo, hi = min(r[0] for r in ranges[first:last + 1]), max(r[1] for r in ranges[first:last + 1])
+    level = (f"level within the timed steps' spread ({lo:.3f}-{hi:.3f}) from M = {ms[first]} to M = {ms[last]}"
+             if last > first else f"its lowest, {bubbles[first]:.3f} at M = {ms[first]}")
+    words = f"falls from {bubbles[0]:.3f} at M = {ms[0]} to {level}" if first > 0 else f"stays {level}"
+    if last == len(ms) - 1:
+        return words
+    k, r = _rise_after(ranges, first, last), last + 1
+    if k is None:  # the next point lies below part of the stretch: the medians' trend from there
+        return words + f"; after M = {ms[last]} the median " + describe_trend(ms[last:], bubbles[last:], x_name="M",
+                                                                               tol=tol)
+    words += (f", then rises to {bubbles[r]:.3f} at M = {ms[r]}, its steps ({ranges[r][0]:.3f}-{ranges[r][1]:.3f}) "
+              f"above M = {ms[k]}'s ({ranges[k][0]:.3f}-{ranges[k][1]:.3f})")
+    if r == len(ms) - 1:
+        return words
+    if _pairwise(ranges[r:]):
+        return words + f", and stays within its spread to M = {ms[-1]}"
+    return words + f"; after M = {ms[r]} the median " + describe_trend(ms[r:], bubbles[r:], x_name="M", tol=tol)
+
+
+def bubble_shape(ms: list[int], bubbles: list[float], ranges: list[tuple[float, float]]) -> str:
+    """Return describe_bubble's finding in a few words for a figure title, e.g. "falls, level M = 2-8, rises at
+    M = 16" (chapter 06b)."""
+    first, last = level_stretch(bubbles, ranges)
+    parts = ["falls"] if first > 0 else []
+    parts.append(f"level M = {ms[first]}-{ms[last]}" if last > first else f"lowest at M = {ms[first]}")
+    if _rise_after(ranges, first, last) is not None:
+        parts.append(f"rises at M = {ms[last + 1]}")
+    return ", ".join(parts)
 
 
 def forwards_from_zero(order: dict[int, list[str]]) -> dict[int, list[str]]:

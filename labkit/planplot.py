@@ -41,7 +41,8 @@ def _leave_room_left(fig, ax, labels, pad_px=20):
     """Lower the left x-limit until every annotation of `labels` (drawn left of its point) clears the y-axis line by
     `pad_px` pixels. The limits map linearly to pixels in the axis's scale (log10 on a log axis), so the arithmetic
     is done there; a text's width is known once the figure is laid out, and the layout may resize the axes after a
-    change: laid out again, up to three times. On a linear axis no tick is drawn below 0 (a time is never negative)."""
+    change: laid out again, up to three times. A linear axis starts at 0 at the lowest (a time is never negative): a
+    label that cannot fit left of its point goes right of it."""
     scale = ax.xaxis.get_transform()  # data to scaled coordinates: the identity, or log10
     for _ in range(3 if labels else 0):
         fig.draw_without_rendering()
@@ -53,11 +54,18 @@ def _leave_room_left(fig, ax, labels, pad_px=20):
             share = min(left_px / width, 0.9)  # the share of the axes' width it needs left of its point (at most 90%)
             x = scale.transform([label.xy[0]])[0]
             wanted = min(wanted, (x - share * hi) / (1 - share))  # so that x - lo >= share * (hi - lo)
+        if ax.get_xscale() == "linear":
+            wanted = max(wanted, 0.0)  # a time is never negative: the axis starts at 0 at the lowest
         if wanted >= lo:
             break
         ax.set_xlim(scale.inverted().transform([wanted])[0], None)
-    if ax.get_xscale() == "linear" and ax.get_xlim()[0] < 0:  # room for labels, not negative times: no tick below 0
-        ax.set_xticks([t for t in ax.get_xticks() if 0 <= t <= ax.get_xlim()[1]])
+    if ax.get_xscale() == "linear" and ax.get_xlim()[0] < 0:  # margins widened it below 0: clamp
+        ax.set_xlim(0.0, None)
+    if labels:  # a label that still reaches the y-axis goes right of its point
+        fig.draw_without_rendering()
+        for label in labels:
+            if label.get_window_extent().x0 < ax.get_window_extent().x0 + pad_px:
+                label.set(position=(4, -4), ha="left")
 
 
 def _collide(fig, labels):
@@ -183,7 +191,11 @@ def draw_check(check, timed_precisions=("fp32", "bf16")):
         axis.set_major_formatter(ScalarFormatter())
         axis.set_minor_formatter(NullFormatter())
     ax1.set_xlim(t_lo, t_hi)
-    ax1.set_ylim(t_lo, t_hi)
+    pred_ms = [predicted[n].step_s * 1e3 for n in names]
+    y_lo, y_hi = min(pred_ms) / 1.2, max(pred_ms) * 1.2  # the predictions' own span: y = x may leave the panel
+    if y_hi / y_lo < 10:  # within a decade: a tick at every integer times the power of ten
+        ax1.yaxis.set_major_locator(LogLocator(base=10, subs=tuple(range(1, 10))))
+    ax1.set_ylim(y_lo, y_hi)
     ax1.set_xlabel("measured step time (ms, median)")
     ax1.set_ylabel("predicted step time (ms):\nroofline + host transfers")
     untimed = "" if len(names) == len(check.names) else ", fp32 rows only (bf16 untimed)"

@@ -41,6 +41,13 @@ class SweepPoint:
         return self.split["activations"]
 
 
+def launch_clause(plain: gpus.StepTime, other: gpus.StepTime) -> str:
+    """Return "; × r counting the host's launches" when either step is launch-bound, else "" (chapter 02)."""
+    if not (plain.launch_bound or other.launch_bound):
+        return ""
+    return f"; × {other.with_launches_s / plain.with_launches_s:.2f} counting the host's launches"
+
+
 class SegmentSweep:
     """Run one model's forward + backward checkpointed layout by layout, warmed up once per shape (chapter 02).
 
@@ -121,6 +128,8 @@ class SweepCurves:
     torch_bytes: list = field(default_factory=list)  # the same with checkpoint_sequential (may lag behind `s`)
     flop_ratio: list = field(default_factory=list)  # counted FLOPs over the plain step's
     gpu_ratio: list = field(default_factory=list)  # time on the GPU over the plain step's
+    launch_ratio: list = field(default_factory=list)  # the same with the host's launches counted (with_launches_s)
+    launch_bound: bool = False  # whether any point so far, or the plain step, is launch-bound
     measured: list = field(default_factory=list)  # PairedRatio or None per s
     chen_bytes: list | None = None  # Chen's model of the balanced curve, once known
     flop_model: list | None = None  # the predicted FLOP ratio, once known
@@ -131,6 +140,8 @@ class SweepCurves:
         self.balanced_bytes.append(point.activation_bytes)
         self.flop_ratio.append(point.flops / plain.flops)
         self.gpu_ratio.append(point.gpu.time_s / plain.gpu.time_s)
+        self.launch_ratio.append(point.gpu.with_launches_s / plain.gpu.with_launches_s)
+        self.launch_bound = self.launch_bound or point.gpu.launch_bound or plain.gpu.launch_bound
         self.measured.append(point.time)
 
 
@@ -154,17 +165,21 @@ def draw_segment_sweep(fig, axes, c: SweepCurves) -> None:
     if c.flop_model:
         ax1.plot(c.s, c.flop_model, ":", color="black", label="FLOPs / plain (one block's count)")
     ax1.plot(c.s, c.gpu_ratio, "^-", ms=4, lw=1, color=TIME, label=f"time on the {c.gpu_name} / plain")
+    if c.launch_bound:
+        ax1.plot(c.s, c.launch_ratio, "x--", ms=4, lw=1, color=TIME, label="the same, launches counted")
     medians = [m.median if m is not None else float("nan") for m in c.measured]
     if any(m is not None for m in c.measured):
         ax1.plot(c.s, medians, "v", mfc="none", color=MEASURED, label="measured here / plain (median)")
     ax1.axhline(4 / 3, color="black", ls="--", lw=1, label="one extra forward (4/3): a bound on FLOPs")
     ax1.set_xlabel("segments s")
     ax1.set_ylabel("cost relative to s = 1")
-    top = max([4 / 3, *c.flop_ratio, *c.gpu_ratio, *(m for m in medians if not math.isnan(m))])
+    top = max([4 / 3, *c.flop_ratio, *c.gpu_ratio, *c.launch_ratio, *(m for m in medians if not math.isnan(m))])
     ax1.set_ylim(0, 1.3 * top)  # from 0, every point inside
     ax1.set_title(f"Recomputation, s ≥ 2: FLOPs × {min(c.flop_ratio[1:] or [1]):.2f}–{max(c.flop_ratio):.2f};"
                   f"\non the {c.gpu_name} × {min(c.gpu_ratio[1:] or [1]):.2f}–{max(c.gpu_ratio):.2f} the plain "
-                  "step's time", fontsize=9)
+                  "step's time"
+                  + (f"\n(× {min(c.launch_ratio[1:] or [1]):.2f}–{max(c.launch_ratio):.2f} counting launches)"
+                     if c.launch_bound else ""), fontsize=9)
     ax1.legend(fontsize=6, ncol=2, loc="lower right")  # below the lowest ratio (1): no data there
 
 
@@ -177,5 +192,6 @@ def draw_against_plain(axes, plain: SweepPoint, point: SweepPoint, name: str, gp
     ax1.bar(["plain", name], ms, color=[TIME, MEASURED])
     ax1.set_ylabel(f"step time on the {gpu_name} (ms)")
     ax1.set_title(f"On the {gpu_name}: × {ms[1] / ms[0]:.2f} the plain step's time\n(counted work, "
-                  f"{'estimate' if plain.gpu.estimate_s else 'roofline'})", fontsize=9)
+                  f"{'estimate' if plain.gpu.estimate_s else 'roofline'})"
+                  + launch_clause(plain.gpu, point.gpu).replace("; ", "\n").replace("the host's ", ""), fontsize=9)
     ax1.tick_params(axis="x", labelrotation=20, labelsize=8)

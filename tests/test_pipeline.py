@@ -341,22 +341,49 @@ def test_forwards_from_zero_and_the_step_from_the_first_forward():
         step_from_first_forward({0: [("F", 0.0, 1.0)]})
 
 
-def test_level_from_finds_the_tail_whose_ranges_overlap():
-    from labkit.pipeline import level_from
+def test_level_stretch_takes_the_pairwise_overlapping_points_around_the_lowest():
+    from labkit.pipeline import level_stretch
 
-    assert level_from([(0.5, 0.51), (0.37, 0.39), (0.36, 0.40), (0.22, 0.33), (0.28, 0.46)]) == 3
-    assert level_from([(0.1, 0.3), (0.2, 0.4), (0.25, 0.35)]) == 0  # every pair overlaps
-    assert level_from([(0.5, 0.5), (0.4, 0.4), (0.3, 0.3)]) == 2  # one timed step each: no tail
+    ys = [0.511, 0.383, 0.375, 0.327, 0.370]
+    assert level_stretch(ys, [(0.511, 0.512), (0.374, 0.387), (0.359, 0.401), (0.223, 0.333), (0.276, 0.458)]) == (3, 4)
+    assert level_stretch([0.2, 0.3, 0.3], [(0.1, 0.3), (0.2, 0.4), (0.25, 0.35)]) == (0, 2)  # every pair overlaps
+    assert level_stretch([0.5, 0.4, 0.3], [(0.5, 0.5), (0.4, 0.4), (0.3, 0.3)]) == (2, 2)  # one timed step each
+    # chapter 06b's GPipe: M = 4 and M = 16 apart, M = 8 overlapping both: the stretch stops before M = 16
+    gpipe = [0.509, 0.357, 0.323, 0.353, 0.407]
+    assert level_stretch(gpipe, GPIPE_RANGES) == (1, 3)
+
+
+GPIPE_RANGES = [(0.508, 0.510), (0.353, 0.419), (0.318, 0.373), (0.322, 0.448), (0.397, 0.436)]
+
+
+def test_describe_bubble_states_the_rise_between_points_whose_spreads_do_not_overlap():
+    from labkit.pipeline import bubble_shape, describe_bubble
+
+    ms, ys = [1, 2, 4, 8, 16], [0.509, 0.357, 0.323, 0.353, 0.407]
+    words = describe_bubble(ms, ys, GPIPE_RANGES)
+    assert words == ("falls from 0.509 at M = 1 to level within the timed steps' spread (0.318-0.448) from M = 2 to "
+                     "M = 8, then rises to 0.407 at M = 16, its steps (0.397-0.436) above M = 4's (0.318-0.373)")
+    assert "level from M = 8" not in words
+    assert bubble_shape(ms, ys, GPIPE_RANGES) == "falls, level M = 2-8, rises at M = 16"
+    # a rise before the last point, the rest within the risen point's spread
+    noisy = [(0.505, 0.538), (0.330, 0.456), (0.323, 0.420), (0.424, 0.468), (0.411, 0.505)]
+    ys = [0.509, 0.378, 0.376, 0.449, 0.438]
+    assert describe_bubble(ms, ys, noisy) == (
+        "falls from 0.509 at M = 1 to level within the timed steps' spread (0.323-0.456) from M = 2 to M = 4, then "
+        "rises to 0.449 at M = 8, its steps (0.424-0.468) above M = 4's (0.323-0.420), and stays within its spread to "
+        "M = 16")
+    assert bubble_shape(ms, ys, noisy) == "falls, level M = 2-4, rises at M = 8"
 
 
 def test_describe_bubble_says_level_only_where_the_spreads_overlap():
-    from labkit.pipeline import describe_bubble
+    from labkit.pipeline import bubble_shape, describe_bubble
 
     ms, ys = [1, 2, 4, 8, 16], [0.511, 0.383, 0.375, 0.327, 0.370]
     ranges = [(0.511, 0.512), (0.374, 0.387), (0.359, 0.401), (0.223, 0.333), (0.276, 0.458)]
     words = describe_bubble(ms, ys, ranges)
-    assert words == ("falls from 0.511 at M = 1 to 0.327 at M = 8; from M = 8 to M = 16 level within the timed "
-                     "steps' spread (0.223-0.458)")
+    assert words == ("falls from 0.511 at M = 1 to level within the timed steps' spread (0.223-0.458) from M = 8 to "
+                     "M = 16")
+    assert bubble_shape(ms, ys, ranges) == "falls, level M = 8-16"
     assert "rise" not in words
     points = [(y, y) for y in ys]  # one timed step each: the medians' own trend, rise and all
     assert describe_bubble(ms, ys, points) == ("falls from 0.511 at M = 1 to its lowest, 0.327 at M = 8, then rises "

@@ -87,3 +87,23 @@ def test_draw_check_plots_every_row_and_the_timed_ones(check):
     assert sum(len(line.get_xdata()) == 1 for line in times.lines) == 4  # one per timed row
     labels = [t.get_text() for t in times.get_legend().get_texts()]
     assert "bf16 (peaks only, not timed)" in labels and "offload" in labels and "Adam on the host" in labels
+
+
+def test_draw_check_sets_the_time_panel_y_limits_from_the_predictions(check):
+    from labkit.planplot import draw_check
+
+    times = draw_check(check, ("fp32",)).axes[1]
+    # predictions of the timed rows: 10, 11, 12, 10 ms (measured 20-40 ms): y spans them, not the measured ones
+    assert times.get_ylim() == pytest.approx((10 / 1.2, 12 * 1.2))
+    assert times.get_xlim() == pytest.approx((10 / 1.2, 40 * 1.2))
+
+
+def test_draw_plan_starts_a_linear_time_axis_at_zero():
+    from labkit.plan import Plan
+    from labkit.planplot import draw_plan
+
+    p = Plan("m", "h100", 1, 16, 8, 10**9, 60 * 2**30, 0.1)
+    p.rows.extend([_row(40 * 2**30, 0.100), _row(30 * 2**30, 0.110, checkpointing="sqrt"),
+                   _row(20 * 2**30, 0.120, precision="bf16"), _row(50 * 2**30, 0.900, mb=2)])
+    ax = draw_plan(p).axes[0]  # margins of 25% of 100-900 ms would start the axis at -100 ms
+    assert ax.get_xscale() == "linear" and ax.get_xlim()[0] == 0

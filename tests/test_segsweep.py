@@ -13,7 +13,8 @@ import labkit
 from labkit import gpus
 from labkit.checkpointing import segment_sizes
 from labkit.plots import new_figure
-from labkit.segsweep import SegmentSweep, SweepCurves, SweepPoint, draw_against_plain, draw_segment_sweep
+from labkit.segsweep import (SegmentSweep, SweepCurves, SweepPoint, draw_against_plain, draw_segment_sweep,
+                             launch_clause)
 from labkit.throughput import PairedRatio
 from labkit.work import Work
 
@@ -81,6 +82,33 @@ def test_curves_take_each_ratio_against_the_plain_point():
     assert c.s == [1, 2] and c.balanced_bytes == [800, 400]
     assert c.flop_ratio == [1.0, 1.2] and c.gpu_ratio == pytest.approx([1.0, 1.25])
     assert c.measured == [None, two.time]
+
+
+def _launched(point, launch_s):
+    return dataclasses.replace(point, gpu=dataclasses.replace(point.gpu, launch_s=launch_s))
+
+
+def test_launch_clause_states_the_with_launches_ratio_only_when_a_step_is_launch_bound():
+    plain, two = _point(1, 800, 300, 1.0), _point(2, 400, 360, 1.25)
+    assert launch_clause(plain.gpu, two.gpu) == ""  # launches 176 µs against 1 s of work
+    # launches of 2 s and 2.2 s outrun the work: the ratio of the longer of each, 2.2 / 2.0
+    assert launch_clause(_launched(plain, 2.0).gpu, _launched(two, 2.2).gpu) == "; × 1.10 counting the host's launches"
+    assert launch_clause(plain.gpu, _launched(two, 2.5).gpu) == "; × 2.50 counting the host's launches"
+
+
+def test_curves_track_the_with_launches_ratio_and_the_figure_draws_it_when_launch_bound():
+    plain, two = _launched(_point(1, 800, 300, 1.0), 2.0), _launched(_point(2, 400, 360, 1.25), 2.2)
+    c = SweepCurves(2, "t4")
+    for p in (plain, two):
+        c.add(p, plain)
+    assert c.launch_bound and c.launch_ratio == pytest.approx([1.0, 1.1])
+    fig, axes = new_figure(ncols=2)
+    draw_segment_sweep(fig, axes, c)
+    assert "(× 1.10–1.10 counting launches)" in axes[1].get_title()
+    assert "the same, launches counted" in [t.get_text() for t in axes[1].get_legend().get_texts()]
+    c2 = SweepCurves(2, "t4")
+    c2.add(_point(1, 800, 300, 1.0), _point(1, 800, 300, 1.0))
+    assert not c2.launch_bound
 
 
 def test_draw_segment_sweep_titles_the_minimum_and_draws_each_curve_given():
