@@ -120,6 +120,19 @@ def captured_grads(optimizer: torch.optim.Optimizer):
         handle.remove()
 
 
+def step_outcome(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step):
+    """Run step(model, optimizer) once; return the gradients the optimizer used (flat), the parameters after the step
+    (flat) and the gradients' dtypes (chapter 03)."""
+    dtypes: list[torch.dtype] = []
+    handle = optimizer.register_step_pre_hook(lambda *_: dtypes.extend(p.grad.dtype for p in model.parameters()))
+    try:
+        with captured_grads(optimizer) as seen:
+            step(model, optimizer)
+    finally:
+        handle.remove()
+    return seen[0], flat(model), dtypes
+
+
 def forward_activation_bytes(model: torch.nn.Module, batch, precision: str = "fp32") -> int:
     """Return the bytes one forward pass leaves alive for backward (meter count after minus before)."""
     device = next(model.parameters()).device
@@ -142,7 +155,14 @@ class Fp16CastStats:
     zero_fraction: float  # share that became exactly 0 in fp16 (flushed to zero: the value is lost)
     subnormal_fraction: float  # share that became fp16 subnormals (nonzero, below 2^-14: fewer mantissa bits)
     overflow_fraction: float  # share that became ±inf in fp16 (above 65504)
-    below_min_subnormal_fraction: float  # underflow: share with |scale·g| < 2^-24 (rounding sends some up to 2^-24)
+    below_min_subnormal_fraction: float  # share with |scale·g| < 2^-24: flushed to zero, or rounded up to 2^-24
+    normal_fraction: float = 0.0  # share that became finite normal fp16 numbers: with zero, subnormal and overflow, 1
+
+    @property
+    def bins(self) -> dict[str, float]:
+        """Return the disjoint shares by what the cast gave: they sum to 1 (chapter 03)."""
+        return {"flushed to zero": self.zero_fraction, "subnormal": self.subnormal_fraction,
+                "normal": self.normal_fraction, "overflow": self.overflow_fraction}
 
 
 def fp16_cast_stats(values: torch.Tensor, scale: float = 1.0) -> Fp16CastStats:
@@ -158,7 +178,21 @@ def fp16_cast_stats(values: torch.Tensor, scale: float = 1.0) -> Fp16CastStats:
     inf = int(h.isinf().sum())
     sub = int(((h != 0) & (h.abs() < FP16_MIN_NORMAL)).sum())
     below = int((v.abs() < FP16_MIN_SUBNORMAL).sum())
-    return Fp16CastStats(float(scale), n, zero / n, sub / n, inf / n, below / n)
+    return Fp16CastStats(float(scale), n, zero / n, sub / n, inf / n, below / n, (n - zero - sub - inf) / n)
+
+
+def cuda_softmax_extra_bytes(cfg, batch_size: int, seq_len: int) -> int:
+    """Return the bytes CUDA autocast saves for backward beyond CPU autocast's, from the GPT's shape (chapter 03).
+
+    The two devices' op lists differ, for this model, in one op it calls: CUDA autocast runs softmax in fp32, CPU
+    autocast in the 16-bit dtype (layer norm is on CUDA's fp32 list too, but its input, the residual stream, is fp32 on
+    both). So each block's attention probabilities, (batch, heads, T, T), are saved in fp32 by softmax (4 bytes) and as
+    the 16-bit copy the next matmul casts (2 bytes), where CPU autocast saves one 16-bit tensor for both (2 bytes).
+    Fused attention (`attn` other than "manual") calls no softmax that autocast sees: 0.
+    """
+    if cfg.attn != "manual":
+        return 0
+    return cfg.n_layer * batch_size * cfg.n_head * seq_len * seq_len * 4
 
 
 @dataclass

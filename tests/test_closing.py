@@ -260,7 +260,7 @@ def test_the_side_by_side_line_names_pairs_the_separate_timings_order_the_other_
     assert "02 and 05" not in closing.side_by_side_line(rows, chosen)
 
 
-def test_the_recorded_gpu_runs_steps_beside_their_roofline_and_their_operators():
+def test_the_recorded_gpu_runs_steps_beside_their_roofline_and_their_launches():
     """Chapter 10's 'Measured on a GPU': the H200 run's measured ratios, each beside the two counted predictions."""
     import json
 
@@ -273,16 +273,26 @@ def test_the_recorded_gpu_runs_steps_beside_their_roofline_and_their_operators()
     k8 = rows["accumulation k=8"]
     m1 = run["notebooks"]["01_gradient_accumulation"]["measurements"]
     assert k8["measured"] == m1["step_time_ratio_by_accum_steps"]["8"]
-    assert k8["operators"] == m1["work_by_accum_steps"]["8"]["kernels"] / m1["work_by_accum_steps"]["1"]["kernels"]
+    works = {k: work_from_record(m1["work_by_accum_steps"][k]) for k in ("1", "8")}
+    h200 = gpus.step_time(works["1"], "h200"), gpus.step_time(works["8"], "h200")
+    assert all(t.launch_bound for t in h200)  # the host's launches set both steps' pace: their operators' ratio
+    assert k8["launches"] == h200[1].with_launches_s / h200[0].with_launches_s == pytest.approx(
+        works["8"].kernels / works["1"].kernels)
+    m3 = run["notebooks"]["03_mixed_precision"]["measurements"]
     half = rows["bf16 autocast"]  # a speed ratio in the record, a time ratio here
-    assert half["measured"] == 1 / run["notebooks"]["03_mixed_precision"]["measurements"]["throughput_ratio_half"]
+    assert half["measured"] == 1 / m3["throughput_ratio_half"]
+    assert half["roofline"] == m3["gpu_step_time_ratio_half"]  # by the work alone
+    assert half["launches"] == pytest.approx(_with_launches(m3, "work_fp32", "work_half", "h200")[0])
+    recorded = copy.deepcopy(run)  # a run that recorded chapter 03's with-launches ratio: the page reads it
+    recorded["notebooks"]["03_mixed_precision"]["measurements"]["gpu_step_time_ratio_half_launches"] = 1.5
+    assert next(r for r in closing.gpu_run_rows(recorded) if r["technique"] == "bf16 autocast")["launches"] == 1.5
     for r in rows.values():  # the named prediction is within NEAR of the measurement and the nearer one; else neither
-        off = {k: max(r[k], r["measured"]) / min(r[k], r["measured"]) for k in ("operators", "roofline")}
+        off = {k: max(r[k], r["measured"]) / min(r[k], r["measured"]) for k in ("launches", "roofline")}
         if r["nearer"] == "neither":
             assert min(off.values()) > closing.NEAR
         else:
             assert off[r["nearer"]] <= closing.NEAR and off[r["nearer"]] == min(off.values())
-    # what the record says: accumulation follows its operators; layer-to-layer's copies neither prediction explains
-    assert [r["nearer"] for r in rows.values()] == ["operators"] * 4 + ["neither"]
+    # what the record says: accumulation follows its launches; layer-to-layer's copies neither prediction explains
+    assert [r["nearer"] for r in rows.values()] == ["launches"] * 4 + ["neither"]
     lines = closing.gpu_run_lines(run, list(rows.values()))
     assert "NVIDIA H200" in lines[0] and len(lines) == 2 + len(rows)

@@ -1,9 +1,11 @@
 """Notebook 03 under papermill with other parameters: the recorded invariants hold."""
 
+import pytest
 import torch
 
 import labkit
 import labkit.costs
+import labkit.gpus
 from labkit.cpu import bf16_native
 
 STEM = "03_mixed_precision"
@@ -21,7 +23,7 @@ def test_notebook_invariants_hold_for_other_parameters(execute_notebook):
     assert m["peak_bytes_half"] < m["peak_bytes_fp32"]
     assert 0 < m["weight_copy_bytes_per_param"] < 2  # 2 bytes per matmul weight; embeddings and norms have none
     assert 0 <= m["bf16_lost_update_fraction"] <= 1
-    # a 2^10 loss scale lifts gradients out of fp16's subnormal range and out of underflow
+    # a 2^10 loss scale lifts gradients out of fp16's subnormal range and out of the range below 2^-24
     assert m["fp16_subnormal_fraction_scaled"] < m["fp16_subnormal_fraction_unscaled"]
     assert m["fp16_underflow_fraction_scaled"] < m["fp16_underflow_fraction_unscaled"]
     assert m["fits_in_budget"] == (m["peak_bytes_half"] <= m["budget_bytes"])
@@ -33,10 +35,13 @@ def test_notebook_invariants_hold_for_other_parameters(execute_notebook):
     assert w16.total_flops == w32.total_flops == w32.flops["fp32"] and "fp32" not in w16.flops
     assert m["gpu"] == "t4" or torch.cuda.is_available()  # GPU="auto" without CUDA: a T4
     assert m["gpu_step_time_ratio_half"] == 1 / m["gpu_speedup_half"] and m["gpu_speedup_half"] > 1  # bytes halve
+    on_gpu = [labkit.gpus.step_time(w, m["gpu"]) for w in (w32, w16)]  # the companion counts the host's launches
+    assert m["gpu_step_time_ratio_half_launches"] == pytest.approx(on_gpu[1].with_launches_s / on_gpu[0].with_launches_s)
+    assert m["gpu_speedup_half_with_launches"] == pytest.approx(1 / m["gpu_step_time_ratio_half_launches"])
     assert sorted(int(w) for w in m["gpu_speedup_half_by_width"]) == [16, 32]
     assert m["final_loss_rel_diff_half"] < 0.05
     assert 0 <= m["fp16_underflow_fraction_scaled"] <= m["fp16_underflow_fraction_unscaled"] < 1
-    for which in ("unscaled", "scaled"):  # only values below 2^-24 can become 0
+    for which in ("unscaled", "scaled"):  # only values below 2^-24 can be flushed to zero
         assert m[f"fp16_flushed_to_zero_fraction_{which}"] <= m[f"fp16_underflow_fraction_{which}"]
     assert 0.5 < m["saved_activation_ratio_half"] < 1.0
     assert [r["width"] for r in m["sweep_half"]] == [16, 32]

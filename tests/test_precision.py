@@ -5,6 +5,7 @@ Notebook 03 runs in tests/test_nb03.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -182,6 +183,9 @@ def test_fp16_cast_stats_counts():
     assert st.below_min_subnormal_fraction == pytest.approx(3 / 6)  # 1.5·2^-25 rounds up to 2^-24
     assert st.subnormal_fraction == pytest.approx(2 / 6)  # 1.5·2^-25 -> 2^-24, and 2^-20
     assert st.overflow_fraction == pytest.approx(1 / 6)  # 70000 > 65504
+    assert st.normal_fraction == pytest.approx(1 / 6)  # 1.0
+    assert list(st.bins) == ["flushed to zero", "subnormal", "normal", "overflow"]
+    assert sum(st.bins.values()) == pytest.approx(1.0)  # disjoint: 1.5·2^-25 counts once, as a subnormal
     scaled = P.fp16_cast_stats(v, 2.0**16)
     assert scaled.zero_fraction == 0.0 and scaled.overflow_fraction == pytest.approx(2 / 6)  # 1.0 and 7e4
     assert P.fp16_cast_stats(torch.zeros(3)).nonzero == 0
@@ -269,3 +273,41 @@ def test_forward_loss_runs_under_the_named_autocast(tiny_gpt, tiny_batch):
     assert 0 < abs(float(half) - float(plain)) < 0.05 * float(plain)  # 16-bit matmuls: close, not equal
     with pytest.raises(ParameterError):
         P.forward_loss(model, batch, "fp8")
+
+
+class _SoftmaxInFp32(torch.overrides.TorchFunctionMode):
+    """CUDA autocast's rule for softmax, on a CPU: run it on an fp32 input (the next matmul casts back to 16 bits)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.softmax, torch.softmax, torch.nn.functional.softmax):
+            args = (args[0].float(), *args[1:])
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("attn, n_layer", [("manual", 1), ("manual", 2), ("sdpa", 2)])
+def test_cuda_softmax_extra_bytes_is_what_an_fp32_softmax_adds_to_the_saved_tensors(attn, n_layer, tiny_gpt,
+                                                                                     tiny_batch, tiny_config):
+    from labkit.saved import saved_tensor_census
+
+    model = tiny_gpt(attn=attn, n_layer=n_layer)
+    batch = tiny_batch(3, seq_len=12)
+
+    def saved_bytes(cuda_rule):
+        with torch.autocast("cpu", dtype=torch.bfloat16), (_SoftmaxInFp32() if cuda_rule else contextlib.nullcontext()):
+            return sum(saved_tensor_census(model, lambda: model(*batch)[1]).by_dtype_kind().values())
+
+    extra = saved_bytes(True) - saved_bytes(False)
+    cfg = dataclasses.replace(tiny_config, attn=attn, n_layer=n_layer)
+    assert P.cuda_softmax_extra_bytes(cfg, 3, 12) == extra
+    assert (extra > 0) == (attn == "manual")
+
+
+def test_step_outcome_returns_the_gradients_used_the_weights_after_and_their_dtypes(tiny_gpt, tiny_batch):
+    model, batch = tiny_gpt(), tiny_batch(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = flat(model)
+    grads, after, dtypes = P.step_outcome(model, opt, lambda m, o: P.amp_train_step(m, o, [batch], precision="bf16"))
+    assert torch.equal(after, flat(model)) and torch.allclose(after, before - 0.5 * grads)  # SGD: w - lr·g
+    assert dtypes == [torch.float32] * len(list(model.parameters()))  # fp32 parameters get fp32 gradients
+    assert not opt._optimizer_step_pre_hooks  # the dtype hook is removed

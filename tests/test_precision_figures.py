@@ -36,6 +36,9 @@ def test_step_memory_and_time_draws_bars_and_the_speed_ratio():
     fig = plot_step_memory_and_time(splits, {"fp32": 2.0, "bf16": 1.6}, COLORS, "t4", "Memory, width 8", "roofline bound")
     ax_mem, ax_time = fig.axes[:2]
     assert [round(p.get_height(), 6) for p in ax_time.patches] == [2.0, 1.6]
+    fig.canvas.draw()  # every bar label inside the axes: none cut at the frame
+    frame = ax_time.get_window_extent()
+    assert all(frame.y0 <= t.get_window_extent().y0 and t.get_window_extent().y1 <= frame.y1 for t in ax_time.texts)
     assert ax_time.get_title() == "bf16: 1.25× fp32's speed" and "t4" in ax_time.get_ylabel()
     assert "roofline bound" in ax_time.get_ylabel()
     assert [t.get_text() for t in ax_mem.get_legend().get_texts()] == ["parameters", "activations"]
