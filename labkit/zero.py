@@ -74,8 +74,12 @@ def describe_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float], bud
 
 def deepspeed_config(stage: int, micro_batch: int, world_size: int = 1, precision: str = "fp32",
                      offload_optimizer: bool = False, offload_params: bool = False,
-                     activation_checkpointing: bool = False) -> dict:
-    """Return the DeepSpeed config (a dict to dump as JSON) for a setting of notebook 07 (lr 1e-3, no accumulation)."""
+                     activation_checkpointing: bool = False, param_persistence_threshold: int | None = None) -> dict:
+    """Return the DeepSpeed config (a dict to dump as JSON) for a setting of notebook 07 (lr 1e-3, no accumulation).
+
+    `param_persistence_threshold` (stage 3): DeepSpeed keeps every parameter tensor of at most that many elements
+    whole on every rank (its default: 1e5); None leaves DeepSpeed's default, 0 shards every tensor.
+    """
     check_choice("stage", stage, STAGES)
     check_int("micro_batch", micro_batch, 1)
     check_int("world_size", world_size, 1)
@@ -84,7 +88,13 @@ def deepspeed_config(stage: int, micro_batch: int, world_size: int = 1, precisio
         raise ValueError("offload_params needs stage 3: only stage 3 shards (and so can offload) the parameters")
     if offload_optimizer and stage == 0:
         raise ValueError("offload_optimizer needs a ZeRO stage >= 1")
+    if param_persistence_threshold is not None:
+        if stage != 3:
+            raise ValueError("param_persistence_threshold needs stage 3: only stage 3 shards the parameters")
+        check_int("param_persistence_threshold", param_persistence_threshold, 0)
     zero: dict = {"stage": stage}
+    if param_persistence_threshold is not None:
+        zero["stage3_param_persistence_threshold"] = param_persistence_threshold
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload_params:

@@ -44,6 +44,7 @@ def test_communication_and_ring_factor():
     (lambda: zero.ring_factor(0), "world_size"),
     (lambda: zero.deepspeed_config(2, 0), "micro_batch"),
     (lambda: zero.deepspeed_config(2, 4, precision="fp8"), "precision"),
+    (lambda: zero.deepspeed_config(3, 4, param_persistence_threshold=-1), "param_persistence_threshold"),
 ])
 def test_bad_input_names_the_parameter(call, name):
     with pytest.raises((ParameterError, ValueError), match=name):
@@ -68,10 +69,20 @@ def test_config_batch_arithmetic_and_sections():
     assert "activation_checkpointing" not in zero.deepspeed_config(1, 4)
 
 
+def test_persistence_threshold_is_written_for_stage_3_only():
+    """0 shards every tensor; None leaves DeepSpeed's default (tensors of up to 1e5 elements kept whole)."""
+    cfg = zero.deepspeed_config(3, 4, param_persistence_threshold=0)
+    assert cfg["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0}
+    assert "stage3_param_persistence_threshold" not in zero.deepspeed_config(3, 4)["zero_optimization"]
+    with pytest.raises(ValueError, match="param_persistence_threshold needs stage 3"):
+        zero.deepspeed_config(2, 4, param_persistence_threshold=0)
+
+
 SETTINGS = [dict(stage=s, micro_batch=8) for s in zero.STAGES] + [
     dict(stage=3, micro_batch=8, precision="bf16", offload_optimizer=True, offload_params=True,
          activation_checkpointing=True),
     dict(stage=2, micro_batch=2, precision="fp16", offload_optimizer=True),
+    dict(stage=3, micro_batch=8, param_persistence_threshold=0),
 ]
 
 
@@ -92,6 +103,10 @@ def test_deepspeed_accepts_every_generated_config(settings):
     assert (offload is not None and offload.device == "cpu") == settings.get("offload_optimizer", False)
     offload = parsed.zero_config.offload_param
     assert (offload is not None and offload.device == "cpu") == settings.get("offload_params", False)
+    if "param_persistence_threshold" in settings:
+        assert parsed.zero_config.param_persistence_threshold == settings["param_persistence_threshold"]
+    else:  # DeepSpeed's default: every tensor of up to 1e5 elements kept whole on every rank
+        assert parsed.zero_config.param_persistence_threshold == 100_000
 
 
 def test_deepspeed_sections_refuse_unknown_keys_but_the_top_level_does_not():
