@@ -323,7 +323,8 @@ def test_a_brute_force_speed_study_tries_every_setting_once_passing_over_a_trial
 
 
 def test_the_prediction_check_counts_verdicts_errors_repeats_and_growth():
-    """labkit.search.checks on hand-made trials: what held, where a peak differs, which trial repeats which setting."""
+    """labkit.search.checks on hand-made trials: what held, where a peak differs; study.repeated_settings: which trial
+    repeats which setting, and why."""
     import datetime
 
     import optuna
@@ -332,14 +333,14 @@ def test_the_prediction_check_counts_verdicts_errors_repeats_and_growth():
     from labkit.search.workers import WORKER_ATTR
     t0 = datetime.datetime(2026, 1, 1)
 
-    def trial(number, knobs, status, start_s, end_s, predicted=None, peak=None, live=0, pid=1):
+    def trial(number, knobs, status, start_s, end_s, predicted=None, peak=None, live=0, pid=1, retry_of=None):
         attrs = {"status": status, "live_tensor_bytes_at_start": live,
                  WORKER_ATTR: {"trial": number, "pid": pid, "host": "h", "start": 0}}
         if predicted is not None:
             attrs.update(predicted_peak_bytes=predicted, peak_bytes=peak)
         t = optuna.trial.create_trial(params=knobs, distributions={k: optuna.distributions.CategoricalDistribution([v])
                                                                    for k, v in knobs.items()}, value=1.0,
-                                      user_attrs=attrs)
+                                      user_attrs=attrs, system_attrs={} if retry_of is None else {"failed_trial": retry_of})
         t.number, t.datetime_start, t.datetime_complete = (number, t0 + datetime.timedelta(seconds=start_s),
                                                            t0 + datetime.timedelta(seconds=end_s))
         return t
@@ -348,12 +349,16 @@ def test_the_prediction_check_counts_verdicts_errors_repeats_and_growth():
               trial(2, a, "ok", 2, 6, 1000, 1000, live=10, pid=2),  # a while trial 0 still ran
               trial(3, b, "oom", 7, 8, 900, 1000, live=10), trial(4, a, "ok", 9, 10, 1000, 1000, live=30),  # a again
               trial(5, {"micro_batch": 16}, "predicted", 11, 11, live=30)]
+    # a 16-bit setting predicted, not run, drawn again (nothing ran it: the check never sees it), and a retry
+    extra = [trial(6, {"micro_batch": 16}, "predicted", 12, 12, live=30), trial(7, {"micro_batch": 3}, "ok", 13, 14),
+             trial(8, {"micro_batch": 2}, "ok", 13.5, 15, retry_of=7)]  # 7: a trial killed before it drew every knob
+    assert studies.repeated_settings(trials + extra) == [(2, 0, "drawn while it ran"), (3, 1, "drawn again"),
+                                                         (4, 0, "drawn again"), (6, 5, "drawn again"), (8, 7, "retry")]
     check = check_predictions(trials, config=None)  # nothing predicted not to fit: no step to run
     assert check.ran_within == [True, True, True, False, True] and check.agreement == 0.8
     assert check.peak_errors == {0: 0.0, 1: 0.01, 2: 0.0, 3: -0.1, 4: 0.0} and check.largest_error == -0.1
-    assert check.repeats_while == [2] and check.repeats_after == [3, 4] and check.predicted_only == [5]
+    assert check.predicted_only == [5]
     assert check.growth_bytes == 20  # worker 1 (trials 0, 1, 3, 4, 5): 10, 10, 10, 30, 30; from its second trial on
     assert [d[0] for d in check.details] == [1, 3]
     rows = dict(check.rows())
-    assert rows["peaks exact to the byte"] == "3 of 5" and rows["trials that drew a setting another still ran"] == "#2"
-    assert rows["trials that ran a setting already reported"] == "#3, #4"
+    assert rows["peaks exact to the byte"] == "3 of 5" and rows["trials predicted to fit, not run here"] == "#5"

@@ -16,8 +16,6 @@ class PredictionCheck:
     ran_within: list  # per trial that ran under the budget: whether it stayed within it, as predicted
     confirmed_oom: dict  # setting (sorted items) -> whether one step under the budget hit OutOfMemory, as predicted
     peak_errors: dict  # trial number -> (predicted - measured) / measured peak
-    repeats_after: list  # trials that ran a setting an earlier trial had already reported
-    repeats_while: list  # trials that drew a setting another trial was still running
     predicted_only: list  # trials predicted to fit and not run here (16-bit without 16-bit units)
     growth_bytes: int  # live tensor bytes at a trial's start: the largest rise over a worker's trials (2nd on)
     details: list = field(default_factory=list)  # (trial number, predicted B, measured B, params) where they differ
@@ -41,8 +39,6 @@ class PredictionCheck:
                  f"{sum(self.confirmed_oom.values())} of {len(self.confirmed_oom)} settings"),
                 ("peaks exact to the byte", f"{n_exact} of {len(self.peak_errors)}"),
                 ("largest peak difference", f"{self.largest_error:+.2%} (positive: predicted more)"),
-                ("trials that ran a setting already reported", _numbers(self.repeats_after)),
-                ("trials that drew a setting another still ran", _numbers(self.repeats_while)),
                 ("trials predicted to fit, not run here", _numbers(self.predicted_only)),
                 ("live tensor growth over a worker's trials", f"{self.growth_bytes:+,} B")]
 
@@ -55,19 +51,12 @@ def _numbers(trials: list) -> str:
 def check_predictions(trials, config: StudyConfig) -> PredictionCheck:
     """Set a speed study's predictions beside its runs: trials that ran (status ok or oom) against their predicted
     verdict and peak; each distinct setting predicted not to fit run for one step under the budget (`confirm_oom`);
-    repeated settings, and whether a worker's live tensors grew from trial to trial."""
+    whether a worker's live tensors grew from trial to trial (repeated settings: study.repeated_settings)."""
     ran = [t for t in trials if t.user_attrs.get("status") in ("ok", "oom")]
     skipped = {tuple(sorted(t.params.items())): dict(t.params, lr=1e-3)
                for t in trials if t.user_attrs.get("status") == "predicted_oom"}
     errors = {t.number: (t.user_attrs["predicted_peak_bytes"] - t.user_attrs["peak_bytes"]) / t.user_attrs["peak_bytes"]
               for t in ran}
-    first: dict = {}  # setting -> the first trial that ran it (a killed trial never finished: its retry is a first run)
-    after, during = [], []
-    for t in sorted(ran, key=lambda t: t.datetime_start):
-        key = tuple(sorted(t.params.items()))
-        if key in first:
-            (after if first[key].datetime_complete <= t.datetime_start else during).append(t.number)
-        first.setdefault(key, t)
     by_pid: dict = {}  # each worker's live tensor bytes at its trials' starts, in order
     for t in sorted(trials, key=lambda t: t.datetime_start or 0):
         if "live_tensor_bytes_at_start" in t.user_attrs and worker_of(t):
@@ -77,5 +66,5 @@ def check_predictions(trials, config: StudyConfig) -> PredictionCheck:
     details = [(n, by_number[n].user_attrs["predicted_peak_bytes"], by_number[n].user_attrs["peak_bytes"],
                 by_number[n].params) for n, e in errors.items() if e]
     return PredictionCheck([t.user_attrs["status"] == "ok" for t in ran],
-                           {k: confirm_oom(p, config) for k, p in skipped.items()}, errors, after, during,
+                           {k: confirm_oom(p, config) for k, p in skipped.items()}, errors,
                            [t.number for t in trials if t.user_attrs.get("status") == "predicted"], growth, details)

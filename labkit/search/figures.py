@@ -8,65 +8,85 @@ from optuna.trial import TrialState
 from labkit.search.study import feasible
 
 # Optuna's own colours (its timeline and `make dashboard`), one meaning each in every figure of chapter 08:
-# blue fits the budget, light grey does not (nothing ran), red a trial that failed (its worker was killed)
+# blue fits the budget, light grey does not, red a trial that failed (its worker was killed)
 STATE_COLOURS = {"COMPLETE": "tab:blue", "FAIL": "tab:red", "PRUNED": "tab:orange", "RUNNING": "tab:green",
                  "WAITING": "tab:gray"}
 FIT_COLOURS = {True: STATE_COLOURS["COMPLETE"], False: "#cccccc"}  # fits the budget, does not
+# one name and one look per kind of trial, in every figure of chapter 08: (face colour, edge colour); hollow: not run
+KINDS = {"fits (metered)": (FIT_COLOURS[True], FIT_COLOURS[True]),
+         "fits (predicted, not run here)": ("white", FIT_COLOURS[True]),
+         "does not fit": (FIT_COLOURS[False], "#8c8c8c"),
+         "failed": (STATE_COLOURS["FAIL"], STATE_COLOURS["FAIL"]),
+         "pruned": (STATE_COLOURS["PRUNED"], STATE_COLOURS["PRUNED"]),
+         "running": (STATE_COLOURS["RUNNING"], STATE_COLOURS["RUNNING"]),
+         "waiting": (STATE_COLOURS["WAITING"], STATE_COLOURS["WAITING"])}
+
+
+def trial_kind(trial) -> str:
+    """Return a speed trial's kind, a key of KINDS: whether it fits and was metered, or its state (chapter 08)."""
+    if trial.state != TrialState.COMPLETE:
+        return trial.state.name.lower().replace("fail", "failed")
+    if not feasible(trial):
+        return "does not fit"
+    return "fits (predicted, not run here)" if trial.user_attrs.get("status") == "predicted" else "fits (metered)"
+
+
+def speed_basis(speed_on: str) -> str:
+    """Return where a speed comes from; a projection is by counted work alone, the host's launches left out (chapter 08)."""
+    return f"{speed_on}, by counted work alone" if speed_on.startswith("projected") else speed_on
+
+
+def speed_label(speed_on: str) -> str:
+    """Return a speed axis's label, `speed_basis` in parentheses on its own lines (chapter 08)."""
+    return "speed, x the plain step\n(" + speed_basis(speed_on).replace(", ", ",\n") + ")"
 
 
 def draw_progress(fig, axes, trials, speed_on: str, order: str = "TPE") -> None:
-    """Draw a speed study's progress on two axes: each trial's speed (grey: did not fit; hollow: predicted to fit, not
-    run here) with the best that fits so far, and the trials by state. `speed_on` says where speeds come from, `order`
-    how the settings were drawn."""
+    """Draw a speed study's progress on two axes: each finished trial's speed by its kind (KINDS) with the best that
+    fits so far, and the trials by kind. `speed_on` says where speeds come from, `order` how settings were drawn."""
     ax = axes[0]
     best, curve = 0.0, []
     for t in trials:
         if feasible(t):
             best = max(best, t.value)
         curve.append(best or float("nan"))
-        if t.state == TrialState.COMPLETE:
-            fits = t.constraints.get("peak_over_budget_bytes", 1) <= 0
-            if t.user_attrs.get("status") == "predicted":
-                ax.scatter(t.number, t.value, s=16, facecolors="none", edgecolors=FIT_COLOURS[True])
-            else:
-                ax.scatter(t.number, t.value, s=16, color=FIT_COLOURS[fits], edgecolors="#8c8c8c" if not fits else "none")
-    ax.plot([t.number for t in trials], curve, color="black", lw=1, label="best that fits so far")
-    ax.scatter([], [], s=16, color=FIT_COLOURS[True], label="fits (metered)")
-    if any(t.user_attrs.get("status") == "predicted" for t in trials):
-        ax.scatter([], [], s=16, facecolors="none", edgecolors=FIT_COLOURS[True], label="fits (predicted, not run)")
-    ax.scatter([], [], s=16, color=FIT_COLOURS[False], edgecolors="#8c8c8c", label="does not fit (not run)")
-    ax.axhline(1.0, color="#8c8c8c", lw=0.8, ls=":")
-    ax.set_xlabel("trial"), ax.set_ylabel(f"speed, x the plain step\n({speed_on})")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.18), ncol=4, frameon=False, columnspacing=1.0)
-    ax.set_title(f"Speed by trial ({order}) and the running best", fontsize=9)
-    states = [t.state.name if t.state != TrialState.COMPLETE else "DOES NOT FIT" if not feasible(t)
-              else "FITS, NOT RUN" if t.user_attrs.get("status") == "predicted" else "FITS" for t in trials]
-    bars = {"FITS": FIT_COLOURS[True], "FITS, NOT RUN": "#c6dbef", "DOES NOT FIT": FIT_COLOURS[False],
-            "FAIL": STATE_COLOURS["FAIL"], "RUNNING": STATE_COLOURS["RUNNING"], "WAITING": STATE_COLOURS["WAITING"]}
-    bars = {n: c for n, c in bars.items() if n in ("FITS", "DOES NOT FIT", "FAIL") or n in states}  # none: no bar
-    axes[1].bar(list(bars), [states.count(n) for n in bars], color=list(bars.values()), edgecolor="#8c8c8c", lw=0.5)
-    axes[1].tick_params(axis="x", labelsize=7, labelrotation=20)
+    ax.plot([t.number for t in trials], curve, color="black", lw=1,
+            label="best that fits so far" if best else None)  # no entry before a trial fits: it draws nothing yet
+    kinds = [trial_kind(t) for t in trials]
+    for kind in ("fits (metered)", "fits (predicted, not run here)", "does not fit"):  # finished trials have a speed
+        points = [t for t, k in zip(trials, kinds) if k == kind]
+        if points:  # a legend entry only for a kind the study has
+            ax.scatter([t.number for t in points], [t.value for t in points], s=16, facecolors=KINDS[kind][0],
+                       edgecolors=KINDS[kind][1], label=kind)
+    ax.axhline(1.0, color="#8c8c8c", lw=0.8, ls=":", label="the plain step's speed")
+    ax.set_xlabel("trial"), ax.set_ylabel("speed, x the plain step")  # where it comes from: in the title
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=5, fontsize=7, frameon=False)
+    ax.set_title(f"Speed by trial ({order}) and the running best\n({speed_basis(speed_on)})", fontsize=9)
+    bars = [k for k in KINDS if k in kinds]  # one bar per kind the study has, named as in the legend
+    axes[1].bar(bars, [kinds.count(k) for k in bars], color=[KINDS[k][0] for k in bars],
+                edgecolor=[KINDS[k][1] for k in bars], lw=1)
+    axes[1].set_xticks(range(len(bars)), [k.replace(" (", "\n(").replace(", ", ",\n") for k in bars])  # the legend's names
+    axes[1].tick_params(axis="x", labelsize=7)
     axes[1].yaxis.set_major_locator(MaxNLocator(integer=True))
-    axes[1].set_ylabel("trials"), axes[1].set_title("Trials by state\n(FAIL: its worker was killed; NOT RUN: 16-bit, "
-                                                    "predicted)", fontsize=8)
+    axes[1].set_ylabel("trials"), axes[1].set_title("Trials by kind" + ("\n(failed: its worker was killed)"
+                                                                        if "failed" in kinds else ""), fontsize=8)
 
 
 def draw_front(ax, trials, front, budget_bytes: int, speed_on: str) -> None:
-    """Draw a speed study's finished trials by peak and speed (hollow: predicted to fit, not run here), its Pareto
-    `front` (studies.speed_memory_front) and the budget."""
+    """Draw a speed study's finished trials by peak and speed, by their kind (KINDS), its Pareto `front`
+    (studies.speed_memory_front) ringed in black, and the budget."""
     from labkit.meter import format_bytes
     done = [t for t in trials if t.state == TrialState.COMPLETE and t.value]
-    for guessed, style in ((False, dict(color=FIT_COLOURS[True], alpha=0.35, label="a trial that fits (metered)")),
-                           (True, dict(facecolors="none", edgecolors=FIT_COLOURS[True],
-                                       label="fits by its prediction (16-bit, not run here)"))):
-        points = [t for t in done if (t.user_attrs.get("status") == "predicted") == guessed]
+    for kind in ("fits (metered)", "fits (predicted, not run here)"):
+        points = [t for t in done if trial_kind(t) == kind]
         if points:
-            ax.scatter([t.user_attrs["peak_bytes"] / 2**20 for t in points], [t.value for t in points], s=18, **style)
+            ax.scatter([t.user_attrs["peak_bytes"] / 2**20 for t in points], [t.value for t in points], s=18,
+                       facecolors=KINDS[kind][0], edgecolors=KINDS[kind][1], label=kind)
     ax.axhline(1.0, color="#8c8c8c", lw=0.8, ls=":", label="the plain step's speed")
-    ax.plot([t.user_attrs["peak_bytes"] / 2**20 for t in front], [t.value for t in front], "-o", ms=5,
-            color="black", mfc=FIT_COLOURS[True], label="Pareto front")
+    ax.plot([t.user_attrs["peak_bytes"] / 2**20 for t in front], [t.value for t in front], "-o", ms=9, mfc="none",
+            color="black", label="Pareto front (ringed)")  # a ring: the point's own kind shows inside it
     ax.axvline(budget_bytes / 2**20, color="black", ls="--", lw=1, label="budget")
-    ax.set_xlabel("peak (MiB)"), ax.set_ylabel(f"speed, x the plain step\n({speed_on})")
+    ax.set_xlabel("peak (MiB)"), ax.set_ylabel(speed_label(speed_on))
     ax.set_title(f"The front: {front[0].value:.2f}x the plain step at {format_bytes(front[0].user_attrs['peak_bytes'])} "
                  f"to {front[-1].value:.2f}x at {format_bytes(front[-1].user_attrs['peak_bytes'])}\n"
                  "(settings predicted over the budget have no speed)", fontsize=9)
@@ -75,7 +95,8 @@ def draw_front(ax, trials, front, budget_bytes: int, speed_on: str) -> None:
 
 def label_lr_losses(ax, trials) -> None:
     """Name the lines of Optuna's intermediate-values plot (plot_intermediate_values) of a learning-rate study in
-    chapter 08's words: coloured and listed by learning rate, smallest first; a pruned trial dashed with × markers."""
+    chapter 08's words: coloured and listed by learning rate, smallest first; a pruned trial in × markers (dashed
+    between them where it reported more than once)."""
     import matplotlib
     by_label = {f"Trial{t.number}": t for t in trials}
     lines = sorted(((by_label[l.get_label()], l) for l in ax.get_lines() if l.get_label() in by_label),
@@ -91,5 +112,6 @@ def label_lr_losses(ax, trials) -> None:
     ax.legend(handles=[line for _, line in lines], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
               title="smallest lr first", title_fontsize=7)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title("Validation loss in each learning-rate trial (dashed, ×: pruned, ends where it was stopped)", fontsize=9)
+    ax.set_title("Validation loss in each learning-rate trial (× markers: pruned, ending where it was stopped)",
+                 fontsize=9)
     ax.set_xlabel("optimizer steps (the last step is never reported)"), ax.set_ylabel("validation loss")

@@ -391,6 +391,25 @@ def speed_memory_front(trials) -> list:
     return [points[k] for k in sorted(points)]
 
 
+def repeated_settings(trials) -> list[tuple[int, int, str]]:
+    """Return (trial, the first trial with its setting, why) for each trial whose setting an earlier trial had
+    (chapter 08): "retry" (of the failed trial named, its worker dead), "drawn again" (the sampler drew a setting
+    tried and finished before), "drawn while it ran" (a setting another worker's trial still ran)."""
+    earlier: dict = {}  # setting -> the trials that drew it so far, in order of their start
+    out = []
+    for t in sorted((t for t in trials if t.datetime_start is not None and t.params),
+                    key=lambda t: (t.datetime_start, t.number)):
+        before = earlier.setdefault(tuple(sorted(t.params.items())), [])
+        failed = t.system_attrs.get("failed_trial")  # set by the retry callback (the failed trial may hold fewer knobs)
+        if failed is not None:
+            out.append((t.number, failed, "retry"))
+        elif before:
+            done = any(o.datetime_complete is not None and o.datetime_complete <= t.datetime_start for o in before)
+            out.append((t.number, before[0].number, "drawn again" if done else "drawn while it ran"))
+        before.append(t)
+    return sorted(out)
+
+
 def fresh_study_name(prefix: str) -> str:
     """Return a study name no earlier run used: `prefix`, the time to the second, and this process's id."""
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
