@@ -160,6 +160,8 @@ class WorkCounter(TorchDispatchMode):
             return device if device is not None else func(*args, **kwargs)
         if func.namespace in ("c10d", "_c10d_functional"):
             self._communication(func, args)
+            if self.counting_bytes and func.overloadpacket.__name__ not in NOT_COMMUNICATION:
+                self.kernels += 1  # a collective is a launch too (NCCL runs it as a kernel)
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         formula = FORMULAS.get(func.overloadpacket)
