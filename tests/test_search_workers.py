@@ -61,7 +61,7 @@ def test_a_worker_killed_mid_trial_loses_no_trial(tmp_path):
     study = studies.create_study("kill", storage, config, "loss", sampler="random", pruner="none")
     space = [p for p in config.space() if p.name not in (study.user_attrs["settings"].get("fixed") or {})]
     seen = []
-    run = workers.run_workers(url, study, 2, 8, tmp_path, kill_one=True, timeout_s=120, on_progress=seen.append,
+    run = workers.run_workers(url, study, 2, 8, tmp_path, kill_one=True, timeout_s=300, on_progress=seen.append,
                               drawn=lambda t: _complete(t.params, space), replace=False)  # drawn: the retry repeats it
     assert run.killed is not None and not run.timed_out and run.seconds > 0
     number, codes = run.killed[0], run.exit_codes
