@@ -73,17 +73,24 @@ def plot_timeline(source: MemoryMeter | list[TimelinePoint], ax=None, budget_byt
     x = list(range(len(points)))
     y = [p.bytes / MiB for p in points]
     ax.plot(x, y, color="#333333", lw=0.8)
-    for phase in PHASES:
+    for phase in PHASES:  # only phases with events enter the legend
         xs = [i for i, p in enumerate(points) if p.phase == phase]
         if xs:
-            ax.scatter(xs, [y[i] for i in xs], s=4, color=PHASE_COLORS[phase], label=phase, zorder=3)
+            sparse = len(xs) < max(3, len(points) // 50)  # a few events: larger dots, counted, or the line hides them
+            ax.scatter(xs, [y[i] for i in xs], s=18 if sparse else 4, color=PHASE_COLORS[phase],
+                       label=f"{phase} ({len(xs)} event{'s' * (len(xs) > 1)})" if sparse else phase,
+                       zorder=4 if sparse else 3, edgecolors="black" if sparse else "face", linewidths=0.4,
+                       clip_on=not sparse)  # a dot at 0 MiB shows whole
     peak = max(range(len(y)), key=y.__getitem__)
     ax.annotate(f"peak {y[peak]:.1f} MiB", (peak, y[peak]), textcoords="offset points", xytext=(4, 4), fontsize=8)
     if budget_bytes:
         ax.axhline(budget_bytes / MiB, color="black", ls="--", lw=1, label=f"budget {budget_bytes / MiB:.0f} MiB")
     ax.set_ylim(0, max(max(y), (budget_bytes or 0) / MiB) * 1.15)  # headroom: the peak's label stays inside
     ax.set(xlabel="allocation/free event", ylabel="device memory (MiB)", title=title)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, markerscale=3)  # beside: on no data
+    legend = ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside: on no data
+    for handle in legend.legend_handles:
+        if hasattr(handle, "set_sizes"):
+            handle.set_sizes([14])  # one marker size in the key, whatever size the dots are drawn
     return ax
 
 
@@ -91,20 +98,31 @@ def plot_memory_bars(splits: dict[str, dict[str, int]], ax=None, budget_bytes: i
                      title: str = "Memory at the peak, by category", names: dict[str, str] | None = None):
     """Plot stacked bars of bytes by category, in MiB, one bar per label.
 
+    A category with no bytes in any bar is not drawn, so the legend lists only what the bars show; one too thin to
+    see (under 1.5% of the axis) says its largest size in the legend.
     `names` renames categories in the legend, e.g. {"activations": "other"} for memory at rest.
     """
     names = names or {}
     ax = new_figure()[1] if ax is None else ax
     labels = list(splits)
     bottom = [0.0] * len(labels)
-    for cat in CATEGORIES:
+    drawn = [cat for cat in CATEGORIES if any(splits[k].get(cat, 0) for k in labels)]
+    layers = {}
+    for cat in drawn or CATEGORIES[:1]:  # all empty: one layer of zero bars keeps the labels on the x axis
         vals = [splits[k].get(cat, 0) / MiB for k in labels]
-        ax.bar(labels, vals, bottom=bottom, color=CATEGORY_COLORS[cat], label=names.get(cat, cat.replace("_", " ")))
+        layers[cat] = ax.bar(labels, vals, bottom=bottom, color=CATEGORY_COLORS[cat],
+                             label=names.get(cat, cat.replace("_", " ")) if drawn else "_empty")
         bottom = [b + v for b, v in zip(bottom, vals)]
     if budget_bytes:
         ax.axhline(budget_bytes / MiB, color="black", ls="--", lw=1, label="budget")
+    thin_mib = 0.015 * max(bottom + [(budget_bytes or 0) / MiB])  # a layer this thin is a hairline: say its size
+    for cat in drawn:
+        most = max(splits[k].get(cat, 0) for k in labels) / MiB
+        if most < thin_mib:
+            layers[cat].set_label(f"{layers[cat].get_label()}\n(≤ {most:.2f} MiB)")  # no wider than the others
     ax.set(ylabel="memory (MiB)", title=title)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the bars, on none
+    if drawn or budget_bytes:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the bars, on none
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     return ax
 
@@ -159,13 +177,15 @@ def plot_fit(ax, xs, ys, fit=None, xlabel: str = "", ylabel: str = "", title: st
              fit_label: str = "fitted curve"):
     """Plot measured points (ys so far, against the first xs) and, once known, `fit` as a dashed curve over the xs'
     range, every value divided by `scale` (chapter 00: activation bytes in MiB against the batch and the sequence)."""
-    ax.plot(list(xs)[:len(ys)], [y / scale for y in ys], "o", ms=6, color="#4c72b0", label="measured", zorder=3)
+    ax.plot(list(xs)[:len(ys)], [y / scale for y in ys], "o", ms=6, color="#4c72b0",
+            label="measured" if ys else "_measured", zorder=3)  # in the legend once a point is drawn
     if fit is not None:
         fine = [xs[0] + (xs[-1] - xs[0]) * k / 50 for k in range(51)]
         ax.plot(fine, [fit(x) / scale for x in fine], "--", color="black", lw=1, label=fit_label)
     ax.set_xticks(list(xs))
     ax.set(xlabel=xlabel, ylabel=ylabel, ylim=(0, None))
-    ax.legend(fontsize=8, loc="lower right")  # measured sizes rise to the upper right
+    if ys or fit is not None:
+        ax.legend(fontsize=8, loc="lower right")  # measured sizes rise to the upper right
     ax.set_title(title, fontsize=10)
     return ax
 
@@ -183,6 +203,7 @@ class LiveFigure:
     def update(self, data) -> Figure:
         """Redraw the figure from `data` and refresh its display."""
         fig, axes = new_figure(*self._shape)
+        fig._labkit_live = True  # workbook.figcheck: a series still to come may have a legend entry and no point yet
         self._draw(fig, axes, data)
         self.fig = fig
         if in_kernel():

@@ -173,3 +173,69 @@ def test_labkits_stacked_memory_bars_pass():
     for ax in axes.flat:
         plot_memory_bars(splits, ax=ax, budget_bytes=60 * 2**20)
     assert figure_problems(fig) == []
+
+
+@pytest.mark.parametrize("draw", ["zero bars", "empty line", "empty scatter", "empty area"])
+def test_a_legend_entry_that_draws_nothing(draw):
+    from matplotlib.patches import Patch
+
+    from workbook.figcheck import rule_of
+
+    fig, ax = _fig()
+    ax.bar(["plain", "offload"], [30, 20], label="activations")
+    if draw == "zero bars":
+        ax.bar(["plain", "offload"], [0, 0], bottom=[30, 20], label="gradients")
+    elif draw == "empty line":
+        ax.plot([], [], label="gradients")
+    elif draw == "empty scatter":
+        ax.scatter([], [], label="gradients")
+    else:
+        ax.fill_between([], [], label="gradients")
+    ax.set(title="Peak by technique", ylabel="peak (MiB)", ylim=(0, 60))
+    ax.legend(loc="upper right")
+    problems = figure_problems(fig)
+    assert [p for p in problems if "draws nothing" in p] == ["panel 1 ('Peak by technique'): the legend entry "
+                                                              "'gradients' draws nothing"], problems
+    assert rule_of(problems[0]) == "empty legend entry"
+    # the same entry passes once it draws something, and a proxy handle made only for the legend is not checked
+    fig, ax = _fig()
+    ax.bar(["plain", "offload"], [30, 20], label="activations")
+    ax.bar(["plain", "offload"], [0, 4], bottom=[30, 20], label="gradients")
+    ax.set(title="Peak by technique", ylabel="peak (MiB)", ylim=(0, 60))
+    ax.legend(handles=[*ax.containers, Patch(color="grey", label="budget")], loc="upper right")
+    assert figure_problems(fig) == []
+
+
+def test_labkits_figures_list_only_what_they_draw():
+    """plot_memory_bars leaves out a category with no bytes; plot_timeline a phase with no events."""
+    from labkit.meter import TimelinePoint
+    from labkit.plots import new_figure, plot_memory_bars, plot_timeline
+
+    fig, (ax0, ax1) = new_figure(ncols=2)
+    plot_memory_bars({"plain": {"parameters": 2**20, "gradients": 0, "activations": 300 * 2**20},
+                      "L2L": {"parameters": 2**20, "gradients": 2**18, "activations": 2**20}}, ax=ax0)
+    assert [t.get_text() for t in ax0.get_legend().get_texts()] == [  # no optimizer state; two hairlines sized
+        "parameters\n(≤ 1.00 MiB)", "gradients\n(≤ 0.25 MiB)", "activations"]
+    points = [TimelinePoint(i, 0.0, b * 2**20, "other" if i == 0 else "forward") for i, b in enumerate(range(1, 200))]
+    plot_timeline(points, ax=ax1)
+    assert [t.get_text() for t in ax1.get_legend().get_texts()] == ["forward", "other (1 event)"]
+    sizes = {c.get_label(): c.get_sizes()[0] for c in ax1.collections}
+    assert sizes["other (1 event)"] > sizes["forward"]  # one event: a larger dot, not hidden under the line
+    assert figure_problems(fig) == []
+
+
+def test_a_live_figures_frames_may_list_series_still_to_come():
+    """LiveFigure marks its frames: the first lists the second sweep's entry before its first point."""
+    from labkit.plots import LiveFigure
+
+    def draw(fig, axes, d):
+        for ax, name in zip(axes, ("batch", "seq")):
+            ax.plot(range(len(d[name])), d[name], "o", label="measured")
+            ax.plot([0, 3], [0, 3], "--", label="bound")
+            ax.set(title=name, xlabel="batch (samples)", ylabel="bytes (MiB)")
+            ax.legend(loc="upper left")
+
+    frame = LiveFigure(draw).update({"batch": [1.0], "seq": []})
+    assert not any("draws nothing" in p for p in figure_problems(frame))
+    frame._labkit_live = False  # the same frame drawn once, not live: its empty entry is named
+    assert any("'measured' draws nothing" in p for p in figure_problems(frame)), figure_problems(frame)

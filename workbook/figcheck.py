@@ -14,6 +14,10 @@ matplotlib can tell:
 - **legend**: an axes with two or more labelled series has a legend (its own or the figure's); a legend
   inside an axes covers none of its data: line vertices and points along its segments, scatter points,
   bars (any overlap of a bar's box with the legend's box).
+- **empty legend entry**: every legend entry whose series is on the axes draws something there: a line with a
+  finite point, a scatter with a point, bars not all of zero height, a filled area with a vertex (a proxy
+  handle made only for the legend is not checked). Not on a `labkit.plots.LiveFigure`'s frames: an early frame
+  lists series still to come, and the kernel's hook cannot tell which frame is the last.
 - **overlap**: no two of these texts overlap: the suptitle, each axes' titles, axis labels and legends,
   and neighbouring tick labels of one axis; none of them runs past the figure's edge (cut off).
 
@@ -127,6 +131,37 @@ def _bar_boxes(ax, renderer):
     return boxes
 
 
+def _draws_nothing(artist) -> bool:
+    """Return whether a legend's series draws nothing: no finite point, no scatter point, only zero-height bars."""
+    from matplotlib.collections import Collection, PathCollection
+    from matplotlib.container import BarContainer
+    from matplotlib.lines import Line2D
+
+    if isinstance(artist, Line2D):
+        xy = np.asarray(artist.get_xydata(), dtype=float).reshape(-1, 2)
+        return not np.isfinite(xy).all(axis=1).any()
+    if isinstance(artist, BarContainer):
+        return all(not np.isfinite(bar.get_height()) or bar.get_height() == 0 or bar.get_width() == 0
+                   for bar in artist.patches)
+    if isinstance(artist, PathCollection):
+        return len(artist.get_offsets()) == 0
+    if isinstance(artist, Collection):  # fill_between and other polygons: drawn where a path has a vertex
+        return not any(len(path.vertices) for path in artist.get_paths())
+    return False
+
+
+def _empty_legend_entries(ax, legend) -> list[str]:
+    """Return the legend's labels whose series, found on the axes by that label, all draw nothing."""
+    series = [a for a in [*ax.lines, *ax.collections, *ax.containers] if not str(a.get_label()).startswith("_")]
+    empty = []
+    for text in legend.get_texts():
+        label = text.get_text()
+        found = [a for a in series if a.get_label() == label]
+        if found and all(_draws_nothing(a) for a in found):
+            empty.append(label)
+    return empty
+
+
 def _overlap(a, b, slack_px: float = 1.0) -> bool:
     return (min(a.x1, b.x1) - max(a.x0, b.x0) > slack_px) and (min(a.y1, b.y1) - max(a.y0, b.y0) > slack_px)
 
@@ -174,6 +209,8 @@ def figure_problems(fig) -> list[str]:
                                              f"{bars} bars" if bars else "") if s)
                 problems.append(f"{where}: the legend covers data ({what})")
             texts.append((f"{where} legend", legend))
+            for label in [] if getattr(fig, "_labkit_live", False) else _empty_legend_entries(ax, legend):
+                problems.append(f"{where}: the legend entry {label!r} draws nothing")
         for title in _visible_texts([ax._left_title, ax.title, ax._right_title]):
             texts.append((f"{where} title", title))
         for name, label in (("x label", ax.xaxis.label), ("y label", ax.yaxis.label)):
@@ -192,13 +229,14 @@ def figure_problems(fig) -> list[str]:
 
 
 RULES = {"no title": "title", "has no label": "label", "names no unit": "unit", "and no legend": "legend",
-         "legend covers data": "legend over data", "tick labels": "ticks", "overlaps": "overlap",
+         "legend covers data": "legend over data", "draws nothing": "empty legend entry", "tick labels": "ticks",
+         "overlaps": "overlap",
          "cut off": "cut off",
          "the figure check failed": "check failed"}
 
 
 def rule_of(problem: str) -> str:
-    """Return the rule a problem line breaks: title, label, unit, legend, legend over data, ticks or overlap."""
+    """Return the rule a problem line breaks (RULES' values, e.g. title, unit, empty legend entry); else "other"."""
     return next((rule for words, rule in RULES.items() if words in problem), "other")
 
 
