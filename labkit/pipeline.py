@@ -362,6 +362,18 @@ class PipelineTimings:
         parts = [(c, w - c, s - w) for s, w, c in self.makespans_s(schedule, micro_batches)]
         return tuple(statistics.median(p[i] for p in parts) for i in range(3))
 
+    def bubble_parts(self, schedule: str, micro_batches: int) -> tuple[float, float, float]:
+        """Return the measured bubble in three parts (medians over steps): the compute-only replay's bubble, what the
+        waits for a core inside actions add (the whole-span replay's bubble less it), and what the time between
+        actions adds (the measured bubble less the whole-span replay's)."""
+        import statistics
+
+        parts = []
+        for s, c in zip(self.actions(schedule, micro_batches), self.actions(schedule, micro_batches, compute_only=True)):
+            measured, whole, compute = (measured_bubble(x)["bubble_fraction"] for x in (s, replay(s), replay(c)))
+            parts.append((compute, whole - compute, measured - whole))
+        return tuple(statistics.median(p[i] for p in parts) for i in range(3))
+
     def per_action_s(self, schedule: str, micro_batches: int) -> tuple[float, float, float]:
         """Return per action (seconds, medians over steps): compute, the step's waits for a core, between actions."""
         import statistics

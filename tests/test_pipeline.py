@@ -308,6 +308,10 @@ def test_pipeline_timings_replay_the_compute_and_split_the_rest():
     assert slow.replayed_bubble("GPipe", 4) == pytest.approx(bubble_theory(2, 4))  # the compute alone: the formula
     assert slow.median_step("GPipe", 4)[0] > bubble_theory(2, 4)  # what the gaps add
     assert not slow.rise_told("GPipe", 4, 4)  # a point is not apart from itself
+    assert exact.bubble_parts("GPipe", 4) == pytest.approx((bubble_theory(2, 4), 0.0, 0.0))
+    replayed, core, between = slow.bubble_parts("GPipe", 4)
+    assert replayed == pytest.approx(bubble_theory(2, 4)) and between > 0  # the gaps idle both ranks
+    assert replayed + core + between == pytest.approx(slow.bubbles("GPipe", 4)[0])  # the parts add up
 
 
 def test_micro_batches_held_come_out_of_the_bytes():

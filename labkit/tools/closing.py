@@ -284,7 +284,7 @@ def several_device_figures(results: dict) -> dict:
         utilisation=mp["utilisation_model_parallel"],
         bubble_by_microbatches={name: _by_int_key(v) for name, v in bubble.items()},
         bubble_theory=_by_int_key(pp.get("bubble_fraction_theory_by_microbatches") or {}),
-        bubble_rise_told=pp["bubble_rise_told_by_schedule"],  # {schedule: a rise after its lowest M beyond the spread}
+        bubble_rise_told=pp["bubble_rise_told_by_schedule"],  # {schedule: a rise beyond the spread, not core waits}
     )
 
 
@@ -395,7 +395,8 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
         shape = describe_trend(ms, ys, fmt="{:.1%}", x_name="M", tol=BUBBLE_LEVEL) if len(ms) > 1 else ""
         lines.append(f"    {schedule}: {each}" + (f"; it {shape}" if shape else "")
                      + ("" if "rise" not in shape or f["bubble_rise_told"].get(schedule, True) else
-                        " (that rise lies within chapter 06b's timed steps' spread: not told apart)"))
+                        " (that rise is not told apart: within chapter 06b's timed steps' spread, or mostly "
+                        "waits for a core)"))
     lines.append(
         f"  splitting the model over {f['model_parallel_ranks']} ranks left at most "
         f"{format_bytes(f['model_parallel_peak_max'])} per rank, against {format_bytes(f['plain_peak'])} on one device.")
