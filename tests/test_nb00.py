@@ -34,6 +34,7 @@ def test_notebook_00_invariants_with_other_parameters_and_a_budget_that_fits(exe
     assert m["estimate_rel_diff"] == 0  # the same step on fake tensors: the estimate is exact on a CPU
     assert m["estimate_7b_adam_fp32_bytes"] > 16 * m["estimate_7b_params"]
     assert m["meter_overhead_ratio"] > 0 and m["dispatch_floor_ratio"] > 0  # times: recorded, compared elsewhere
+    assert m["meter_overhead_verdict"] in ("slower", "faster", "not told apart", "unreliable")  # judged with the ratio
     work = labkit.costs.work_from_record(m["work_plain"])  # 6 x matmul weights x tokens + attention's products
     matmul_weights = sum(x.weight.numel() for x in model.modules() if isinstance(x, torch.nn.Linear))
     assert work.flops == {"fp32": 6 * matmul_weights * 8 * 32 + 12 * 2 * 64 * 32 * 8 * 32}
