@@ -7,12 +7,14 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from labkit.compare import flat
 from labkit.meter import MemoryMeter
-from labkit.models import blocks_of, token_weights
+from labkit.models import blocks_of, build_model, token_weights
+from labkit.train import create_optimizer_state, make_optimizer, seeded_model
 from labkit.validate import ParameterError, check_choice, check_float
+from labkit.work import Work, count_work
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -312,3 +314,36 @@ def forward_loss(model: torch.nn.Module, batch, precision: str = "fp32") -> torc
     """Return the loss of one forward pass of `model` on `batch` under autocast at `precision` (chapter 03)."""
     with autocast(precision, next(model.parameters()).device):
         return model(*batch)[1]
+
+
+def count_fake_step(step, cfg, dtype: torch.dtype | None, batch_size: int, seq_len: int) -> Work:
+    """Count one `step(model, optimizer, batch, dtype)` with Adam on fake tensors: shapes and dtypes (chapter 03)."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = build_model(cfg)  # fake parameters: the same shapes and dtypes as the real model's
+        optimizer = make_optimizer("adam", model.parameters())
+        create_optimizer_state(optimizer)  # Adam's moments, as after the first step
+        batch = tuple(torch.zeros(batch_size, seq_len, dtype=torch.long) for _ in range(2))  # inputs, targets
+        return count_work(step, model, optimizer, batch, dtype)
+
+
+def count_scaled_step(step, cfg, dtype: torch.dtype, batch_size: int, seq_len: int, seed: int = 0,
+                      device: torch.device | str = "cpu") -> Work:
+    """Count one `step(model, optimizer, batch, dtype, scaler)` with Adam and a GradScaler (chapter 03)."""
+    device = torch.device(device)
+    model = seeded_model(cfg, seed, device)  # real tensors: the scaler reads its inf check on the host
+    optimizer = make_optimizer("adam", model.parameters())
+    create_optimizer_state(optimizer)  # Adam's moments, as after the first step
+    batch = tuple(torch.zeros(batch_size, seq_len, dtype=torch.long, device=device) for _ in range(2))  # inputs, targets
+    return count_work(step, model, optimizer, batch, dtype, torch.amp.GradScaler(device.type))
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Return the bytes of an optimizer's state tensors, scalars such as Adam's step left out (chapter 03)."""
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def params_grads_state_bytes(params, optimizer: torch.optim.Optimizer) -> int:
+    """Return the bytes of `params`, of their gradients and of the optimizer's state tensors (chapter 03)."""
+    tensors = [t for p in params for t in (p, p.grad) if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors) + optimizer_state_bytes(optimizer)

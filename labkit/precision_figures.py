@@ -66,5 +66,5 @@ def plot_step_memory_and_time(splits: dict[str, dict[str, int]], step_ms: dict[s
     ax_time.set_ylim(0, 1.15 * max(step_ms.values()))  # room above the tallest bar for its label, inside the frame
     ax_time.set_ylabel(f"ms per step on the {gpu_name}\n({time_words})")
     other = names[-1]
-    ax_time.set_title(f"{other}: {step_ms['fp32'] / step_ms[other]:.2f}× fp32's speed", fontsize=9)
+    ax_time.set_title(f"{other}: × {step_ms[other] / step_ms['fp32']:.2f} fp32's time", fontsize=9)
     return fig

@@ -311,3 +311,63 @@ def test_step_outcome_returns_the_gradients_used_the_weights_after_and_their_dty
     assert torch.equal(after, flat(model)) and torch.allclose(after, before - 0.5 * grads)  # SGD: w - lr·g
     assert dtypes == [torch.float32] * len(list(model.parameters()))  # fp32 parameters get fp32 gradients
     assert not opt._optimizer_step_pre_hooks  # the dtype hook is removed
+
+
+def _autocast_step(model, optimizer, batch, dtype, scaler=None):
+    """Notebook 03's step: forward under autocast at `dtype` (None: fp32), backward (scaled with a scaler), one step."""
+    with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):  # None: fp32
+        _, loss = model(*batch)
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_count_scaled_step_adds_the_scalers_kernels_and_no_flops(tiny_config):
+    from labkit.train import create_optimizer_state
+    from labkit.work import count_work
+
+    scaled = P.count_scaled_step(_autocast_step, tiny_config, torch.bfloat16, 2, 8, seed=0)
+    model = labkit.seeded_model(tiny_config, 0)
+    opt = labkit.make_optimizer("adam", model.parameters())
+    create_optimizer_state(opt)
+    batch = tuple(torch.zeros(2, 8, dtype=torch.long) for _ in range(2))
+    plain = count_work(_autocast_step, model, opt, batch, torch.bfloat16)
+    assert scaled.flops == plain.flops and scaled.flops.get("bf16", 0) > 0  # the same matmuls, in bf16
+    assert scaled.kernels > plain.kernels  # scale, unscale_ with its inf check, update
+    assert scaled.bytes_accessed > plain.bytes_accessed
+
+
+def test_optimizer_state_bytes_counts_adams_moments_not_its_step():
+    lin = torch.nn.Linear(4, 3)  # 15 parameters
+    opt = labkit.make_optimizer("adam", lin.parameters())
+    assert P.optimizer_state_bytes(opt) == 0  # no state before the first step
+    lin(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    assert P.optimizer_state_bytes(opt) == 15 * 2 * 4  # exp_avg and exp_avg_sq in fp32; the scalar step left out
+
+
+def test_params_grads_state_bytes_counts_each_tensor_once_by_its_dtype():
+    lin = torch.nn.Linear(4, 3).to(torch.bfloat16)  # 15 parameters, 2 bytes each
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)  # no state
+    assert P.params_grads_state_bytes(lin.parameters(), opt) == 15 * 2  # no gradients yet
+    lin(torch.ones(2, 4, dtype=torch.bfloat16)).sum().backward()
+    master = [torch.zeros(5, requires_grad=True)]  # fp32, without a gradient
+    assert P.params_grads_state_bytes([*lin.parameters(), *master], opt) == 15 * 2 * 2 + 5 * 4
+
+
+def test_count_fake_step_counts_what_the_real_step_counts(tiny_config):
+    from labkit.train import create_optimizer_state
+    from labkit.work import count_work
+
+    model = labkit.seeded_model(tiny_config, 0)
+    opt = labkit.make_optimizer("adam", model.parameters())
+    create_optimizer_state(opt)
+    batch = tuple(torch.zeros(2, 8, dtype=torch.long) for _ in range(2))
+    fake32 = P.count_fake_step(_autocast_step, tiny_config, None, 2, 8)
+    assert fake32 == count_work(_autocast_step, model, opt, batch, None)  # operator for operator
+    fake16 = P.count_fake_step(_autocast_step, tiny_config, torch.bfloat16, 2, 8)
+    assert fake16.total_flops == fake32.total_flops and fake16.flops.get("fp32", 0) == 0  # every FLOP moved to bf16

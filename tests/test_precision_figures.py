@@ -29,7 +29,7 @@ def test_loss_curves_need_fp32():
         plot_loss_curves({"bf16": [1.0, 0.5]}, COLORS)
 
 
-def test_step_memory_and_time_draws_bars_and_the_speed_ratio():
+def test_step_memory_and_time_draws_bars_and_the_time_ratio():
     from labkit.precision_figures import plot_step_memory_and_time
 
     splits = {"fp32 step": {"parameters": 400, "activations": 800}, "bf16 step": {"parameters": 400, "activations": 500}}
@@ -39,7 +39,7 @@ def test_step_memory_and_time_draws_bars_and_the_speed_ratio():
     fig.canvas.draw()  # every bar label inside the axes: none cut at the frame
     frame = ax_time.get_window_extent()
     assert all(frame.y0 <= t.get_window_extent().y0 and t.get_window_extent().y1 <= frame.y1 for t in ax_time.texts)
-    assert ax_time.get_title() == "bf16: 1.25× fp32's speed" and "t4" in ax_time.get_ylabel()
+    assert ax_time.get_title() == "bf16: × 0.80 fp32's time" and "t4" in ax_time.get_ylabel()
     assert "roofline bound" in ax_time.get_ylabel()
     assert [t.get_text() for t in ax_mem.get_legend().get_texts()] == ["parameters", "activations"]
     assert ax_mem.get_title() == "Memory, width 8"
