@@ -7,6 +7,7 @@ draws combinations.
 
 from __future__ import annotations
 
+from matplotlib.lines import Line2D
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 from labkit import plots
@@ -117,20 +118,20 @@ def draw_plan(p):
         f"{c.precision}")
     ax.set_title(f"{p.model} on {p.gpus} × {p.device}, batch {p.batch} × {p.seq_len}; budget {budget:.1f} GiB "
                  f"({p.reserve_fraction:.0%} reserved)\n{verdict}", fontsize=9)
-    handles = [ax.plot([], [], marker=mk, color="grey", ls="none", label=k)[0]
+    handles = [Line2D([], [], marker=mk, color="grey", ls="none", label=k)
                for k, mk in PRECISION_MARKERS.items() if any(r.combination.precision == k for r in p.rows)]
-    handles += [ax.plot([], [], marker="o", color=col, ls="none", label=f"ckpt {k}")[0]
+    handles += [Line2D([], [], marker="o", color=col, ls="none", label=f"ckpt {k}")
                 for k, col in CKPT_COLORS.items() if any(r.combination.checkpointing == k for r in p.rows)]
     for what, col in PLACEMENT_EDGES.items():
         if any((c.offload if what == "offload" else c.optimizer == "host") for c in (r.combination for r in p.rows)):
-            handles.append(ax.plot([], [], marker="o", color="#a6a6a6", mec=col, mew=1.5, ls="none",
-                                   label=what)[0])  # filled: hollow means only "does not fit"
+            handles.append(Line2D([], [], marker="o", color="#a6a6a6", mec=col, mew=1.5, ls="none",
+                                  label=what))  # filled: hollow means only "does not fit"
     if not all(r.fits for r in p.rows):
         hollow = dict(marker="o", color="grey", mfc="none", ls="none")
-        handles.append(ax.plot([], [], **hollow, label="does not fit (hollow)")[0])
+        handles.append(Line2D([], [], **hollow, label="does not fit (hollow)"))
     if front:
-        handles.append(ax.plot([], [], "-*", color="#55a868", mfc="black", mec="black",
-                               label="Pareto front, fastest")[0])
+        handles.append(Line2D([], [], ls="-", marker="*", color="#55a868", mfc="black", mec="black",
+                              label="Pareto front, fastest"))
     ax.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), borderaxespad=0)
     if _collide(fig, left_labels + other_labels):  # too close to read: the front's points get their row numbers
         for label in other_labels:
@@ -202,14 +203,14 @@ def draw_check(check, timed_precisions=("fp32", "bf16")):
     ax1.set_title(f"Step time{untimed}: rank correlation {check.rho:.2f}\n(dotted: y = x; below it, steps slower "
                   f"than\npredicted; above it: {len(check.faster)} of {len(names)})", fontsize=9)
     combos = [predicted[n].combination for n in check.names]
-    handles = [ax1.plot([], [], marker=mk, color="grey", ls="none",
-                        label=p if p in timed_precisions else f"{p} (peaks only, not timed)")[0]
+    handles = [Line2D([], [], marker=mk, color="grey", ls="none",
+                      label=p if p in timed_precisions else f"{p} (peaks only, not timed)")
                for p, mk in PRECISION_MARKERS.items() if any(c.precision == p for c in combos)]
-    handles += [ax1.plot([], [], marker="o", color=col, ls="none", mfc="none" if k == "none" else col,
-                         label=f"ckpt {k}" + (" (hollow)" if k == "none" else ""))[0]
+    handles += [Line2D([], [], marker="o", color=col, ls="none", mfc="none" if k == "none" else col,
+                       label=f"ckpt {k}" + (" (hollow)" if k == "none" else ""))
                 for k, col in CKPT_COLORS.items() if any(c.checkpointing == k for c in combos)]
     for what, col in PLACEMENT_EDGES.items():
         if any((c.offload if what == "offload" else c.optimizer == "host") for c in combos):
-            handles.append(ax1.plot([], [], marker="o", color="white", mec=col, mew=1.5, ls="none", label=what)[0])
+            handles.append(Line2D([], [], marker="o", color="white", mec=col, mew=1.5, ls="none", label=what))
     ax1.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     return fig

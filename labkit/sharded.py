@@ -216,13 +216,17 @@ def sent_by_collective(comm_bytes: dict[str, int], comm_calls: dict[str, int], n
                 "sent_bytes": ring_factor(k, n) * comm_bytes.get(k, 0)} for k in COLLECTIVES}
 
 
-def plot_rank_peaks(peaks: dict[str, dict[str, int]], budget_bytes: int, n: int):
+def plot_rank_peaks(peaks: dict[str, dict[str, int]], budget_bytes: int, n: int, bucket_views=()):
     """Draw one rank's peak by category per point, DDP's buckets on top, one device's budget and 1/n of it (chapter 07).
 
-    `peaks`: {point: peak split with "other" holding DDP's buckets}. Return (figure, axes).
+    `peaks`: {point: peak split with "other" holding DDP's buckets}; `bucket_views`: points run with
+    gradient_as_bucket_view, whose "gradients" are DDP's buckets (the gradients are views into them): drawn as
+    buckets. Return (figure, axes).
     """
     from labkit import plots
 
+    peaks = {p: {**s, "gradients": 0, "other": s.get("other", 0) + s["gradients"]} if p in bucket_views else s
+             for p, s in peaks.items()}
     fits = {p: (sum(s.values()) <= budget_bytes, sum(s.values()) <= budget_bytes // n) for p, s in peaks.items()}
     fig, ax = plots.new_figure(width_in=7.5, height_in=3.4)
     labels = {p: p.replace("FSDP2 ", "FSDP2\n").replace(" + ", "\n+ ").replace("DDP ", "DDP\n") for p in peaks}

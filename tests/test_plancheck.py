@@ -10,6 +10,7 @@ from labkit.gpus import GPUS
 from labkit.plan import Combination, Row
 from labkit.plancheck import PlanCheck, memory_bound, random_order_rho, short_name
 from labkit.throughput import Throughput
+from workbook.figcheck import figure_problems
 
 
 def _row(peak_bytes, step_s, checkpointing="none", precision="fp32", offload=False, optimizer="device", mb=4,
@@ -87,6 +88,7 @@ def test_draw_check_plots_every_row_and_the_timed_ones(check):
     assert sum(len(line.get_xdata()) == 1 for line in times.lines) == 4  # one per timed row
     labels = [t.get_text() for t in times.get_legend().get_texts()]
     assert "bf16 (peaks only, not timed)" in labels and "offload" in labels and "Adam on the host" in labels
+    assert not [q for q in figure_problems(fig) if "draws nothing" in q]  # the legend's keys are proxies, not series
 
 
 def test_draw_check_sets_the_time_panel_y_limits_from_the_predictions(check):
@@ -107,3 +109,4 @@ def test_draw_plan_starts_a_linear_time_axis_at_zero():
                    _row(20 * 2**30, 0.120, precision="bf16"), _row(50 * 2**30, 0.900, mb=2)])
     ax = draw_plan(p).axes[0]  # margins of 25% of 100-900 ms would start the axis at -100 ms
     assert ax.get_xscale() == "linear" and ax.get_xlim()[0] == 0
+    assert not [q for q in figure_problems(ax.figure) if "draws nothing" in q]  # keys: proxies, not empty series

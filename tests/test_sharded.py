@@ -169,6 +169,11 @@ def test_plots_draw_the_budgets_and_the_buckets():
     assert "1 of 2 points fit one device's budget, 0 fit 1/2 of it" in ax.get_title()
     labels = ax.get_legend_handles_labels()[1]
     assert {"DDP's buckets", "one device's budget", "1/2 of it"} <= set(labels)
+    view = {"DDP bucket view": {**peaks["DDP"], "gradients": 4 << 20, "other": 0}}  # the buckets, counted as gradients
+    fig, ax = sharded.plot_rank_peaks(view, budget_bytes=16 << 20, n=2, bucket_views=("DDP bucket view",))
+    bars = {c.get_label(): c for c in ax.containers}
+    assert bars["DDP's buckets"][0].get_height() == 4  # MiB: drawn as the buckets, on top
+    assert "gradients" not in ax.get_legend_handles_labels()[1]
     value = {"peak": peaks["DDP"], "states": {"parameters": 4, "gradients": 4, "optimizer_state": 8, "other": 2}}
     fig, ax = sharded.plot_rank_memory("one rank", value, budget_bytes=8 << 20)
     assert ax.get_title() == "one rank" and "budget" in ax.get_legend_handles_labels()[1]
