@@ -51,12 +51,14 @@ def cost_table(works: Mapping[str, Work], gpu: str | DeviceProfile, baseline: st
         if baseline is not None:
             line += f" {seconds[name] / seconds[baseline]:>7.2f}"
         lines.append(line)
-    lines.append("GB moved: operators' reads and writes; kernels: operators and collectives run; MiB host: over PCIe; "
-                 "MiB sent: to other GPUs" + (f"; 16-bit runs as {half} on the {device.name}" if half != "bf16" else "")
+    lines.append("GB moved: operators' reads and writes; kernels: operators, collectives and host copies run; "
+                 "MiB host: over PCIe; MiB sent: to other GPUs"
+                 + (f"; 16-bit runs as {half} on the {device.name}" if half != "bf16" else "")
                  + (f"; x base: time over {baseline}'s" if baseline is not None else ""))
     bound_by_launches = [name for name, t in times.items() if t.launch_bound]
     lines.append(f"launch: kernels × {EAGER_OPERATOR_S * 1e6:.1f} µs, eager PyTorch's host time per operator "
-                 "(labkit.gpus.EAGER_OPERATOR_S), outside the " + ("estimate" if estimate else "bound")
+                 "(labkit.gpus.EAGER_OPERATOR_S: chapter 00's step timed on an H200 ÷ its kernels), outside the "
+                 + ("estimate" if estimate else "bound")
                  + f"; {len(bound_by_launches)} of {len(times)} settings "
                  f"{'takes' if len(bound_by_launches) == 1 else 'take'} longer to launch than to run on the {device.name}"
                  + (" (the host sets their pace)" if bound_by_launches else ""))

@@ -5,7 +5,7 @@ a time on a GPU; the planner counts its fake steps alike. One `WorkCounter` (a d
 - FLOPs from torch's own formulas (torch.utils.flop_counter; the CPU's fused attention too), keyed by the precision
   the operator computes in (the dtype of its floating-point inputs: bf16 and fp16 matmuls run on tensor cores, fp32 ones do not);
 - bytes operators read and write, each tensor once per operator (no fusion, no cache), views left out;
-- kernels: operators that move or compute data (a GPU launches one kernel or more for each);
+- kernels: operators that move or compute data (a GPU launches one kernel or more for each) and host copies;
 - bytes over the host link: every copy of `labkit.hosttier` (to_host, to_device) reports itself here;
 - bytes handed to collectives and point-to-point sends, by kind, and the bytes a rank sends with ring algorithms.
 """
@@ -83,7 +83,7 @@ class Work:
 
     flops: dict = field(default_factory=dict)  # FLOPs by precision ("fp32", "bf16", "fp16"), torch's formulas
     bytes_accessed: int = 0  # bytes operators read and write (each tensor once per operator: no fusion, no cache)
-    kernels: int = 0  # operators that move or compute data (a GPU launches at least one kernel for each)
+    kernels: int = 0  # operators that move or compute data (a GPU launches at least one kernel for each), host copies
     host_bytes: int = 0  # bytes over the host link, both directions (labkit.hosttier's copies)
     sent_bytes: float = 0.0  # bytes this rank sends to others (ring algorithms; sends)
 
@@ -112,13 +112,15 @@ _ACTIVE: list = []  # the WorkCounters entered now, innermost last: hosttier's c
 
 @contextlib.contextmanager
 def host_copy(nbytes: int):
-    """Count `nbytes` over the host link in every active WorkCounter; the copy inside is not device memory traffic.
+    """Count `nbytes` over the host link and one kernel in every active WorkCounter; the copy is not device traffic.
 
-    labkit.hosttier's to_host and to_device run their copy inside it.
+    labkit.hosttier's to_host and to_device run their copy inside it. The copy is one launch (a cudaMemcpyAsync),
+    counted among the kernels while the counter counts them; its bytes count as host bytes, not bytes moved.
     """
     was = [(counter, counter.counting_bytes) for counter in _ACTIVE]
-    for counter, _ in was:
+    for counter, counting in was:
         counter.host_bytes += nbytes
+        counter.kernels += int(counting)  # the copy's launch: the host pays for it like an operator's
         counter.counting_bytes = False
     try:
         yield

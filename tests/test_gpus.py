@@ -88,6 +88,7 @@ def test_a_step_of_many_small_kernels_is_launch_bound_and_a_large_one_is_not():
     assert t.time_s == gpus.step_time(dataclasses.replace(small, kernels=0), "a100-80gb").time_s  # left out of it
     table = cost_table({"small": small, "large": large}, "t4")
     assert "1 of 2 settings takes longer to launch than to run on the t4" in table
+    assert "host time per operator (labkit.gpus.EAGER_OPERATOR_S: chapter 00's step timed on an H200" in table
     assert gpus.step_time(small, gpus.measure_cpu(n=64, repeats=1)).launch_s == 0  # a CPU runs what it dispatches
 
 

@@ -77,6 +77,19 @@ def test_a_wrong_prediction_ends_in_oom_not_a_crash(tiny, monkeypatch):
     assert not search.confirm_oom(SETTINGS[0], tiny)
 
 
+def test_the_prediction_check_runs_an_untried_setting_predicted_not_to_fit(tiny):
+    """check_predictions(untried=...): a setting predicted not to fit that no trial drew is confirmed too (chapter 08
+    adds the plain step's); one predicted to fit is not run."""
+    from labkit.search.checks import check_predictions
+
+    plain, small = dict(PLAIN, micro_batch=8), SETTINGS[0]
+    assert check_predictions([], tiny).confirmed_oom == {}
+    check = check_predictions([], tiny, untried=(plain, small))
+    key = tuple(sorted((k, v) for k, v in plain.items() if k != "lr"))
+    assert check.confirmed_oom == {key: True} and check.agreement == 1.0
+    assert dict(check.rows())["hit OutOfMemory in one step, as predicted"] == "1 of 1 settings"
+
+
 def test_report_can_stop_a_trial(tiny):
     seen = []
 
@@ -96,6 +109,7 @@ def test_measure_setting_on_a_cpu_meters_then_projects_its_counted_work_timing_n
     monkeypatch.setattr(search.trial, "_timed_step", lambda *a: pytest.fail("a CPU step was timed to rank a setting"))
     result = search.measure_setting(SETTINGS[1], tiny)
     assert result.status == "ok" and result.peak_bytes == result.predicted_peak_bytes <= tiny.budget_bytes
+    assert result.peak_here_bytes == result.peak_bytes
     assert result.steps_run == tiny.metered_steps and result.val_loss is None and result.relative_speed is None
     assert result.projected_step_s == step_time(result.work, tiny.gpu).time_s > 0
     assert result.tokens_per_s == tiny.tokens_per_step / result.projected_step_s
@@ -114,6 +128,7 @@ def test_a_16_bit_setting_is_predicted_not_run_on_a_cpu_without_16_bit_units(tin
     monkeypatch.setattr(SettingStep, "metered_step", lambda *a: pytest.fail("a 16-bit step ran without 16-bit units"))
     result = search.measure_setting(SETTINGS[2], tiny, reference=search.plain_setting(tiny))
     assert (result.status, result.steps_run, result.peak_bytes) == ("predicted", 0, None) and result.fits
+    assert result.peak_here_bytes == result.predicted_peak_bytes > 0  # not run here: its prediction stands in
     assert result.relative_speed == search.projected_step_s(search.plain_setting(tiny), tiny) / result.projected_step_s
     assert search.runs_here(SETTINGS[1], tiny) and not search.runs_here(SETTINGS[2], tiny)
     monkeypatch.setattr(search.trial, "bf16_native", lambda: True)

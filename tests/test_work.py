@@ -86,10 +86,24 @@ def test_copies_over_the_host_link_count_as_host_bytes_not_as_device_traffic():
         back = hosttier.to_device(h, "cpu")
     work = counter.work()
     assert work.host_bytes == 2 * t.numel() * F32 and torch.equal(back, t)
-    assert work.bytes_accessed == 0 and work.kernels == 0
+    assert work.bytes_accessed == 0 and work.kernels == 2  # each copy is one launch (a cudaMemcpyAsync)
     with WorkCounter() as outer, WorkCounter() as inner:  # nested counters both see it
         hosttier.to_host(t)
     assert outer.work().host_bytes == inner.work().host_bytes == t.numel() * F32
+    assert outer.work().kernels == inner.work().kernels == 1
+
+
+def test_a_host_copy_is_a_kernel_only_while_the_counter_counts_kernels():
+    """The planner stops counting bytes and kernels at the optimizer step: a copy there adds host bytes only."""
+    t = torch.randn(8, 4)
+    with WorkCounter() as counter:
+        counter.counting_bytes = False
+        hosttier.to_host(t)
+    assert counter.work().kernels == 0 and counter.work().host_bytes == t.numel() * F32
+    with WorkCounter() as counter:
+        y = t * 2  # one operator
+        hosttier.to_device(hosttier.to_host(y), "cpu")
+    assert counter.work().kernels == 3 and counter.counting_bytes  # the multiply and two copies; counting resumes
 
 
 def test_work_adds_and_scales_by_micro_batches():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from labkit.search.config import StudyConfig
-from labkit.search.trial import confirm_oom
+from labkit.search.trial import confirm_oom, predict_step
 from labkit.search.workers import worker_of
 
 
@@ -48,13 +48,18 @@ def _numbers(trials: list) -> str:
     return ", ".join(f"#{n}" for n in trials) or "none"
 
 
-def check_predictions(trials, config: StudyConfig) -> PredictionCheck:
+def check_predictions(trials, config: StudyConfig, untried: tuple[dict, ...] = ()) -> PredictionCheck:
     """Set a speed study's predictions beside its runs: trials that ran (status ok or oom) against their predicted
-    verdict and peak; each distinct setting predicted not to fit run for one step under the budget (`confirm_oom`);
-    whether a worker's live tensors grew from trial to trial (repeated settings: study.repeated_settings)."""
+    verdict and peak; each distinct setting predicted not to fit run for one step under the budget (`confirm_oom`),
+    those of `untried` (settings the study may not have drawn) among them; whether a worker's live tensors grew from
+    trial to trial (repeated settings: study.repeated_settings)."""
     ran = [t for t in trials if t.user_attrs.get("status") in ("ok", "oom")]
     skipped = {tuple(sorted(t.params.items())): dict(t.params, lr=1e-3)
                for t in trials if t.user_attrs.get("status") == "predicted_oom"}
+    for params in untried:
+        knobs = {k: v for k, v in params.items() if k != "lr"}
+        if tuple(sorted(knobs.items())) not in skipped and predict_step(params, config)[0] > config.budget_bytes:
+            skipped[tuple(sorted(knobs.items()))] = dict(knobs, lr=1e-3)
     errors = {t.number: (t.user_attrs["predicted_peak_bytes"] - t.user_attrs["peak_bytes"]) / t.user_attrs["peak_bytes"]
               for t in ran}
     by_pid: dict = {}  # each worker's live tensor bytes at its trials' starts, in order

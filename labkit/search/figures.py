@@ -41,10 +41,9 @@ def speed_label(speed_on: str) -> str:
     return "speed, x the plain step\n(" + speed_basis(speed_on).replace(", ", ",\n") + ")"
 
 
-def draw_progress(fig, axes, trials, speed_on: str, order: str = "TPE") -> None:
-    """Draw a speed study's progress on two axes: each finished trial's speed by its kind (KINDS) with the best that
-    fits so far, and the trials by kind. `speed_on` says where speeds come from, `order` how settings were drawn."""
-    ax = axes[0]
+def draw_progress(fig, ax, trials, speed_on: str, order: str = "TPE") -> None:
+    """Draw a speed study's progress on one axis: each finished trial's speed by its kind (KINDS) and the best that
+    fits so far. `speed_on` says where speeds come from, `order` how settings were drawn (chapter 08)."""
     best, curve = 0.0, []
     for t in trials:
         if feasible(t):
@@ -59,17 +58,10 @@ def draw_progress(fig, axes, trials, speed_on: str, order: str = "TPE") -> None:
             ax.scatter([t.number for t in points], [t.value for t in points], s=16, facecolors=KINDS[kind][0],
                        edgecolors=KINDS[kind][1], label=kind)
     ax.axhline(1.0, color="#8c8c8c", lw=0.8, ls=":", label="the plain step's speed")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("trial"), ax.set_ylabel("speed, x the plain step")  # where it comes from: in the title
-    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=5, fontsize=7, frameon=False)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=7, frameon=False)
     ax.set_title(f"Speed by trial ({order}) and the running best\n({speed_basis(speed_on)})", fontsize=9)
-    bars = [k for k in KINDS if k in kinds]  # one bar per kind the study has, named as in the legend
-    axes[1].bar(bars, [kinds.count(k) for k in bars], color=[KINDS[k][0] for k in bars],
-                edgecolor=[KINDS[k][1] for k in bars], lw=1)
-    axes[1].set_xticks(range(len(bars)), [k.replace(" (", "\n(").replace(", ", ",\n") for k in bars])  # the legend's names
-    axes[1].tick_params(axis="x", labelsize=7)
-    axes[1].yaxis.set_major_locator(MaxNLocator(integer=True))
-    axes[1].set_ylabel("trials"), axes[1].set_title("Trials by kind" + ("\n(failed: its worker was killed)"
-                                                                        if "failed" in kinds else ""), fontsize=8)
 
 
 def draw_front(ax, trials, front, budget_bytes: int, speed_on: str) -> None:

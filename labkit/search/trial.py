@@ -53,6 +53,11 @@ class TrialResult:
     error: str = ""  # the budget's message for an "oom"
 
     @property
+    def peak_here_bytes(self) -> int:
+        """Return the metered peak where the setting ran here, else its predicted one (chapter 08's table)."""
+        return self.peak_bytes if self.peak_bytes is not None else self.predicted_peak_bytes
+
+    @property
     def fits(self) -> bool:
         """Return True when the setting ran its metered steps within the budget (or, not run here, is predicted to)."""
         return self.status in ("ok", "pruned", "predicted")
