@@ -213,6 +213,7 @@ def test_chapter_03_measures_in_the_chosen_format_only():
             continue
         tree = ast.parse(cells[i])
         tables = {id(n) for d in ast.walk(tree) if isinstance(d, ast.Dict) for kv in (*d.keys, *d.values)
+                  if kv is not None  # ({**other}: its key is None)
                   for n in ast.walk(kv)}  # a table of every format ({"bf16": torch.bfloat16, ...}) names them all
         for node in ast.walk(tree):
             if id(node) in tables:
