@@ -59,3 +59,13 @@ def test_a_run_stopped_part_way_leaves_the_rows_it_finished(monkeypatch, tmp_pat
         gpucheck.main(["--rehearse-on-cpu", "--out", str(tmp_path), "--skip", "plan"])
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert [r["check"] for r in report["rows"]] == ["meter", "budget"] and report["complete"] is False
+
+
+def test_chapters_chooses_the_notebooks_row_s_chapters_and_names_an_unknown_one(capsys):
+    repo = gpucheck.checkout_root()
+    chosen = gpucheck.chapter_notebooks(repo, ["10", "04", "06b"])
+    assert [nb.name.split("_")[0] for nb in chosen] == ["04", "06b", "10"]  # the chapters' order, not the argument's
+    assert len(gpucheck.chapter_notebooks(repo)) == len(list((repo / "notebooks").glob("[0-9][0-9]*_*.ipynb")))
+    with pytest.raises(SystemExit) as exit_:  # before any work, CUDA or not
+        gpucheck.main(["--chapters", "04", "4b"])
+    assert exit_.value.code == 2 and "--chapters: no chapter 4b" in capsys.readouterr().err

@@ -369,15 +369,29 @@ def check_tests(setup: Setup, repo: Path | None) -> Row:
                "" if proc.returncode == 0 else proc.stdout[-2000:], {"returncode": proc.returncode})
 
 
-def check_notebooks(setup: Setup, repo: Path | None, out: Path) -> Row:
-    """Execute every notebook with DEVICE="cuda" (the multi-rank chapters: "auto" with fewer GPUs than ranks)."""
+def chapter_notebooks(repo: Path, chapters=None) -> list[Path]:
+    """Return the chapters' notebooks in order: all, or those whose number is in `chapters` ("04", "06b")."""
+    found = sorted((repo / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
+    if not chapters:
+        return found
+    numbers = {nb.name.split("_")[0]: nb for nb in found}
+    unknown = sorted(set(chapters) - set(numbers))
+    if unknown:
+        raise ValueError(f"--chapters: no chapter {', '.join(unknown)}; choose among {', '.join(numbers)}")
+    return [nb for number, nb in numbers.items() if number in chapters]
+
+
+def check_notebooks(setup: Setup, repo: Path | None, out: Path, chapters=None) -> Row:
+    """Execute the chapters' notebooks with DEVICE="cuda" (the multi-rank chapters: "auto" with fewer GPUs than ranks).
+
+    `chapters`: the chapter numbers to run ("04", "06b"); None runs every chapter."""
     if row := _not_run("notebooks", "every notebook ok with DEVICE='cuda'", setup, repo):
         return row
     import papermill
 
     gpus = torch.cuda.device_count()
     status, seconds, own_default = {}, {}, []
-    for nb in sorted((repo / "notebooks").glob("[0-9][0-9]*_*.ipynb")):
+    for nb in chapter_notebooks(repo, chapters):
         multi_rank = nb.name[:2] in ("06", "07")
         device = "cuda" if not multi_rank or gpus >= 2 else "auto"
         declared = papermill.inspect_notebook(str(nb)).get("DEVICE")
@@ -403,7 +417,7 @@ def check_notebooks(setup: Setup, repo: Path | None, out: Path) -> Row:
 
 # -- running and reporting -----------------------------------------------------------------------
 def run_checks(setup: Setup, only=CHECKS, repo: Path | None = Path("."), out: Path = Path("build"),
-               on_row=None) -> list[Row]:
+               on_row=None, chapters=None) -> list[Row]:
     """Run the chosen checks in order; a check that raises becomes a failed row with its error.
 
     `on_row(rows)`: called with the rows so far after each one (main writes the report, so a run stopped
@@ -412,7 +426,7 @@ def run_checks(setup: Setup, only=CHECKS, repo: Path | None = Path("."), out: Pa
              "precision": check_precision, "checkpoint": check_checkpoint, "roofline": check_roofline,
              "plan": check_plan,
              "tests": lambda s: check_tests(s, repo),
-             "notebooks": lambda s: check_notebooks(s, repo, out / "gpu-check-notebooks")}
+             "notebooks": lambda s: check_notebooks(s, repo, out / "gpu-check-notebooks", chapters)}
     rows = []
     for name in only:
         t0 = time.perf_counter()
@@ -455,11 +469,18 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5, help="timed rounds per comparison (default 5)")
     p.add_argument("--train-steps", type=int, default=40, help="fp16 GradScaler optimizer steps (default 40)")
     p.add_argument("--skip", action="append", default=[], choices=CHECKS, help="leave a check out (repeatable)")
+    p.add_argument("--chapters", nargs="+", default=None, metavar="NN",
+                   help="the notebooks row runs only these chapters, e.g. 04 08 (default: every chapter)")
     p.add_argument("--out", default=None, help="folder for gpu-check.json (default: build/ of the checkout, else of the "
                                                "working directory)")
     p.add_argument("--rehearse-on-cpu", action="store_true",
                    help="run the checks' code on the CPU at a tiny size (labkit's own tests); no GPU figures")
     args = p.parse_args(argv)
+    if args.chapters and checkout_root() is not None:
+        try:
+            chapter_notebooks(checkout_root(), args.chapters)
+        except ValueError as e:
+            p.error(str(e))
     if not torch.cuda.is_available() and not args.rehearse_on_cpu:
         print(f"make gpu-check needs CUDA: torch {torch.__version__} sees no CUDA device "
               f"(CUDA build: {torch.version.cuda or 'no, a CPU build'}); see README 'Using a GPU'")
@@ -489,7 +510,7 @@ def main(argv=None) -> int:
                   "complete": len(rows) == len(wanted), "rows": [asdict(r) for r in rows]}
         path.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
-    rows = run_checks(setup, wanted, repo=repo, out=out, on_row=write_report)
+    rows = run_checks(setup, wanted, repo=repo, out=out, on_row=write_report, chapters=args.chapters)
     write_report(rows)  # also when every check was skipped
     print("\n" + header + "\n" + table(rows))
     failed = [r.check for r in rows if r.ok is False]
