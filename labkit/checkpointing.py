@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from labkit.autocast_ops import recompute_context_fn
 from labkit.models import blocks_name
 from labkit.validate import check_int
 
@@ -91,10 +92,8 @@ class CheckpointedSequential(nn.Sequential):
             if j == len(self.sizes) - 1 and not self.checkpoint_last:
                 x = segment(x)  # kept: its backward comes first, recomputing saves nothing
             else:
-                kwargs = {"use_reentrant": False}
-                if self.context_fn is not None:
-                    kwargs["context_fn"] = self.context_fn
-                x = checkpoint(segment, x, **kwargs)
+                # (recompute_context_fn: a fake step planning a GPU recomputes with CUDA autocast's dtypes too)
+                x = checkpoint(segment, x, use_reentrant=False, context_fn=recompute_context_fn(self.context_fn))
             start += size
         return x
 

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                           UnsupportedOperatorException)
 
 from labkit.accumulation import split_batch
+from labkit.autocast_ops import CudaAutocastOps, recompute_context_fn
 from labkit.checkpointing import checkpoint_blocks
 from labkit.children import ChildProcesses, die_with_parent
 from labkit.cpu import one_thread
@@ -221,6 +222,8 @@ class Step:
     shard: tuple | None = None  # (ranks, reshard_after_forward): rank 0 of FSDP2; None: one process
     adam_impl: str = "for-loop"  # one of labkit.train.ADAM_IMPLS: what Adam's update allocates (its "rise")
     keep_logits: bool = True  # the logits held through backward; False: freed before it (torchtitan's `del pred`)
+    autocast_of: str = "cuda"  # whose autocast a 16-bit step's dtypes follow: "cuda" (autocast_ops.CudaAutocastOps on
+    #                            the fake CPU step: a GPU's plan) or "cpu" (a plan of this CPU, checked against its meter)
 
 
 @dataclass
@@ -380,7 +383,8 @@ def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bo
                 _tag_blocks(meter, model)
 
         def run():
-            with counter if count else contextlib.nullcontext(), contextlib.suppress(_AtOptimizer):
+            with counter if count else contextlib.nullcontext(), contextlib.suppress(_AtOptimizer), \
+                    CudaAutocastOps() if step.autocast_of == "cuda" else contextlib.nullcontext():
                 plan_step(model, opt, batch, step, hooks)
             if count:
                 w = counter.work()
@@ -431,10 +435,11 @@ def _checkpoint(model, checkpointing: str) -> None:
     if checkpointing == "none":
         return
     if isinstance(model, _CausalLM):  # "full", the one choice hf_spec takes
+        kwargs = {"use_reentrant": False, "context_fn": recompute_context_fn()}  # (CUDA's dtypes in the recomputation)
         if hasattr(model.model, "activation_checkpointing_enable"):  # transformers 5.x's name
-            model.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
-            model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return
     n = len(blocks_of(model))
     if checkpointing == "sqrt":
@@ -649,6 +654,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
             raise ParameterError(f"precision {p!r}: the {device.name} has no {rate[p]} compute "
                                  f"(it has {tuple(device.flops_per_s)})")
     check_choice("depth", depth, DEPTHS)
+    autocast_of = "cpu" if device.name == "cpu" else "cuda"  # a GPU's 16-bit steps take CUDA autocast's dtypes
     offload, optimizers = tuple(offload), tuple(optimizers)
     for o in offload:
         check_choice("offload", o, (False, True))
@@ -708,7 +714,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     todo = {}  # every Step the rows need: each a fake step, once
     for shard in shards:
         for rows in [batch // r for r in flat_ranks] if shard is None else [batch // shard[0]]:
-            todo.update(dict.fromkeys(Step(mb, min(rows // mb, 2), seq_len, c, p, o, shard, a, keep_logits)
+            todo.update(dict.fromkeys(Step(mb, min(rows // mb, 2), seq_len, c, p, o, shard, a, keep_logits,
+                                           autocast_of)
                                       for mb in _divisors(rows, rows) if micro_batches is None
                                       or mb in micro_batches for c in checkpointing
                                       for p in fake_precisions + [MIXED_POLICY] * (shard is not None

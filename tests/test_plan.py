@@ -61,6 +61,25 @@ def test_bf16_peaks_match_the_meter_within_one_percent():
     _check_against_the_meter(p.rows, ex)
 
 
+def test_a_gpu_plan_takes_cuda_autocasts_dtypes():
+    """A GPU's bf16 rows: the peaks of real CPU steps run with CUDA autocast's dtypes (CudaAutocastOps, checked op by
+    op against an H200 in test_autocast_ops); a CPU's own rows keep its autocast's."""
+    from labkit.autocast_ops import CudaAutocastOps
+
+    ex = running_example(n_layer=1, batch_size=8)  # its activations, not Adam's update, make the peak
+    gpu = dataclasses.replace(cpu_profile(ex.budget_bytes), name="cuda")
+    kwargs = dict(precisions=("bf16",), offload=(False,), optimizers=("device",), reserve_fraction=0.0,
+                  checkpointing=("none", "every"), micro_batches=(ex.batch_size,), workers=1)
+    on_gpu, on_cpu = (P.plan(ex.config, profile, 1, ex.seq_len, ex.batch_size, **kwargs).rows
+                      for profile in (gpu, cpu_profile(ex.budget_bytes)))
+    for g, c in zip(on_gpu, on_cpu):
+        model, opt, step_fn = P.combination_step(ex.config, g.combination, 0)
+        with CudaAutocastOps():
+            measured = measure_step(model, opt, example_batch(ex.config, ex.batch_size, ex.seq_len), step_fn,
+                                    warmup=False)
+        assert g.peak_bytes == measured.peak_bytes != c.peak_bytes, g.combination
+
+
 def _check_against_the_meter(rows, ex):
     """Run every row's combination for real (plan.combination_step) under the meter: peak within 1%, same verdict."""
     errors = []

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from labkit.accumulation import split_batch
+from labkit.autocast_ops import CudaAutocastOps
 from labkit.checkpointing import checkpoint_blocks
 from labkit.cpu import bf16_native
 from labkit.data import MarkovTokens
@@ -140,13 +141,13 @@ def predict_step(params: dict, config: StudyConfig) -> tuple[int, Work]:
     key = ("setting", *_memory_key(params, config))
     counter = WorkCounter()
 
-    def build():  # on "cpu": fake CUDA autograd aborts a CPU-only build; the bytes and the work are the same
+    def build():  # on "cpu": fake CUDA autograd aborts a CPU-only build; a study on CUDA takes CUDA autocast's dtypes
         step = SettingStep(params, config, "cpu")
         batch = example_batch(config.gpt, config.batch, config.seq_len)
         create_optimizer_state(step.optimizer)  # as after a first step, at half the cost of running one
 
         def run():
-            with counter:
+            with counter, CudaAutocastOps() if config.device == "cuda" else contextlib.nullcontext():
                 step.step(batch)
         return step.model, lambda meter: step.attach(meter, batch), run
     return remembered(key, lambda: (fake_step(build)[0], counter.work()))
