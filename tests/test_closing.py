@@ -296,3 +296,30 @@ def test_the_recorded_gpu_runs_steps_beside_their_roofline_and_their_launches():
     assert [r["nearer"] for r in rows.values()] == ["launches"] * 4 + ["neither"]
     lines = closing.gpu_run_lines(run, list(rows.values()))
     assert "NVIDIA H200" in lines[0] and len(lines) == 2 + len(rows)
+
+
+def test_the_measured_run_is_this_pages_only_when_it_timed_chapters_01_03_05_on_the_gpu_it_projected_onto(results):
+    """Chapter 10's 'Measured on a GPU' reads the page's own results.json only when its chapters ran on a CUDA device
+    and projected onto that GPU; otherwise (a CPU run, a chapter missing, another GPU projected) the recorded run."""
+    from labkit.gpus import GPU_RUN_PATH
+
+    recorded = json.loads(GPU_RUN_PATH.read_text())
+    assert closing.cuda_gpu_key(recorded["hardware"]) == "h200"
+    assert closing.cuda_gpu_key("cuda: NVIDIA A100-SXM4-80GB, 79.3 GiB") == "a100-80gb"  # not the A10's "A10"
+    assert closing.cuda_gpu_key(results["hardware"]) is None  # the fixture ran on a CPU
+    assert closing.timed_on_its_gpu(recorded) and not closing.timed_on_its_gpu(results)
+    assert not closing.timed_on_its_gpu(None)
+    assert closing.measured_run(results) == (recorded, f"labkit/data/{GPU_RUN_PATH.name}")
+    assert closing.measured_run(recorded) == (recorded, "this page's results.json, named above")
+    other = copy.deepcopy(recorded)
+    other["notebooks"]["03_mixed_precision"]["measurements"]["gpu"] = "t4"  # timed on the H200, projected on a T4
+    assert not closing.timed_on_its_gpu(other)
+    partial = copy.deepcopy(recorded)
+    del partial["notebooks"]["05_layer_to_layer"]
+    assert not closing.timed_on_its_gpu(partial)
+    assert closing.measured_run(partial)[1].endswith(GPU_RUN_PATH.name)
+    failed = copy.deepcopy(recorded)
+    failed["notebooks"]["01_gradient_accumulation"]["status"] = "failed"
+    assert not closing.timed_on_its_gpu(failed)
+    lines = closing.gpu_run_lines(recorded, closing.gpu_run_rows(recorded), "this page's results.json")
+    assert "(this page's results.json)" in lines[0] and GPU_RUN_PATH.name not in lines[0]

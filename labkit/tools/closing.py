@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from labkit.costs import work_from_record
-from labkit.gpus import GPU_AUTO, DeviceProfile, device_profile, step_time
+from labkit.gpus import CUDA_NAMES, GPU_AUTO, GPU_RUN_PATH, DeviceProfile, device_profile, step_time
 from labkit.meter import format_bytes
 from labkit.plan import RESERVE_FRACTION
 from labkit.pipeline import BUBBLE_LEVEL
@@ -440,11 +440,47 @@ def gpu_run_rows(run: dict) -> list[dict]:
     return rows
 
 
-def gpu_run_lines(run: dict, rows: list[dict]) -> list[str]:
-    """Return the recorded GPU run's table: where it ran, then one line per row of gpu_run_rows."""
+# what gpu_run_rows reads from a run: each technique's measured step-time ratio and the work it was counted from
+GPU_RUN_RECORDS = {
+    "01_gradient_accumulation": ("work_by_accum_steps", "step_time_ratio_by_accum_steps",
+                                 "gpu_step_time_ratio_by_accum_steps"),
+    "03_mixed_precision": ("gpu", "half_precision", "throughput_ratio_half", "gpu_step_time_ratio_half", "work_fp32",
+                           "work_half"),
+    "05_layer_to_layer": ("step_time_ratio_l2l", "gpu_step_time_ratio_l2l", "work_plain", "work_l2l"),
+}
+
+
+def cuda_gpu_key(hardware: str) -> str | None:
+    """Return the labkit.gpus key a run's hardware line names, "h200" for "cuda: NVIDIA H200, ..." (chapter 10)."""
+    if not hardware.startswith("cuda"):
+        return None
+    parts = sorted(((p, k) for k, ps in CUDA_NAMES.items() for p in ps), key=lambda x: -len(x[0]))  # "A100" before "A10"
+    return next((k for p, k in parts if p in hardware), None)
+
+
+def timed_on_its_gpu(results: dict | None) -> bool:
+    """Return whether `results` timed chapters 01, 03 and 05 on a CUDA device and projected onto it (chapter 10)."""
+    notebooks = (results or {}).get("notebooks", {})
+    for stem, keys in GPU_RUN_RECORDS.items():
+        entry = notebooks.get(stem) or {}
+        if entry.get("status") != "ok" or any(k not in entry.get("measurements", {}) for k in keys):
+            return False
+    gpu = cuda_gpu_key(str(results.get("hardware", "")))
+    return gpu is not None and gpu == _m(results, "03_mixed_precision")["gpu"]
+
+
+def measured_run(results: dict | None, recorded: str | Path = GPU_RUN_PATH) -> tuple[dict, str]:
+    """Return the GPU run to set beside the predictions and where it comes from: `results` when timed_on_its_gpu,
+    else the project's recorded run (chapter 10)."""
+    if timed_on_its_gpu(results):
+        return results, "this page's results.json, named above"
+    return json.loads(Path(recorded).read_text()), f"labkit/data/{Path(recorded).name}"
+
+
+def gpu_run_lines(run: dict, rows: list[dict], source: str = f"labkit/data/{GPU_RUN_PATH.name}") -> list[str]:
+    """Return a GPU run's table: where it ran and which file holds it, then one line per row of gpu_run_rows."""
     when = run["generated_utc"][:10]
-    lines = [f"recorded {when}: {run['hardware']} (labkit/data/gpu_run_h200.json); each step's time over the plain "
-             "step's", f"{'step':24s} {'measured':>9s} {'roofline':>9s} {'with launches':>14s}  within {NEAR:.2f}x of it"]
+    lines = [f"recorded {when}: {run['hardware']} ({source}); each step's time over the plain step's", f"{'step':24s} {'measured':>9s} {'roofline':>9s} {'with launches':>14s}  within {NEAR:.2f}x of it"]
     for r in rows:
         lines.append(f"{r['technique']:24s} {r['measured']:>8.2f}x {r['roofline']:>8.2f}x {r['launches']:>13.2f}x  "
                      f"{r['nearer']}")
