@@ -70,10 +70,10 @@ def test_outside_autocast_and_with_a_dtype_it_changes_nothing():
 
 
 def test_a_checkpoint_recomputes_under_the_ops_only_while_they_are_active():
-    fwd, rec = recompute_context_fn()()
+    _, rec = recompute_context_fn()()
     with rec:
         assert not torch.overrides._is_torch_function_mode_enabled()
     with CudaAutocastOps():
-        fwd, rec = recompute_context_fn()()
+        _, rec = recompute_context_fn()()
     with rec:
         assert CudaAutocastOps.active == 1

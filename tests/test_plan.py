@@ -68,8 +68,8 @@ def test_a_gpu_plan_takes_cuda_autocasts_dtypes():
 
     ex = running_example(n_layer=1, batch_size=8)  # its activations, not Adam's update, make the peak
     gpu = dataclasses.replace(cpu_profile(ex.budget_bytes), name="cuda")
-    kwargs = dict(precisions=("bf16",), offload=(False,), optimizers=("device",), reserve_fraction=0.0,
-                  checkpointing=("none", "every"), micro_batches=(ex.batch_size,), workers=1)
+    kwargs = {"precisions": ("bf16",), "offload": (False,), "optimizers": ("device",), "reserve_fraction": 0.0,
+              "checkpointing": ("none", "every"), "micro_batches": (ex.batch_size,), "workers": 1}
     on_gpu, on_cpu = (P.plan(ex.config, profile, 1, ex.seq_len, ex.batch_size, **kwargs).rows
                       for profile in (gpu, cpu_profile(ex.budget_bytes)))
     for g, c in zip(on_gpu, on_cpu):
