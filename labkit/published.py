@@ -165,6 +165,20 @@ def validation(depth: str = "fast", workers: int | None = None) -> list[Check]:
     return out + throughput_checks(runs)
 
 
+NOT_A_CHECK = {"source": "source: not a check, the run labkit.gpus takes its GPU's fraction of peak from "
+                         "(predicting it would return its own figure)",
+               "not modelled": "not modelled: not a check, reserved memory (the allocator's cache)",
+               "no fraction": "no fraction: not a check, no published fraction of peak for that GPU"}
+"""What each mark of format_validation's target column means, for a figure that is not a check."""
+
+
+def not_a_check(check: Check) -> str:
+    """Return why a figure without a prediction is not a check: source, not modelled or no fraction (chapter 09)."""
+    if "taken from this run" in check.basis:
+        return "source"
+    return "not modelled" if check.basis.startswith("not modelled") else "no fraction"
+
+
 def format_validation(checks: list[Check]) -> str:
     """Return the checks as a table: run, figure, published, the plan's, error, within the target."""
     lines = [f"{'run':28s} {'figure':17s} {'published':>13s} {'predicted':>9s} {'error':>7s}  target",
@@ -175,9 +189,11 @@ def format_validation(checks: list[Check]) -> str:
         pub = f"{lo:{unit}}" if lo == hi else f"{lo:{unit}}–{hi:{unit}}"
         pred = "—" if c.predicted is None else f"{c.predicted:{unit}}"
         err = "—" if c.error is None else f"{c.error:+.1%}"
-        verdict = "—" if c.within is None else f"±{TARGETS[c.figure]:.0%} " + ("yes" if c.within else "NO")
+        verdict = not_a_check(c) if c.within is None else f"±{TARGETS[c.figure]:.0%} " + ("yes" if c.within else "NO")
         lines.append(f"{c.run:28s} {c.figure:17s} {pub:>13s} {pred:>9s} {err:>7s}  {verdict}")
     lines.append("memory in GiB (2^30 B), predicted: the plan row's peak; tokens/s predicted: a fraction of peak "
                  "from another run x the GPU's peak / the run's counted FLOPs per token (compute only); error: to the "
-                 "nearer end of a published range (0 inside it); —: not a check (the reason is each check's basis)")
+                 "nearer end of a published range (0 inside it); target: the largest error allowed"
+                 + "".join(f"; {NOT_A_CHECK[m]}" for m in dict.fromkeys(not_a_check(c) for c in checks
+                                                                       if c.within is None)))
     return "\n".join(lines)

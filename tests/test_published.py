@@ -19,6 +19,20 @@ def test_an_error_is_to_the_nearer_end_of_a_published_range():
     assert published.Check("r", "peak reserved", (10, 10), None, "not modelled").within is None
 
 
+def test_a_figure_without_a_prediction_says_why_in_the_target_column():
+    source = published.Check("FMS-r", "tokens/s per GPU", (3700, 3700), None,
+                             "the a100's fraction of peak (0.559) is taken from this run: not a check")
+    reserved = published.Check("TT-r", "peak reserved", (31.0, 31.0), None, "not modelled: the allocator's cache")
+    no_eff = published.Check("T4-r", "tokens/s per GPU", (900, 900), None, "no published fraction of peak for the t4")
+    checked = published.Check("TT-r", "peak active", (22.7, 22.7), 22.5, "the plan's row")
+    assert [published.not_a_check(c) for c in (source, reserved, no_eff)] == ["source", "not modelled", "no fraction"]
+    table = published.format_validation([source, reserved, checked]).splitlines()
+    assert table[2].endswith("  source") and table[3].endswith("  not modelled") and table[4].endswith("±5% yes")
+    assert published.NOT_A_CHECK["source"] in table[-1] and published.NOT_A_CHECK["not modelled"] in table[-1]
+    assert published.NOT_A_CHECK["no fraction"] not in table[-1]  # the footer explains only the marks shown
+    assert "not a check" not in published.format_validation([checked]).splitlines()[-1]
+
+
 def test_grouped_query_attention_is_refused_by_name():
     run = dict(published.published_runs()[0], id="gqa")
     run["model"] = dict(run["model"], kv_heads=8)
