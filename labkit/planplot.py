@@ -8,7 +8,7 @@ draws combinations.
 from __future__ import annotations
 
 from matplotlib.lines import Line2D
-from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, ScalarFormatter
 
 from labkit import plots
 from labkit.gpus import GiB
@@ -194,8 +194,8 @@ def draw_check(check, timed_precisions=("fp32", "bf16")):
     ax1.set_xlim(t_lo, t_hi)
     pred_ms = [predicted[n].step_s * 1e3 for n in names]
     y_lo, y_hi = min(pred_ms) / 1.2, max(pred_ms) * 1.2  # the predictions' own span: y = x may leave the panel
-    if y_hi / y_lo < 10:  # within a decade: a tick at every integer times the power of ten
-        ax1.yaxis.set_major_locator(LogLocator(base=10, subs=tuple(range(1, 10))))
+    if y_hi / y_lo < 10:  # within a decade: evenly spaced ticks (a decade's 1-9 multiples leave 11-19 unlabelled)
+        ax1.yaxis.set_major_locator(MaxNLocator(nbins=6))
     ax1.set_ylim(y_lo, y_hi)
     ax1.set_xlabel("measured step time (ms, median)")
     ax1.set_ylabel("predicted step time (ms):\nroofline + host transfers")

@@ -98,6 +98,10 @@ def test_draw_check_sets_the_time_panel_y_limits_from_the_predictions(check):
     # predictions of the timed rows: 10, 11, 12, 10 ms (measured 20-40 ms): y spans them, not the measured ones
     assert times.get_ylim() == pytest.approx((10 / 1.2, 12 * 1.2))
     assert times.get_xlim() == pytest.approx((10 / 1.2, 40 * 1.2))
+    times.figure.canvas.draw()
+    lo, hi = times.get_ylim()
+    shown = [t.get_position()[1] for t in times.get_yticklabels() if t.get_text() and lo <= t.get_position()[1] <= hi]
+    assert len(shown) >= 3 and max(shown) > 10  # within a decade: labels past 10 ms too (not 7, 8, 9, 10 alone)
 
 
 def test_draw_plan_starts_a_linear_time_axis_at_zero():
