@@ -2,7 +2,7 @@
 
 The technique (DDP, ZeroRedundancyOptimizer, `fully_shard`) stays in chapter 07's rank script; these functions
 measure it. Inside a rank: `watch_ddp_buckets`, `label_gathered_parameters`, `full_tensor`, `grad_diffs` and
-`measured_step`. In the notebook, reading the ranks' results: `per_param`, `held_to_formula`, `formula_errors`,
+`measured_step` (with `activations_by_phase`). In the notebook, reading the ranks' results: `per_param`, `held_to_formula`, `formula_errors`,
 `total_errors`, `formula_failures`, `print_state_table`, `sent_by_collective`.
 """
 
@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from labkit.meter import MemoryMeter, OutOfMemory, active_meter
+from labkit.meter import MemoryMeter, OutOfMemory, _storage_ids, active_meter
 from labkit.work import WorkCounter, ring_factor
 
 STATE_KINDS = ("parameters", "gradients", "optimizer_state")  # ZeRO's model states
@@ -92,13 +92,31 @@ class StepProbe:
         self.rest = self.meter.current_split()
 
 
+def activations_by_phase(meter: MemoryMeter, exclude=()) -> dict[str, int]:
+    """Return the activation bytes live at the meter's peak by the phase each was allocated in (chapter 07).
+
+    "forward": what the forward kept for backward; "backward": what backward had allocated by the peak (gradients
+    of activations, buffers of its own). Needs the meter's timeline; the storages of `exclude` (DDP's buckets) are
+    left out. Reads the meter's records of the storages live at the peak.
+    """
+    meter._classify()
+    phase_at = {point.seq: point.phase for point in meter.timeline}
+    skip = {id(meter._records.get(key)) for t in exclude for key in _storage_ids(t)}
+    out: dict[str, int] = {}
+    for r in meter._history:
+        if meter._at_peak(r) and (r.category or "activations") == "activations" and id(r) not in skip:
+            phase = phase_at.get(r.alloc_seq, "other")
+            out[phase] = out.get(phase, 0) + r.nbytes
+    return out
+
+
 @contextlib.contextmanager
 def measured_step(name: str, result: dict, model, optimizer, *inputs, buckets: dict | None = None,
                   budget_bytes: int | None = None):
     """Meter the step run in the body into `result` (chapter 07): states at rest, peak by category, sends, work.
 
     `result` gains fits, states (at rest: parameters, gradients, optimizer_state, other), peak (the same and
-    activations), peak_phase, comm_bytes and comm_calls (by collective), wire_bytes and work. DDP's `buckets`
+    activations), peak_phase, peak_activations_by_phase (`activations_by_phase`), comm_bytes and comm_calls (by collective), wire_bytes and work. DDP's `buckets`
     (from `watch_ddp_buckets`) are tracked from the start and counted as "other" (as gradients under
     gradient_as_bucket_view). A step the budget refuses leaves fits=False and the refused allocation instead of
     raising. The meter's summary goes back to the launcher under `name` (`labkit.dist.meter`).
@@ -128,6 +146,7 @@ def measured_step(name: str, result: dict, model, optimizer, *inputs, buckets: d
     n = world_size()
     result.update(fits=True, states=rest, peak=peak,
                   peak_phase=next(p.phase for p in meter.timeline if p.bytes == meter.peak_bytes),
+                  peak_activations_by_phase=activations_by_phase(meter, buckets),
                   comm_bytes=dict(counter.bytes), comm_calls=dict(counter.calls), wire_bytes=counter.wire_bytes(n),
                   work=work_record(counter.work()))
 

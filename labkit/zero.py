@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from labkit.meter import format_bytes
 from labkit.validate import check_budget, check_choice, check_int
 
@@ -31,11 +33,20 @@ def ring_factor(world_size: int) -> float:
     return (n - 1) / n
 
 
+STEP_TIE = 0.01  # projected steps within 1% of each other tie: the roofline and the launch count are estimates
+
+
+def _tie_key(p: str, peak_bytes: dict, step_s: dict | None) -> tuple[float, float]:
+    return peak_bytes[p], (step_s or {}).get(p, math.inf)
+
+
 def cheapest_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float], budget_bytes: float,
-                 costs: dict[str, str]) -> tuple[list[str], str | None]:
-    """Return the points that fit the budget, and the first fitting one that sends least (None when none fits).
+                 costs: dict[str, str], step_s: dict[str, float] | None = None) -> tuple[list[str], str | None]:
+    """Return the points that fit the budget, and the fitting one that sends least (None when none fits) (chapter 07).
 
     A point in `costs` (point -> what else it pays, e.g. "precision") is chosen only when every fitting point pays.
+    Points that send as much are told apart by their peak, then by `step_s` (point -> projected step seconds, e.g.
+    with the host's launches; a point without one comes last); the first listed of exact equals is chosen.
     """
     if check_budget("budget_bytes", budget_bytes) is None:
         raise ValueError("budget_bytes must be a positive number of bytes, got None")
@@ -44,13 +55,18 @@ def cheapest_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float], bud
         raise ValueError(f"sent_bytes has no figure for {sorted(missing)}")
     fits = [p for p, b in peak_bytes.items() if b <= budget_bytes]
     free = [p for p in fits if p not in costs] or fits
-    return fits, min(free, key=lambda p: sent_bytes[p], default=None)  # min keeps the first of equals
+    return fits, min(free, key=lambda p: (sent_bytes[p], *_tie_key(p, peak_bytes, step_s)), default=None)
 
 
 def describe_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float], budget_bytes: float,
-                 costs: dict[str, str]) -> str:
-    """Return one sentence from measured figures: which points fit the budget, and which of them to use (cheapest_fit)."""
-    fits, best = cheapest_fit(peak_bytes, sent_bytes, budget_bytes, costs)
+                 costs: dict[str, str], step_s: dict[str, float] | None = None,
+                 step_label: str = "projected step") -> str:
+    """Return one sentence from measured figures: which points fit the budget, and which of them to use (cheapest_fit).
+
+    Points that send as much as the chosen one are named with what tells them apart: a higher peak, a step longer
+    by more than STEP_TIE (`step_label` names `step_s`), or nothing: a tie.
+    """
+    fits, best = cheapest_fit(peak_bytes, sent_bytes, budget_bytes, costs, step_s)
     if best is None:
         low = min(peak_bytes, key=peak_bytes.get)
         return (f"no point fits {format_bytes(budget_bytes)}: the lowest peak, {low}'s "
@@ -59,15 +75,29 @@ def describe_fit(peak_bytes: dict[str, float], sent_bytes: dict[str, float], bud
     def named(p):
         return f"{p} (pays in {costs[p]})" if p in costs else p
 
-    others = [named(p) for p in fits if p != best]
     among = ("each paying something besides bytes; " if best in costs else
              "" if len(fits) == 1 else "of those that pay nothing besides bytes, ")
     candidates = [p for p in fits if p not in costs] or fits
-    tied = [named(p) for p in candidates if p != best and sent_bytes[p] == sent_bytes[best]]
-    fewest = (f"sends the fewest ({format_bytes(sent_bytes[best])} per step, peak {format_bytes(peak_bytes[best])})"
-              if not tied else
-              f"ties for the fewest ({format_bytes(sent_bytes[best])} per step, peak {format_bytes(peak_bytes[best])}) "
-              f"with {', '.join(tied)}; {best} is the simplest of the tied points (listed first)")
+    tied = [p for p in candidates if p != best and sent_bytes[p] == sent_bytes[best]]
+    figures = f"{format_bytes(sent_bytes[best])} per step, peak {format_bytes(peak_bytes[best])}"
+    if not tied:
+        fewest = f"sends the fewest ({figures})"
+    else:
+        step = (step_s or {}).get(best, math.inf)
+        higher = [p for p in tied if peak_bytes[p] > peak_bytes[best]]
+        slower = [p for p in tied if p not in higher and (step_s or {}).get(p, math.inf) > step * (1 + STEP_TIE)]
+        even = [p for p in tied if p not in higher and p not in slower]
+
+        def whose(group):
+            return "theirs" if len(group) == len(tied) > 1 else f"{', '.join(group)}'s"
+
+        apart = ([f"a lower peak than {whose(higher)}"] if higher else []) + (
+            [f"a {step_label} ×{step / min(step_s[p] for p in slower):.2f} of {whose(slower)}"] if slower else [])
+        fewest = (f"sends the fewest ({figures}), as {', '.join(map(named, tied))} do{'es' if len(tied) == 1 else ''}"
+                  + (f"; it has {' and '.join(apart)}" if apart else "")
+                  + (f"; a tie with {', '.join(even)} in peak" + (" and step" if step_s else "") + " too: the first "
+                     "listed" if even else ""))
+    others = [named(p) for p in fits if p != best and p not in tied]  # the tied ones are named already
     return (f"{len(fits)} of {len(peak_bytes)} points fit {format_bytes(budget_bytes)}; {among}{named(best)} {fewest}"
             + (f"; also fit{'s' if len(others) == 1 else ''}: {', '.join(others)}" if others else ""))
 

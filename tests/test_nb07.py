@@ -90,8 +90,12 @@ def test_notebook_07_invariants_with_another_seed_on_four_ranks(execute_notebook
     assert verdicts["FSDP2 ZeRO-3 + checkpointing"][f"1/{n} of it"] is True
     assert verdicts["DDP"][f"1/{n} of it"] is False
     assert m["use_when"]["part_budget"] in verdicts and verdicts[m["use_when"]["part_budget"]][f"1/{n} of it"]
-    if verdicts["DDP"]["whole budget"]:  # DDP when it fits: nothing sharded, no precision or recomputation paid
-        assert m["use_when"]["whole_budget"] == "DDP"
+    if verdicts["DDP"]["whole budget"]:  # of the points that fit and pay nothing else, the fewest bytes, then the peak
+        free = [p for p, v in verdicts.items() if v["whole budget"] and p not in m["pays_by_point"]]
+        chosen, peak = m["use_when"]["whole_budget"], m["peak_bytes_per_param_per_rank_by_stage"][str(n)]
+        assert chosen in free and comm[chosen] == min(comm[p] for p in free)
+        rivals = [p for p in free if p in peak and comm[p] == comm[chosen]]
+        assert chosen not in peak or sum(peak[chosen].values()) == min(sum(peak[p].values()) for p in rivals)
     # DeepSpeed's estimates beside the formulas, the difference explained per row (where DeepSpeed is installed)
     for row in m["deepspeed_bytes_per_param"]:
         assert row["deepspeed"] - row["mixed"] == pytest.approx(row["explained"], abs=1e-8), row

@@ -177,3 +177,19 @@ def test_plots_draw_the_budgets_and_the_buckets():
     value = {"peak": peaks["DDP"], "states": {"parameters": 4, "gradients": 4, "optimizer_state": 8, "other": 2}}
     fig, ax = sharded.plot_rank_memory("one rank", value, budget_bytes=8 << 20)
     assert ax.get_title() == "one rank" and "budget" in ax.get_legend_handles_labels()[1]
+
+
+def test_activations_by_phase_splits_the_peak_by_where_each_storage_was_allocated():
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+    x = torch.randn(32, 8)
+    with MemoryMeter("cpu") as meter:
+        meter.track(model)
+        kept = torch.zeros(1000)  # live through the peak, allocated before any forward: "other"
+        out = model(x)
+        out.pow(2).sum().backward()
+    split = sharded.activations_by_phase(meter)
+    assert sum(split.values()) == meter.peak_split()["activations"]
+    assert split["forward"] >= 32 * 64 * 4  # the ReLU's output, kept for backward
+    assert split.get("other", 0) >= kept.nbytes
+    without = sharded.activations_by_phase(meter, exclude=[kept])
+    assert sum(split.values()) - sum(without.values()) == kept.nbytes

@@ -132,8 +132,12 @@ def test_cheapest_fit_takes_the_fitting_point_that_sends_least_and_pays_nothing_
     peaks = {"DDP": 30, "no-reshard": 25, "ZeRO-3": 20, "ZeRO-3 bf16": 12, "ZeRO-3 + checkpointing": 11}
     sent = {"DDP": 2, "no-reshard": 2, "ZeRO-3": 3, "ZeRO-3 bf16": 2, "ZeRO-3 + checkpointing": 3}
     costs = {"ZeRO-3 bf16": "precision", "ZeRO-3 + checkpointing": "recomputation"}
-    assert zero.cheapest_fit(peaks, sent, 32, costs) == (list(peaks), "DDP")  # equal bytes: the first listed
-    assert zero.cheapest_fit(peaks, sent, 32, {})[1] == "DDP"
+    assert zero.cheapest_fit(peaks, sent, 32, costs) == (list(peaks), "no-reshard")  # equal bytes: the lower peak
+    assert zero.cheapest_fit(peaks, sent, 32, {})[1] == "ZeRO-3 bf16"
+    even = {**peaks, "no-reshard": 30}  # equal bytes and peaks: the shorter step, else the first listed
+    assert zero.cheapest_fit(even, sent, 32, costs)[1] == "DDP"
+    assert zero.cheapest_fit(even, sent, 32, costs, step_s={"DDP": 2.0, "no-reshard": 1.0})[1] == "no-reshard"
+    assert zero.cheapest_fit(even, sent, 32, costs, step_s={"no-reshard": 1.0})[1] == "no-reshard"  # none: last
     assert zero.cheapest_fit(peaks, sent, 22, costs)[1] == "ZeRO-3"  # sends more, but pays nothing else
     assert zero.cheapest_fit(peaks, sent, 15, costs) == (["ZeRO-3 bf16", "ZeRO-3 + checkpointing"], "ZeRO-3 bf16")
     assert zero.cheapest_fit(peaks, {**sent, "ZeRO-3 bf16": 4}, 15, costs)[1] == "ZeRO-3 + checkpointing"
@@ -158,12 +162,19 @@ def test_describe_fit_follows_the_numbers_not_their_order():
     swapped = zero.describe_fit(peaks, {**sent, "A": 3 * MiB, "B": 2 * MiB}, 16 * MiB,
                                 costs={"A": "precision", "B": "recomputation"})
     assert "B (pays in recomputation) sends the fewest (2.00 MiB per step" in swapped and swapped != both
-    assert zero.describe_fit(peaks, sent, 40 * MiB, {}).startswith(  # A and C send as much: a tie, said as one
-        "3 of 3 points fit 40.00 MiB; of those that pay nothing besides bytes, A ties for the fewest (2.00 MiB per step, "
-        "peak 12.00 MiB) with C; A is the simplest of the tied points (listed first)")
-    assert zero.describe_fit({**peaks, "A": 31 * MiB}, sent, 40 * MiB, {}).startswith(
-        "3 of 3 points fit 40.00 MiB; of those that pay nothing besides bytes, A ties")  # the first of equal senders
-    assert zero.describe_fit({"C": peaks["C"], "A": peaks["A"]}, sent, 40 * MiB, {}).startswith(
-        "2 of 2 points fit 40.00 MiB; of those that pay nothing besides bytes, C ties")  # the order given decides
+    start = "3 of 3 points fit 40.00 MiB; of those that pay nothing besides bytes, "
+    said = zero.describe_fit(peaks, sent, 40 * MiB, {})  # A and C send as much: A's lower peak tells them apart
+    assert said.startswith(start + "A sends the fewest (2.00 MiB per step, peak 12.00 MiB), as C does; it has a lower "
+                           "peak than C's; also fits: B")
+    assert zero.describe_fit({**peaks, "A": 31 * MiB}, sent, 40 * MiB, {}).startswith(start + "C sends the fewest")
+    same = {**peaks, "C": 12 * MiB}  # the same bytes and peak: the step, else a tie said as one
+    assert zero.describe_fit(same, sent, 40 * MiB, {}).startswith(
+        start + "A sends the fewest (2.00 MiB per step, peak 12.00 MiB), as C does; a tie with C in peak too: the first "
+        "listed; also fit")
+    faster = zero.describe_fit(same, sent, 40 * MiB, {}, step_s={"A": 2.0, "C": 1.0}, step_label="step on the t4")
+    assert faster.startswith(start + "C sends the fewest (2.00 MiB per step, peak 12.00 MiB), as A does; it has a step "
+                             "on the t4 ×0.50 of A's; also fit")
+    assert "a tie with C in peak and step too" in zero.describe_fit(same, sent, 40 * MiB, {},
+                                                                     step_s={"A": 1.0, "C": 1.005})  # within STEP_TIE
     assert zero.describe_fit(peaks, sent, 10 * MiB, {}) == ("no point fits 10.00 MiB: the lowest peak, B's 11.00 MiB, "
                                                         "is 1.00 MiB over")
