@@ -346,7 +346,8 @@ def _fewest(fit: list[str], comm: dict, chosen: str, pays: dict) -> str:
         return f"{chosen} sends the fewest bytes of them ({format_bytes(comm[chosen])} per step)"
     return (f"{chosen} ties for the fewest bytes ({format_bytes(comm[chosen])} per step) with {', '.join(tied)}"
             + (f", all paying in {pays[chosen]}" if pays.get(chosen) else ", none paying anything besides bytes")
-            + f"; chapter 07 picks {chosen}, the simplest of them")
+            + f"; chapter 07 picks {chosen}: of the tied, the lowest peak, then the fastest step with the host's "
+              "launches")
 
 
 def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
