@@ -183,21 +183,6 @@ def fp16_cast_stats(values: torch.Tensor, scale: float = 1.0) -> Fp16CastStats:
     return Fp16CastStats(float(scale), n, zero / n, sub / n, inf / n, below / n, (n - zero - sub - inf) / n)
 
 
-def cuda_softmax_extra_bytes(cfg, batch_size: int, seq_len: int) -> int:
-    """Return the bytes CUDA autocast saves for backward beyond CPU autocast's, from the GPT's shape (chapter 03).
-
-    The two devices' op lists differ, in this model's blocks, in one op it calls: CUDA autocast runs softmax in fp32,
-    CPU autocast in the 16-bit dtype (layer norm is on CUDA's fp32 list too, but its input, the residual stream, is fp32
-    on both; the loss differs too, outside the blocks: labkit.autocast_ops.CudaAutocastOps). So each block's attention
-    probabilities, (batch, heads, T, T), are saved in fp32 by softmax (4 bytes) and as the 16-bit copy the next matmul
-    casts (2 bytes), where CPU autocast saves one 16-bit tensor for both (2 bytes).
-    Fused attention (`attn` other than "manual") calls no softmax that autocast sees: 0.
-    """
-    if cfg.attn != "manual":
-        return 0
-    return cfg.n_layer * batch_size * cfg.n_head * seq_len * seq_len * 4
-
-
 @dataclass
 class GradientSample:
     """Real fp32 gradients of a model: its weights' gradients and its blocks' output gradients."""

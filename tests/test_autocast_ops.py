@@ -77,3 +77,26 @@ def test_a_checkpoint_recomputes_under_the_ops_only_while_they_are_active():
         _, rec = recompute_context_fn()()
     with rec:
         assert CudaAutocastOps.active == 1
+
+
+def test_chapter_03s_bf16_step_on_fake_tensors_holds_what_the_h200_measured():
+    """Chapter 03's running example in bf16: the fake step with CUDA's dtypes peaks where the H200's real one did."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import labkit
+    from labkit.gpus import GPU_RUN_PATH
+    from labkit.precision import amp_step_fn
+
+    measured = json.loads(GPU_RUN_PATH.read_text())["notebooks"]["03_mixed_precision"]["measurements"]
+    ex = labkit.running_example()
+    peaks = {}
+    for cuda_ops in (False, True):
+        with CudaAutocastOps() if cuda_ops else contextlib.nullcontext(), FakeTensorMode():
+            model = GPT(ex.config)
+            opt = labkit.make_optimizer("adam", model.parameters())
+            batch = labkit.example_batch(ex.config, ex.batch_size, ex.seq_len)
+            peaks[cuda_ops] = labkit.measure_step(model, opt, batch, step_fn=amp_step_fn("bf16", None),
+                                                  device="cpu").peak_bytes
+    steps_on_host = 4 * len(list(GPT(ex.config).parameters()))  # Adam's fp32 step counts: on CUDA torch keeps them
+    assert measured["half_precision"] == "bf16"                 # on the host, on a CPU they are device tensors
+    assert peaks[True] - steps_on_host == measured["peak_bytes_half"] != peaks[False] - steps_on_host

@@ -275,34 +275,6 @@ def test_forward_loss_runs_under_the_named_autocast(tiny_gpt, tiny_batch):
         P.forward_loss(model, batch, "fp8")
 
 
-class _SoftmaxInFp32(torch.overrides.TorchFunctionMode):
-    """CUDA autocast's rule for softmax, on a CPU: run it on an fp32 input (the next matmul casts back to 16 bits)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.Tensor.softmax, torch.softmax, torch.nn.functional.softmax):
-            args = (args[0].float(), *args[1:])
-        return func(*args, **kwargs)
-
-
-@pytest.mark.parametrize("attn, n_layer", [("manual", 1), ("manual", 2), ("sdpa", 2)])
-def test_cuda_softmax_extra_bytes_is_what_an_fp32_softmax_adds_to_the_saved_tensors(attn, n_layer, tiny_gpt,
-                                                                                     tiny_batch, tiny_config):
-    from labkit.saved import saved_tensor_census
-
-    model = tiny_gpt(attn=attn, n_layer=n_layer)
-    batch = tiny_batch(3, seq_len=12)
-
-    def saved_bytes(cuda_rule):
-        with torch.autocast("cpu", dtype=torch.bfloat16), (_SoftmaxInFp32() if cuda_rule else contextlib.nullcontext()):
-            return sum(saved_tensor_census(model, lambda: model(*batch)[1]).by_dtype_kind().values())
-
-    extra = saved_bytes(True) - saved_bytes(False)
-    cfg = dataclasses.replace(tiny_config, attn=attn, n_layer=n_layer)
-    assert P.cuda_softmax_extra_bytes(cfg, 3, 12) == extra
-    assert (extra > 0) == (attn == "manual")
-
-
 def test_step_outcome_returns_the_gradients_used_the_weights_after_and_their_dtypes(tiny_gpt, tiny_batch):
     model, batch = tiny_gpt(), tiny_batch(2)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
