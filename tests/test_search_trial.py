@@ -90,6 +90,39 @@ def test_the_prediction_check_runs_an_untried_setting_predicted_not_to_fit(tiny)
     assert dict(check.rows())["hit OutOfMemory in one step, as predicted"] == "1 of 1 settings"
 
 
+def test_fit_here_meters_a_setting_with_no_budget_and_sets_its_verdict_beside_the_prediction(tiny):
+    """fit_here: a setting that fits metered as measure_setting meters it; one predicted not to fit metered in full
+    (its whole peak over the budget, not refused); a hand-made disagreement and a setting not run here (chapter 08)."""
+    from labkit.search.checks import FitHere, fit_here
+
+    small = fit_here(SETTINGS[0], tiny)
+    assert small.measured_bytes == search.measure_setting(SETTINGS[0], tiny).peak_bytes == small.predicted_bytes
+    assert small.fits and small.agrees and small.verdict() == "yes, metered"
+    plain = fit_here(dict(PLAIN, micro_batch=8), tiny)
+    assert plain.measured_bytes == plain.predicted_bytes > tiny.budget_bytes  # run to its end, not refused
+    assert not plain.fits and plain.agrees and plain.verdict().startswith("no, metered ")
+    under = FitHere(predicted_bytes=90, measured_bytes=110, budget_bytes=100)  # predicted to fit, metered over
+    assert not under.fits and not under.agrees and under.verdict() == "no, metered 10 B over"
+    over = FitHere(predicted_bytes=110, measured_bytes=90, budget_bytes=100)  # predicted not to, metered within
+    assert over.fits and not over.agrees
+    untried = FitHere(predicted_bytes=90, measured_bytes=None, budget_bytes=100)
+    assert untried.peak_bytes == 90 and untried.agrees and untried.verdict() == "yes, predicted"
+
+
+def test_answer_rows_give_every_setting_a_row_and_a_setting_without_a_speed_dashes():
+    """answer_rows: one row per setting in order, the verdict from FitHere, "-" speed cells where none is given, the
+    knobs without the learning rate (chapter 08's table)."""
+    from labkit.search.checks import FitHere, answer_rows
+
+    settings = {"a": {"technique": "l2l", "lr": 1e-3}, "b": dict(PLAIN, micro_batch=8)}
+    fit = {"a": FitHere(90, 90, 100), "b": FitHere(120, 130, 100)}
+    rows = answer_rows(settings, fit, {"a": ("1,000", "1.00x")}, ("tokens/s", "time"))
+    assert rows[0] == ("setting", "peak", "fits here", "tokens/s", "time", "knobs")
+    assert rows[1] == ("a", "90 B", "yes, metered", "1,000", "1.00x", {"technique": "l2l"})
+    assert rows[2] == ("b", "130 B", "no, metered 30 B over", "-", "-", {"technique": "none", "precision": "fp32",
+                                                                        "micro_batch": 8})
+
+
 def test_report_can_stop_a_trial(tiny):
     seen = []
 

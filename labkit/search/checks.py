@@ -1,12 +1,55 @@
-"""Did a speed study's predictions hold? Each verdict and peak against its run (chapter 08's check)."""
+"""Did a speed study's predictions hold? Each verdict and peak against its run (chapter 08's checks)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from labkit.device import resolve_device
+from labkit.meter import format_bytes
 from labkit.search.config import StudyConfig
-from labkit.search.trial import confirm_oom, predict_step
+from labkit.search.trial import SettingStep, _batches, confirm_oom, predict_step, runs_here
 from labkit.search.workers import worker_of
+
+
+@dataclass(frozen=True)
+class FitHere:
+    """A setting's predicted peak beside its metered one, against the budget: `fit_here`."""
+
+    predicted_bytes: int  # one steady step on fake tensors
+    measured_bytes: int | None  # metered with no budget; None: not run here (16-bit on a CPU without 16-bit units)
+    budget_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """Return the metered peak where the setting ran here, else the predicted one."""
+        return self.predicted_bytes if self.measured_bytes is None else self.measured_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Tell whether that peak is within the budget."""
+        return self.peak_bytes <= self.budget_bytes
+
+    @property
+    def agrees(self) -> bool:
+        """Tell whether the prediction gives the meter's verdict on fitting (True where nothing was metered)."""
+        return (self.predicted_bytes <= self.budget_bytes) == self.fits
+
+    def verdict(self) -> str:
+        """Return a table cell: "yes, metered", or "no, metered 0.97 MiB over" ("predicted" where not run here)."""
+        how = "predicted" if self.measured_bytes is None else "metered"
+        over = self.peak_bytes - self.budget_bytes
+        return f"yes, {how}" if self.fits else f"no, {how} {format_bytes(over)} over"
+
+
+def fit_here(params: dict, config: StudyConfig) -> FitHere:
+    """Predict a setting's peak; meter `metered_steps` steps of it with no budget where it runs here (chapter 08)."""
+    predicted = predict_step(params, config)[0]
+    if not runs_here(params, config):
+        return FitHere(predicted, None, config.budget_bytes)
+    device = resolve_device(config.device, "config.device")
+    step, batches = SettingStep(params, config, device), _batches(config, device)
+    peak = max(step.metered_step(next(batches), None) for _ in range(config.metered_steps))
+    return FitHere(predicted, peak, config.budget_bytes)
 
 
 @dataclass
@@ -41,6 +84,18 @@ class PredictionCheck:
                 ("largest peak difference", f"{self.largest_error:+.2%} (positive: predicted more)"),
                 ("trials predicted to fit, not run here", _numbers(self.predicted_only)),
                 ("live tensor growth over a worker's trials", f"{self.growth_bytes:+,} B")]
+
+
+def answer_rows(settings: dict[str, dict], fit: dict[str, FitHere], speeds: dict[str, tuple],
+                speed_header: tuple) -> list[tuple]:
+    """Return chapter 08's table: each setting's name, peak, whether it fits here (FitHere.verdict), its speed cells
+    ("-" where `speeds` has none: a setting that does not fit) and its knobs."""
+    rows = [("setting", "peak", "fits here", *speed_header, "knobs")]
+    for name, params in settings.items():
+        cells = speeds.get(name, ("-",) * len(speed_header))
+        knobs = {k: v for k, v in params.items() if k != "lr"}
+        rows.append((name, format_bytes(fit[name].peak_bytes), fit[name].verdict(), *cells, knobs))
+    return rows
 
 
 def _numbers(trials: list) -> str:
