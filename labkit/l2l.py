@@ -36,7 +36,10 @@ class L2LTrainer:
 
     def __init__(self, model: nn.Module, device: torch.device | str, lr: float = 1e-3,
                  prefetch: bool | None = None):
-        """`model` becomes the host master copy (moved to CPU, pinned on CUDA); prefetch: None = on CUDA."""
+        """`model` becomes the host master copy (moved to CPU, pinned on CUDA); prefetch: None = on CUDA.
+
+        On a CPU, prefetch issues the same copies in the same order, synchronously: two stages' weights held at once,
+        what CUDA's prefetch holds (fake steps that predict a GPU's peak use it); it overlaps nothing there."""
         self.device = as_device(device)
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
             raise ValueError("L2L recomputes each layer's forward in backward, so BatchNorm running statistics "
@@ -51,10 +54,8 @@ class L2LTrainer:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, foreach=False)
         if prefetch is None:
             prefetch = self.device.type == "cuda"
-        if prefetch and self.device.type != "cuda":
-            raise ValueError("prefetch needs a CUDA device (a side stream copies the next layer's weights)")
-        self.prefetch = prefetch
-        self._copy_stream = torch.cuda.Stream(self.device) if prefetch else None
+        self.prefetch = bool(prefetch)
+        self._copy_stream = torch.cuda.Stream(self.device) if prefetch and self.device.type == "cuda" else None
         self._dropout = [any(isinstance(m, nn.Dropout) and m.p > 0 for m in s.modules()) for s in self.stages]
         self.moved_bytes = {"host_to_device": 0, "device_to_host": 0}  # by the last step
         self.stage_names = [stage_name(i, s) for i, s in enumerate(self.stages)]
@@ -85,7 +86,7 @@ class L2LTrainer:
 
     def _weights(self, order: Sequence[int]) -> Iterator[dict]:
         """Yield each visited stage's device weights; with prefetch, the next visit's copy overlaps this one."""
-        if self._copy_stream is None:
+        if not self.prefetch:
             for i in order:
                 yield self._fetch(i).weights
             return
@@ -96,7 +97,7 @@ class L2LTrainer:
                 if k + 1 < len(order):
                     queued.append(self._fetch(order[k + 1]))  # issued now: it overlaps visit k's compute
                 current = queued.pop(0)
-                torch.cuda.current_stream(self.device).wait_event(current.ready)
+                self._wait(current.ready)
                 weights = current.weights
                 del current
                 yield weights
@@ -105,7 +106,12 @@ class L2LTrainer:
             # an exception or close() frees the queued weights on the compute stream, whose next allocations
             # may reuse their memory: the compute stream must not run past the copies still writing into it
             for fetch in queued:
-                torch.cuda.current_stream(self.device).wait_event(fetch.ready)
+                self._wait(fetch.ready)
+
+    def _wait(self, ready) -> None:
+        """Make the compute stream wait for a copy's event (CUDA); a CPU's copies are already done."""
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
 
     def _to_device(self, h: torch.Tensor) -> torch.Tensor:
         """Copy a host boundary tensor (activation or its gradient) to the device, counting the bytes."""

@@ -316,3 +316,24 @@ def test_the_finalists_are_the_fastest_distinct_settings_timed_with_their_twins(
     strict = search.time_finalists(trials[:1], {}, tiny, most=1, band=0.5, rounds=1, noise_limit=0.0, attempts=2)
     assert strict.rounds == 2 and not strict.reliable  # two copies never time exactly alike: twice the rounds, then
     #                                                    called unreliable
+
+
+def test_a_study_on_cuda_predicts_the_peaks_an_h200_metered():
+    """Chapter 08's trials on an H200 (tests/data): a study on CUDA predicts them on this CPU's fake tensors, with
+    CUDA autocast's dtypes and 04's and 05's prefetch; the only bytes over are Adam's step counts (4 B per parameter
+    tensor), which CUDA keeps on the host (05's Adam is on the host anyway)."""
+    import json
+    from pathlib import Path
+
+    from labkit.example import running_example
+    from labkit.models import GPT
+
+    recorded = json.loads((Path(__file__).parent / "data" / "h200_chapter08_trials.json").read_text())["trials"]
+    ex = running_example()
+    config = search.StudyConfig(budget_bytes=ex.budget_bytes, n_layer=ex.config.n_layer, batch=ex.batch_size,
+                                seq_len=ex.seq_len, seed=0, device="cuda", precisions=("fp32", "bf16"))
+    step_counts = 4 * len(list(GPT(config.gpt).parameters()))
+    for trial in recorded:
+        over = search.predict_peak_bytes({**trial["params"], "lr": 1e-3}, config) - trial["metered_bytes"]
+        assert over == (0 if trial["params"]["technique"] == "l2l" else step_counts), trial
+    assert any(t["predicted_before_fix"] < t["metered_bytes"] for t in recorded)  # the record held a miss to fix

@@ -81,15 +81,17 @@ class SettingStep:
         self.technique = params["technique"]
         torch.manual_seed(config.seed)  # every setting starts from the same weights
         model = GPT(config.gpt)
+        prefetch = config.device == "cuda"  # 04's and 05's prefetch: CUDA's, and its fake steps' on "cpu"
         if self.technique == "l2l":  # 05: the master copy and Adam live on the host
-            self.l2l = L2LTrainer(model, self.device, lr=params["lr"])
+            self.l2l = L2LTrainer(model, self.device, lr=params["lr"], prefetch=prefetch)
             self.model, self.optimizer = self.l2l.model, self.l2l.optimizer
             return
         self.model = model if self.device.type == "cpu" else model.to(self.device)  # (fake tensors cannot move)
         if self.technique == "checkpoint":  # 02: s segments, every one recomputed in backward
             checkpoint_blocks(self.model, params["segments"], checkpoint_last=True)
         self.optimizer = make_optimizer("adam", self.model.parameters(), lr=params["lr"])
-        self.hooks = OffloadHooks(self.model).track_layers(self.model.blocks) if self.technique == "offload" else None
+        self.hooks = (OffloadHooks(self.model, prefetch=prefetch).track_layers(self.model.blocks)
+                      if self.technique == "offload" else None)
         self.micro_batch = params["micro_batch"]  # 01: batch / micro_batch accumulation steps
         self.precision = params["precision"]  # 03
         # fp16 needs a GradScaler and runs only on CUDA; the fake-tensor prediction on "cpu" leaves its scalars out
