@@ -40,7 +40,7 @@ CHECKS = ("meter", "budget", "offload", "l2l", "precision", "checkpoint", "roofl
 METER_TOLERANCE = 0.05  # the meter's peak within 5% of max_memory_allocated
 PLAN_TOLERANCE = 0.03  # labkit.plan's predicted peak within 3% of max_memory_allocated (issue 24's target) ...
 WORKSPACE_ALLOWANCE_BYTES = 128 * 2**20  # ... or below it by no more than this: cuBLAS's workspaces, which the allocator
-#                                           counts and no tensor shows (68-91 MiB at GPT-2 small on the H200, 2026-11-30)
+#                                           counts and no tensor shows (67-91 MiB at GPT-2 small on the H200, 2026-11-30)
 TENSOR_TOLERANCE = 0.01  # the plan's fake tensors within 1% of the meter's real ones on this GPU (CUDA's own dtypes)
 ROOFLINE_SLACK = 0.9  # no step may run faster than 90% of its roofline (10% for clocks and timing noise)
 
