@@ -162,6 +162,18 @@ def test_close_costs_are_tied_and_time_savers_go_first_by_time_saved(results):
     assert [r["chapter"] for r in rows[:2]] == ["03", "04"]
 
 
+def test_the_with_launches_order_ranks_by_the_launches_ratio_and_marks_ties(results):
+    rows = closing.one_device_rows(results, "t4")
+    by_work, by_launches = closing.cost_order(rows), closing.with_launches_order(rows)
+    assert {r["technique"] for r in by_launches} == {r["technique"] for r in rows}
+    swapped = [dict(r, time_ratio=r["time_ratio_launches"], time_ratio_launches=r["time_ratio"]) for r in rows]
+    assert [r["technique"] for r in closing.with_launches_order(swapped)] == [r["technique"] for r in by_work]
+    text = closing.chapters_in_order(by_launches)
+    assert re.split(" ≈ |, ", text) == [r["chapter"] for r in by_launches]
+    assert text.count("≈") == sum(closing.tied(a, b) for a, b in zip(by_launches, by_launches[1:]))
+    assert closing.chapters_in_order(by_launches, 0.0).count("≈") == 0 and closing.chapters_in_order([]) == ""
+
+
 def test_the_fit_sentence_stops_only_where_the_headroom_covers_the_planners_reserve(results, monkeypatch):
     order = closing.cost_order(closing.one_device_rows(results))
     fit = next(r for r in order if r["fits"])
@@ -205,6 +217,17 @@ def test_the_several_device_lines_print_every_bubble_and_say_a_tie(results):
     for p in pays:  # a point that pays in precision or recomputation never ties with one that pays nothing
         if p != chosen and pays[p] != pays.get(chosen):
             assert p not in sentence.split("ties for the fewest")[-1].split(";")[0]
+
+
+def test_ddps_peak_per_rank_agrees_with_chapter_07s_verdicts_and_is_printed(results):
+    f = closing.several_device_figures(results)
+    ddp = f["points"]["DDP"]
+    assert (f["ddp_peak"] <= f["budget"]) == ddp["whole budget"]
+    assert (f["ddp_peak"] <= f["rank_budget"]) == next(v for k, v in ddp.items() if k != "whole budget")
+    assert f"DDP's peak per rank ({format_bytes(f['ddp_peak'])}) fits" in closing.several_device_lines(f, 8)[0]
+    sh = copy.deepcopy(results["notebooks"]["07_sharded_data_parallel"]["measurements"])
+    sh["comm_bytes_by_collective_by_stage"]["DDP"]["all_reduce"]["input_bytes"] *= 2  # twice the parameters
+    assert closing.ddp_peak_bytes(sh) == pytest.approx(2 * f["ddp_peak"])
 
 
 def test_a_bubble_rise_is_told_as_a_finding_only_where_chapter_06_told_it_apart(results):

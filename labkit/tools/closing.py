@@ -31,7 +31,9 @@ SOURCES = {
     "06b_pipeline_parallel": ("bubble_fraction_measured_by_microbatches", "bubble_fraction_theory_by_microbatches",
                               "bubble_rise_told_by_schedule"),
     "07_sharded_data_parallel": ("fits_whole_and_1_over_n_budget_by_point", "comm_bytes_per_step_by_stage",
-                                 "rank_budget_bytes", "use_when", "pays_by_point"),
+                                 "rank_budget_bytes", "use_when", "pays_by_point",
+                                 "peak_bytes_per_param_per_rank_by_stage", "bytes_per_param_per_rank_by_stage",
+                                 "comm_bytes_by_collective_by_stage"),
     "08_memory_aware_search": ("fastest_fitting_params", "fastest_fitting_peak_bytes",
                                "fastest_vs_chapters_speed_ratio", "timing_noise_ratio",
                                "chapters_with_fastest_setting", "speed_on"),
@@ -215,6 +217,19 @@ def ties(order: list[dict], tolerance: float = TIME_TOLERANCE) -> dict[str, list
     return out
 
 
+def with_launches_order(rows: list[dict], tolerance: float = TIME_TOLERANCE) -> list[dict]:
+    """Return the rows in the same rule's order, ranked by their step times with the host's launches (chapter 10)."""
+    return cost_order([{**r, "time_ratio": r["time_ratio_launches"]} for r in rows], tolerance)
+
+
+def chapters_in_order(order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
+    """Return the order's chapters, " ≈ " between tied neighbours, else ", " (chapter 10)."""
+    out = order[0]["chapter"] if order else ""
+    for a, b in zip(order, order[1:]):
+        out += (" ≈ " if tied(a, b, tolerance) else ", ") + b["chapter"]
+    return out
+
+
 def launches_clause(row: dict) -> str:
     """Return "; with the host's launches N.NNx" for a launch-bound row, else "" (chapter 10)."""
     return f"; with the host's launches {row['time_ratio_launches']:.2f}x" if row.get("launch_bound") else ""
@@ -267,6 +282,20 @@ def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
     return f"On this run {first['technique']} comes first: {why}; {then}."
 
 
+def ddp_peak_bytes(sharded: dict) -> float:
+    """Return chapter 07's DDP peak per rank in bytes: its peak per parameter times the parameters (chapter 10).
+
+    The parameters are DDP's all-reduced gradient bytes over its gradient bytes per parameter; the peak is rank 0's
+    at chapter 07's N ranks, the N of its "1/N of it" budget.
+    """
+    verdicts = sharded["fits_whole_and_1_over_n_budget_by_point"]
+    part = next(k for v in verdicts.values() for k in v if k != "whole budget")  # "1/N of it"
+    ranks = part.split("/")[1].split()[0]
+    per_param = sum(sharded["peak_bytes_per_param_per_rank_by_stage"][ranks]["DDP"].values())
+    grads = sharded["bytes_per_param_per_rank_by_stage"][ranks]["DDP"]["gradients"]
+    return per_param * sharded["comm_bytes_by_collective_by_stage"]["DDP"]["all_reduce"]["input_bytes"] / grads
+
+
 def several_device_figures(results: dict) -> dict:
     """Return chapters 06, 06b and 07's figures for several devices: verdicts, bytes sent, per-rank peaks, the bubble."""
     mp, sh = _m(results, "06_model_and_tensor_parallel"), _m(results, "07_sharded_data_parallel")
@@ -278,7 +307,7 @@ def several_device_figures(results: dict) -> dict:
         rank_budget=sh["rank_budget_bytes"], use_when=sh["use_when"], pays=sh["pays_by_point"],
         model_parallel_peak_max=max(peaks), model_parallel_ranks=len(peaks),
         plain_peak=_m(results, "00_where_the_memory_goes")["measured_peak_bytes"],
-        budget=budget_bytes(results),
+        budget=budget_bytes(results), ddp_peak=ddp_peak_bytes(sh),
         pipeline_sent_max=max(mp["sent_bytes_by_rank_model_parallel"].values()),
         tensor_parallel_comm=mp["comm_bytes_per_step_tensor_parallel"],
         utilisation=mp["utilisation_model_parallel"],
@@ -343,9 +372,10 @@ def _fewest(fit: list[str], comm: dict, chosen: str, pays: dict) -> str:
     """Return "X sends the fewest (B)" or, where others that pay alike send exactly as much, "X ties ... with ..."."""
     tied = [p for p in fit if p != chosen and comm.get(p) == comm.get(chosen) and pays.get(p) == pays.get(chosen)]
     if not tied:
-        return f"{chosen} sends the fewest bytes of them ({format_bytes(comm[chosen])} per step)"
-    return (f"{chosen} ties for the fewest bytes ({format_bytes(comm[chosen])} per step) with {', '.join(tied)}"
-            + (f", all paying in {pays[chosen]}" if pays.get(chosen) else ", none paying anything besides bytes")
+        return f"{chosen} sends the fewest bytes per rank of them ({format_bytes(comm[chosen])} per step)"
+    return (f"{chosen} ties for the fewest bytes sent per rank ({format_bytes(comm[chosen])} per step) with "
+            f"{', '.join(tied)}" + (f", all paying in {pays[chosen]}" if pays.get(chosen) else
+                                   f", none paying in {' or '.join(sorted(set(pays.values())))}" if pays else "")
             + f"; chapter 07 picks {chosen}: of the tied, the lowest peak, then the fastest step with the host's "
               "launches")
 
@@ -360,7 +390,7 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
     part_fit = [p for p, v in points.items() if part and v.get(part)]
     lines.append(
         f"a few GPUs (2 to {gpus_per_node}, one machine): DDP when one rank's step, with its share of the batch "
-        "(the batch over N ranks), fits one GPU. Here DDP's peak per rank "
+        f"(the batch over N ranks), fits one GPU. Here DDP's peak per rank ({format_bytes(f['ddp_peak'])}) "
         + ("fits" if ddp.get("whole budget") else "does not fit") + f" one device's budget ({format_bytes(f['budget'])})"
         + f", although the whole batch's step on one device ({format_bytes(f['plain_peak'])}) "
         + ("does not" if f["plain_peak"] > f["budget"] else "does too")
