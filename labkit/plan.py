@@ -960,7 +960,8 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
               "(in a server at its GPU-to-GPU rate, beyond it at its network's per GPU: labkit.gpus)",
               "host: over the host link, the offloaded activations and, with opt = host, also Adam's gradients, "
               "parameters and update; offl: activation offload; opt: where Adam's state and update live; adam: its "
-              "implementation (for-loop, foreach, fused: what its update allocates); tokens/s: the global batch's",
+              "implementation (for-loop, foreach, fused: what its update allocates); tokens/s: the global batch's; "
+              "keep_logits: the logits held through backward (False: deleted before it, torchtitan's `del pred`)",
               "left out: " + "; ".join(f"{k} ({v})" for k, v in p.left_out.items())]
     return "\n".join(lines)
 

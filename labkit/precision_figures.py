@@ -47,11 +47,13 @@ def legend_used_categories(ax, splits: dict[str, dict[str, int]]) -> None:
 
 
 def plot_step_memory_and_time(splits: dict[str, dict[str, int]], step_ms: dict[str, float], colors: dict[str, str],
-                              gpu_name: str, memory_title: str = "", time_words: str = "counted"):
+                              gpu_name: str, memory_title: str = "", time_words: str = "counted",
+                              work_ratio: float | None = None):
     """Draw each step's memory at its peak by category beside its time on a GPU, one bar per precision (chapter 03).
 
     `splits`: {"fp32 step": {category: bytes}, ...}; `step_ms`: {"fp32": ms, "bf16": ms}, fp32 first; `time_words`
-    says what the times count (e.g. "roofline bound"); returns the figure.
+    says what the times count (e.g. "roofline bound"); `work_ratio`, when given, is the last precision's time over
+    fp32's by the counted work alone, titled beside the bars' ratio; returns the figure.
     """
     from labkit.plots import plot_memory_bars
 
@@ -66,5 +68,7 @@ def plot_step_memory_and_time(splits: dict[str, dict[str, int]], step_ms: dict[s
     ax_time.set_ylim(0, 1.15 * max(step_ms.values()))  # room above the tallest bar for its label, inside the frame
     ax_time.set_ylabel(f"ms per step on the {gpu_name}\n({time_words})")
     other = names[-1]
-    ax_time.set_title(f"{other}: × {step_ms[other] / step_ms['fp32']:.2f} fp32's time", fontsize=9)
+    ratio = f"× {step_ms[other] / step_ms['fp32']:.2f} fp32's time"
+    ax_time.set_title(f"{other}: {ratio}" if work_ratio is None else
+                      f"{other}: {ratio}\n(× {work_ratio:.2f} by its work alone)", fontsize=9)
     return fig

@@ -180,9 +180,11 @@ def not_a_check(check: Check) -> str:
 
 
 def format_validation(checks: list[Check]) -> str:
-    """Return the checks as a table: run, figure, published, the plan's, error, within the target."""
-    lines = [f"{'run':28s} {'figure':17s} {'published':>13s} {'predicted':>9s} {'error':>7s}  target",
-             "-" * 86]
+    """Return the checks as a table: run, its GPUs and parallelism, figure, published, the plan's, error, within the
+    target (a tokens/s prediction marked an estimate: another run's share of peak, not the plan's step time)."""
+    setups = {r["id"]: f"{r['gpus']} {r['parallel']}" for r in published_runs()}
+    lines = [f"{'run':28s} {'GPUs, parallel':16s} {'figure':17s} {'published':>13s} {'predicted':>9s} {'error':>7s}  "
+             "target", "-" * 103]
     for c in checks:
         lo, hi = c.published
         unit = ".2f" if "peak" in c.figure else ",.0f"
@@ -190,9 +192,12 @@ def format_validation(checks: list[Check]) -> str:
         pred = "—" if c.predicted is None else f"{c.predicted:{unit}}"
         err = "—" if c.error is None else f"{c.error:+.1%}"
         verdict = not_a_check(c) if c.within is None else f"±{TARGETS[c.figure]:.0%} " + ("yes" if c.within else "NO")
-        lines.append(f"{c.run:28s} {c.figure:17s} {pub:>13s} {pred:>9s} {err:>7s}  {verdict}")
+        estimate = " (estimate)" if c.predicted is not None and "peak" not in c.figure else ""
+        lines.append(f"{c.run:28s} {setups.get(c.run, ''):16s} {c.figure:17s} {pub:>13s} {pred:>9s} {err:>7s}  "
+                     f"{verdict}{estimate}")
     lines.append("memory in GiB (2^30 B), predicted: the plan row's peak; tokens/s predicted: a fraction of peak "
-                 "from another run x the GPU's peak / the run's counted FLOPs per token (compute only); error: to the "
+                 "from another run (its source) x the GPU's peak / the run's counted FLOPs per token (compute only), an "
+                 "estimate, not the plan's step time; error: to the "
                  "nearer end of a published range (0 inside it); target: the largest error allowed"
                  + "".join(f"; {NOT_A_CHECK[m]}" for m in dict.fromkeys(not_a_check(c) for c in checks
                                                                        if c.within is None)))

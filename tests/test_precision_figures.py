@@ -46,6 +46,9 @@ def test_step_memory_and_time_draws_bars_and_the_time_ratio():
     assert figure_problems(fig) == []
     with pytest.raises(ValueError, match="fp32"):
         plot_step_memory_and_time(splits, {"bf16": 1.0}, COLORS, "t4")
+    both = plot_step_memory_and_time(splits, {"fp32": 2.0, "bf16": 2.4}, COLORS, "t4", work_ratio=0.5)
+    assert both.axes[1].get_title() == "bf16: × 1.20 fp32's time\n(× 0.50 by its work alone)"
+    assert figure_problems(both) == []
 
 
 def test_legend_used_categories_drops_categories_zero_in_every_bar():

@@ -31,6 +31,9 @@ def test_a_figure_without_a_prediction_says_why_in_the_target_column():
     assert published.NOT_A_CHECK["source"] in table[-1] and published.NOT_A_CHECK["not modelled"] in table[-1]
     assert published.NOT_A_CHECK["no fraction"] not in table[-1]  # the footer explains only the marks shown
     assert "not a check" not in published.format_validation([checked]).splitlines()[-1]
+    estimate = published.Check("FMS-7B-H100-noAC-eager", "tokens/s per GPU", (7500, 7500), 7600.0, "from FMS-7B-A100")
+    row = published.format_validation([estimate]).splitlines()[2]
+    assert " 96 fsdp1 (HSDP) " in row and row.endswith("±25% yes (estimate)")  # the run's GPUs and parallelism
 
 
 def test_grouped_query_attention_is_refused_by_name():
