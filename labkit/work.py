@@ -4,7 +4,8 @@ Every chapter counts its technique's cost this way (chapter 00 introduces it) an
 a time on a GPU; the planner counts its fake steps alike. One `WorkCounter` (a dispatch mode) sees every operator:
 - FLOPs from torch's own formulas (torch.utils.flop_counter; the CPU's fused attention too), keyed by the precision
   the operator computes in (the dtype of its floating-point inputs: bf16 and fp16 matmuls run on tensor cores, fp32 ones do not);
-- bytes operators read and write, each tensor once per operator (no fusion, no cache), views left out;
+- bytes operators read and write, each tensor once per operator (no fusion, no cache), views left out; an in-place
+  operator's written tensors once (copy_'s destination is written, not read; a foreach update's list both);
 - kernels: operators that move or compute data (a GPU launches one kernel or more for each) and host copies;
 - bytes over the host link: every copy of `labkit.hosttier` (to_host, to_device) reports itself here;
 - bytes handed to collectives and point-to-point sends, by kind, and the bytes a rank sends with ring algorithms.
@@ -30,7 +31,10 @@ FORMULAS = {**flop_registry,
                 flop_registry[aten._scaled_dot_product_flash_attention_backward]}
 PRECISION_OF = {torch.float32: "fp32", torch.float64: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "lift_fresh",
-             "_local_scalar_dense"}  # operators that allocate or read a scalar without launching a kernel
+             "_local_scalar_dense", "_unsafe_view"}  # operators that allocate, alias or read a scalar without launching
+#   a kernel (_unsafe_view: matmul's reshape of its bmm output, a view that autograd does not track as one)
+WRITE_ONLY = {"copy_", "fill_", "zero_", "uniform_", "normal_", "bernoulli_", "random_", "exponential_"}  # in-place
+#   operators that write their first argument without reading it: its bytes count once, as the output
 
 # (kind, the argument holding this rank's input tensors) -> operator names; every c10d operator of torch 2.13
 # is here or in NOT_COMMUNICATION: WorkCounter refuses one it does not know
@@ -129,6 +133,19 @@ def host_copy(nbytes: int):
             counter.counting_bytes = counting
 
 
+_WRITTEN: dict = {}  # operator -> the positions of the arguments it writes in place and does not return
+
+
+def _written_in_place(func) -> tuple:
+    """Return the positions of the arguments an operator that returns nothing writes (its schema's `a!` annotations):
+    the foreach updates' first list, fused Adam's parameters and moments (not its gradients, written only when it
+    unscales them)."""
+    if func not in _WRITTEN:
+        _WRITTEN[func] = tuple(i for i, a in enumerate(func._schema.arguments)
+                               if a.alias_info is not None and a.alias_info.is_write and a.name != "grads")
+    return _WRITTEN[func]
+
+
 class WorkCounter(TorchDispatchMode):
     """Count FLOPs by precision, bytes read and written, kernels, host-link bytes and collectives' bytes by kind.
 
@@ -160,6 +177,8 @@ class WorkCounter(TorchDispatchMode):
         if func.namespace == "prim":  # metadata queries (prim.device: fake tensors ask it): no data, no kernel
             device = fake_device(func, args)
             return device if device is not None else func(*args, **kwargs)
+        if func.namespace == "profiler":  # record_function's markers (every optimizer step has two): no kernel
+            return func(*args, **kwargs)
         if func.namespace in ("c10d", "_c10d_functional"):
             self._communication(func, args)
             if self.counting_bytes and func.overloadpacket.__name__ not in NOT_COMMUNICATION:
@@ -171,7 +190,9 @@ class WorkCounter(TorchDispatchMode):
             p = _precision(args)
             self.flops[p] = self.flops.get(p, 0) + int(formula(*args, **kwargs, out_val=out))
         if self.counting_bytes and not func.is_view and func.overloadpacket.__name__ not in NO_KERNEL:
-            self.bytes_accessed += _nbytes(args) + _nbytes(kwargs.values()) + _nbytes((out,))
+            read = args[1:] if func.overloadpacket.__name__ in WRITE_ONLY else args
+            written = (out,) if out is not None else [args[i] for i in _written_in_place(func) if i < len(args)]
+            self.bytes_accessed += _nbytes(read) + _nbytes(kwargs.values()) + _nbytes(written)
             self.kernels += 1
         return out
 

@@ -63,6 +63,48 @@ def test_attention_counts_its_two_products_forward_and_five_backward(b, h, s, d)
     assert manual.flops == forward.flops
 
 
+@pytest.mark.parametrize("b, h, s, d", [(2, 4, 16, 8), (1, 2, 32, 16)])
+def test_attention_moves_its_inputs_outputs_and_scores_each_once(b, h, s, d):
+    """Fused (SDPA on a CPU): reads Q, K, V, writes the output and its fp32 logsumexp (b h s), never the s x s scores.
+    Written out: QK^T writes the scores, softmax reads and writes them, PV reads them: matmul's reshapes of its
+    bmm outputs (_unsafe_view) are views, no kernel and no bytes."""
+    q, k, v = (torch.randn(b, h, s, d) for _ in range(3))
+    fused = count_work(F.scaled_dot_product_attention, q, k, v, is_causal=True)
+    assert fused.bytes_accessed == F32 * (4 * b * h * s * d + b * h * s) and fused.kernels == 1
+    manual = count_work(lambda: (q @ k.transpose(-2, -1)).softmax(-1) @ v)
+    assert manual.bytes_accessed == F32 * (4 * b * h * s * d + 4 * b * h * s * s) and manual.kernels == 3
+
+
+def test_a_blocks_forward_reads_each_weight_once_and_moves_38_n_c_activation_elements():
+    """A GPT-2 block (fused attention) on N = B T tokens of width C, H heads, element by element read + written:
+    norms 2 (2NC + 2C + 2N: x, weight, bias in; y, mean, rstd out); qkv 3C + NC + 3C^2 + 3NC; attention 4NC + NH;
+    proj C + 2NC + C^2; residual adds 2 x 3NC; MLP up 4C + 5NC + 4C^2, GELU 8NC, down C + 5NC + 4C^2.
+    Together 38 NC + 12 C^2 (every weight once) + 13 C (biases, norms) + 4N + NH, in ten kernels."""
+    Bt, T, C, H = 2, 16, 32, 4
+    N = Bt * T
+    block = Block(GPTConfig(n_layer=1, n_embd=C, n_head=H, block_size=T, attn="sdpa"))
+    work = count_work(block, torch.randn(Bt, T, C))
+    assert work.bytes_accessed == F32 * (38 * N * C + 12 * C * C + 13 * C + 4 * N + N * H)
+    assert work.kernels == 10
+
+
+def test_in_place_operators_count_what_they_write_once():
+    """copy_ reads its source and writes its destination (not read); a foreach update reads and writes its list
+    though it returns nothing; fused Adam reads and writes parameters and both moments, reads the gradients."""
+    a, b = torch.randn(64), torch.randn(64)
+    assert count_work(a.copy_, b).bytes_accessed == 2 * F32 * 64
+    xs, ys = [torch.randn(64) for _ in range(3)], [torch.randn(64) for _ in range(3)]
+    assert count_work(torch._foreach_add_, xs, ys).bytes_accessed == 3 * 3 * F32 * 64  # x read, y read, x written
+    params = [torch.randn(64, requires_grad=True) for _ in range(2)]
+    opt = torch.optim.Adam(params, fused=True)
+    create_optimizer_state(opt)  # (it leaves no gradient)
+    for p in params:
+        p.grad = torch.randn(64)
+    work = count_work(opt.step)  # the step counts' foreach add, then one _fused_adam_ (its profiler markers: none)
+    steps = 2 * F32  # the step counts, one fp32 scalar tensor per parameter: read and written by the add, read by Adam
+    assert work.bytes_accessed == 2 * (2 * 3 + 1) * F32 * 64 + 3 * steps and work.kernels == 2
+
+
 @pytest.mark.parametrize("attn, backward_attention", [("manual", 2 * 4), ("sdpa", 10)])
 def test_a_blocks_work_is_24_b_t_c2_plus_4_b_t2_c_forward_and_three_times_the_matmuls_with_backward(
         attn, backward_attention):
