@@ -174,6 +174,21 @@ def test_the_with_launches_order_ranks_by_the_launches_ratio_and_marks_ties(resu
     assert closing.chapters_in_order(by_launches, 0.0).count("≈") == 0 and closing.chapters_in_order([]) == ""
 
 
+def test_tied_neighbours_share_a_place_as_the_order_prints_them(results):
+    by_launches = closing.with_launches_order(closing.one_device_rows(results, "t4"))
+    places = closing.places(by_launches)
+    runs = closing.chapters_in_order(by_launches).split(", ")  # each run of tied neighbours: "a ≈ b ≈ c"
+    place = 1
+    for run in runs:
+        chapters = run.split(" ≈ ")
+        got = [places[r["technique"]] for r in by_launches[place - 1:place - 1 + len(chapters)]]
+        assert got == ([f"{place}="] * len(chapters) if len(chapters) > 1 else [str(place)]), run
+        place += len(chapters)
+    untied = closing.places(by_launches, 0.0)
+    assert sorted(untied.values(), key=int) == [str(i) for i in range(1, len(by_launches) + 1)]
+    assert closing.places([]) == {}
+
+
 def test_the_fit_sentence_stops_only_where_the_headroom_covers_the_planners_reserve(results, monkeypatch):
     order = closing.cost_order(closing.one_device_rows(results))
     fit = next(r for r in order if r["fits"])
@@ -228,6 +243,21 @@ def test_ddps_peak_per_rank_agrees_with_chapter_07s_verdicts_and_is_printed(resu
     sh = copy.deepcopy(results["notebooks"]["07_sharded_data_parallel"]["measurements"])
     sh["comm_bytes_by_collective_by_stage"]["DDP"]["all_reduce"]["input_bytes"] *= 2  # twice the parameters
     assert closing.ddp_peak_bytes(sh) == pytest.approx(2 * f["ddp_peak"])
+
+
+def test_the_few_gpu_line_says_to_follow_chapter_07s_pick_where_it_is_not_ddp_and_why(results):
+    f = closing.several_device_figures(results)
+    assert f["use_when"]["whole_budget"] == "DDP" and "follow chapter 07's pick" not in closing.several_device_lines(f, 8)[0]
+    picked = copy.deepcopy(results)
+    sh = picked["notebooks"]["07_sharded_data_parallel"]["measurements"]
+    sh["use_when"]["whole_budget"] = "FSDP2 no-reshard"  # as many bytes as DDP, a lower peak (its Adam state sharded)
+    g = closing.several_device_figures(picked)
+    assert g["pick_peak"] == closing.point_peak_bytes(sh, "FSDP2 no-reshard") < g["ddp_peak"]
+    line = closing.several_device_lines(g, 8)[0]
+    assert (f"follow chapter 07's pick on this run: FSDP2 no-reshard sends as many bytes per rank as DDP and peaks at "
+            f"{format_bytes(g['pick_peak'])} per rank against DDP's {format_bytes(g['ddp_peak'])}") in line
+    assert line.endswith("here it buys room at no extra bytes.")
+    assert closing.point_peak_bytes(sh, "DDP bucket view") is None  # no peak per parameter recorded for it
 
 
 def test_a_bubble_rise_is_told_as_a_finding_only_where_chapter_06_told_it_apart(results):

@@ -230,6 +230,22 @@ def chapters_in_order(order: list[dict], tolerance: float = TIME_TOLERANCE) -> s
     return out
 
 
+def places(order: list[dict], tolerance: float = TIME_TOLERANCE) -> dict[str, str]:
+    """Return {technique: its place in `order`}: "n=" for each of a run of tied neighbours (chapters_in_order's
+    " ≈ "), which all share the run's first place n; the next row's place counts them all (chapter 10)."""
+    runs: list[list[dict]] = []
+    for i, row in enumerate(order):
+        if i and tied(order[i - 1], row, tolerance):
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    out, place = {}, 1
+    for run in runs:
+        out.update({r["technique"]: f"{place}=" if len(run) > 1 else str(place) for r in run})
+        place += len(run)
+    return out
+
+
 def launches_clause(row: dict) -> str:
     """Return "; with the host's launches N.NNx" for a launch-bound row, else "" (chapter 10)."""
     return f"; with the host's launches {row['time_ratio_launches']:.2f}x" if row.get("launch_bound") else ""
@@ -282,8 +298,9 @@ def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
     return f"On this run {first['technique']} comes first: {why}; {then}."
 
 
-def ddp_peak_bytes(sharded: dict) -> float:
-    """Return chapter 07's DDP peak per rank in bytes: its peak per parameter times the parameters (chapter 10).
+def point_peak_bytes(sharded: dict, point: str) -> float | None:
+    """Return chapter 07's peak per rank of `point` in bytes: its peak per parameter times the parameters, or None
+    where chapter 07 recorded no peak per parameter for it (chapter 10).
 
     The parameters are DDP's all-reduced gradient bytes over its gradient bytes per parameter; the peak is rank 0's
     at chapter 07's N ranks, the N of its "1/N of it" budget.
@@ -291,9 +308,17 @@ def ddp_peak_bytes(sharded: dict) -> float:
     verdicts = sharded["fits_whole_and_1_over_n_budget_by_point"]
     part = next(k for v in verdicts.values() for k in v if k != "whole budget")  # "1/N of it"
     ranks = part.split("/")[1].split()[0]
-    per_param = sum(sharded["peak_bytes_per_param_per_rank_by_stage"][ranks]["DDP"].values())
+    by_point = sharded["peak_bytes_per_param_per_rank_by_stage"][ranks]
+    if point not in by_point:
+        return None
     grads = sharded["bytes_per_param_per_rank_by_stage"][ranks]["DDP"]["gradients"]
-    return per_param * sharded["comm_bytes_by_collective_by_stage"]["DDP"]["all_reduce"]["input_bytes"] / grads
+    params = sharded["comm_bytes_by_collective_by_stage"]["DDP"]["all_reduce"]["input_bytes"] / grads
+    return sum(by_point[point].values()) * params
+
+
+def ddp_peak_bytes(sharded: dict) -> float:
+    """Return chapter 07's DDP peak per rank in bytes (point_peak_bytes) (chapter 10)."""
+    return point_peak_bytes(sharded, "DDP")
 
 
 def several_device_figures(results: dict) -> dict:
@@ -308,6 +333,7 @@ def several_device_figures(results: dict) -> dict:
         model_parallel_peak_max=max(peaks), model_parallel_ranks=len(peaks),
         plain_peak=_m(results, "00_where_the_memory_goes")["measured_peak_bytes"],
         budget=budget_bytes(results), ddp_peak=ddp_peak_bytes(sh),
+        pick_peak=point_peak_bytes(sh, sh["use_when"]["whole_budget"]),  # chapter 07's pick for one device's budget
         pipeline_sent_max=max(mp["sent_bytes_by_rank_model_parallel"].values()),
         tensor_parallel_comm=mp["comm_bytes_per_step_tensor_parallel"],
         utilisation=mp["utilisation_model_parallel"],
@@ -380,6 +406,24 @@ def _fewest(fit: list[str], comm: dict, chosen: str, pays: dict) -> str:
               "launches")
 
 
+def _follow_pick(f: dict) -> str:
+    """Return ". Of the two, follow chapter 07's pick ..." with the figures that set it above DDP, where DDP fits one
+    device's budget and chapter 07 picks another setup for it; else "" (the rule and the pick agree)."""
+    pick, comm = f["use_when"]["whole_budget"], f["comm_bytes"]
+    if not f["points"].get("DDP", {}).get("whole budget") or pick is None or pick.startswith("DDP"):
+        return ""
+    peaks = (f" and peaks at {format_bytes(f['pick_peak'])} per rank against DDP's {format_bytes(f['ddp_peak'])}"
+             if f.get("pick_peak") is not None else "")
+    sends = ("as many bytes per rank as DDP" if comm[pick] == comm["DDP"] else
+             f"{format_bytes(abs(comm['DDP'] - comm[pick]))} {'fewer' if comm[pick] < comm['DDP'] else 'more'} bytes "
+             "per rank than DDP")
+    lower = f.get("pick_peak") is not None and f["pick_peak"] < f["ddp_peak"]
+    buys = ("fewer bytes sent" if comm[pick] < comm["DDP"] else "room at no extra bytes" if lower else
+            "a shorter step with the host's launches")  # chapter 07's order: bytes, then peak, then that step
+    return (f". Of the two, follow chapter 07's pick on this run: {pick} sends {sends}{peaks}; the rule's DDP is the "
+            f"default where sharding buys nothing, and here it buys {buys}")
+
+
 def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
     """Return the few-GPU and many-GPU lines: each rule (chapters 06, 06b and 07) beside this run's figure that bears on it."""
     lines = []
@@ -395,7 +439,7 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
         + f", although the whole batch's step on one device ({format_bytes(f['plain_peak'])}) "
         + ("does not" if f["plain_peak"] > f["budget"] else "does too")
         + (f"; {_fewest(whole_fit, comm, f['use_when']['whole_budget'], f['pays'])}" if whole_fit else "")
-        + ".")
+        + _follow_pick(f) + ".")
     lines.append(
         f"  when it does not fit (a device with {(part or '').replace(' of it', '')} of the budget, "
         f"{format_bytes(f['rank_budget'])}): shard, FSDP2 "
