@@ -5,13 +5,15 @@ from pathlib import Path
 import pytest
 
 import labkit
+from labkit.costs import work_from_record
+from labkit.gpus import step_time
 
 STEM = "06_model_and_tensor_parallel"
 
 
 def test_notebook_06_invariants_with_other_parameters(execute_notebook):
     """Another seed and sequence length: the same verdicts (the check cells pass)."""
-    entry = execute_notebook(STEM, SEED=3, N_LAYER=4, BATCH=16, SEQ_LEN=32)
+    entry = execute_notebook(STEM, SEED=3, N_LAYER=4, BATCH=16, SEQ_LEN=32, GPU="t4")
     assert entry["status"] == "ok", entry.get("error")
     m = entry["measurements"]
     for name in ("max_rel_grad_diff_model_parallel", "max_rel_grad_diff_tensor_parallel"):
@@ -30,6 +32,22 @@ def test_notebook_06_invariants_with_other_parameters(execute_notebook):
     tp_peaks = m["peak_bytes_by_rank_tensor_parallel"]  # heads and hidden units split: every rank fits
     assert sorted(tp_peaks) == ["0", "1"] and all(p <= ex.budget_bytes for p in tp_peaks.values())
     assert all(p < ex.baseline_peak_bytes for p in tp_peaks.values())
+    # each rank counted its metered step (labkit.work), the one process its own: model parallelism's ranks share one
+    # process's FLOPs out, a tensor-parallel rank computes a little over half of them (its shards: LocalWorkCounter)
+    work = {name: work_from_record(w) for name, w in m["work_by_setting"].items()}
+    mp, tp = ([work[f"{name}, rank {r}"] for r in range(2)] for name in ("model parallel", "tensor parallel"))
+    one = work["one process"]
+    assert sum(w.total_flops for w in mp) == one.total_flops
+    assert all(0.5 * one.total_flops < w.total_flops < 0.6 * one.total_flops for w in tp)
+    assert one.sent_bytes == 0 and all(w.sent_bytes > 0 for w in mp + tp)
+    tied = ex.config.vocab_size * 128 * 4  # the embedding/head weight, all-reduced between the two ranks
+    assert all(w.sent_bytes == 16 * 32 * 128 * 4 + tied for w in mp)  # and one (B, T, C) boundary each way
+    assert all(w.sent_bytes == 4 * 6 * 16 * 32 * 128 * 4 for w in tp)  # all-reduced: 2(K - 1)/K = 1x at K = 2
+    assert all(w.kernels > 0 and w.bytes_accessed > 0 and set(w.flops) == {"fp32"} for w in work.values())
+    # the projection: the T4's roofline of each counted step, positive
+    assert m["gpu"] == "t4"
+    t4 = {name: step_time(w, "t4").time_s for name, w in work.items()}
+    assert m["gpu_step_s_by_setting"] == pytest.approx(t4) and all(s > 0 for s in t4.values())
 
 
 def test_the_model_parallel_script_keeps_its_reference_on_the_batchs_device(monkeypatch, tmp_path):

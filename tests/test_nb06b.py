@@ -2,13 +2,17 @@
 
 import pytest
 
+import labkit
+from labkit.costs import work_from_record
+from labkit.gpus import step_time
+
 STEM = "06b_pipeline_parallel"
 
 
 def test_notebook_06b_invariants_with_other_parameters(execute_notebook):
     """Another seed and sweep, and four ranks for the memory point: the same verdicts (the check cells pass)."""
     entry = execute_notebook(STEM, SEED=3, N_LAYER=4, BATCH=16, SEQ_LEN=32, ACCUM_STEPS_SWEEP=[2, 4, 8, 16],
-                             MEMORY_RANKS=4, TIMED_STEPS=1)
+                             MEMORY_RANKS=4, TIMED_STEPS=1, GPU="t4")
     assert entry["status"] == "ok", entry.get("error")
     m = entry["measurements"]
     assert 0 <= m["max_rel_grad_diff_pipeline"] <= 1e-5
@@ -33,3 +37,17 @@ def test_notebook_06b_invariants_with_other_parameters(execute_notebook):
     assert all(a16 < a2 for a2, a16 in zip(one_f[2], one_f[16]))  # and fewer bytes as M grows at a fixed batch
     # torch's schedules ran labkit's order and, forwards numbered from 0, their own description
     assert all(o["torch_from_0"] for o in m["schedule_orders_match"].values())
+    # each stage counted its metered step and the Adam update (labkit.work), at the sweep's fewest and most M: more
+    # micro-batches launch more kernels for the same FLOPs, and send the same bytes (one activation forward, its
+    # gradient back, and the tied embedding/head weight all-reduced between the two ends)
+    work = {name: work_from_record(w) for name, w in m["work_by_stage"].items()}
+    assert sorted(work) == ["stage 0, M=16", "stage 0, M=2", "stage 1, M=16", "stage 1, M=2"]
+    vocab = labkit.running_example(n_layer=4, batch_size=16, seq_len=32).config.vocab_size
+    for s in range(2):
+        few, many = work[f"stage {s}, M=2"], work[f"stage {s}, M=16"]
+        assert few.flops == many.flops and few.total_flops > 0
+        assert few.sent_bytes == many.sent_bytes == 16 * 32 * 128 * 4 + vocab * 128 * 4
+        assert many.kernels > 2 * few.kernels
+    # the projection: the T4's roofline of each counted step (GPU="t4"), positive
+    t4 = {name: step_time(w, "t4").time_s for name, w in work.items()}
+    assert m["gpu_step_s_by_stage"] == pytest.approx(t4) and all(s > 0 for s in t4.values())
