@@ -17,6 +17,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -133,7 +134,22 @@ def host_copy(nbytes: int):
             counter.counting_bytes = counting
 
 
-_WRITTEN: dict = {}  # operator -> the positions of the arguments it writes in place and does not return
+try:
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except ImportError:  # a torch built without distributed
+    _DTENSOR = None
+_WRITTEN: dict = {}
+
+
+@contextlib.contextmanager
+def _pushed(mode):
+    """Put `mode` back on the dispatch mode stack while it handles an operator (torch pops it for its handler)."""
+    from torch.utils._python_dispatch import _pop_mode, _push_mode
+    _push_mode(mode)
+    try:
+        yield
+    finally:
+        _pop_mode()  # operator -> the positions of the arguments it writes in place and does not return
 
 
 def _written_in_place(func) -> tuple:
@@ -163,8 +179,12 @@ class WorkCounter(TorchDispatchMode):
         self.bytes: dict[str, int] = {}  # collective kind -> bytes of the tensors handed over
         self.counting_bytes = True
         self.world_size = world_size
+        self._in_dtensor = False  # inside a DTensor's operator (WorkCounter._on_shards)
+        self._under_fake = False  # entered under a FakeTensorMode (the planner's fake steps): fake tensors are the work
 
     def __enter__(self):
+        from torch._guards import detect_fake_mode
+        self._under_fake = detect_fake_mode() is not None
         _ACTIVE.append(self)
         return super().__enter__()
 
@@ -173,6 +193,10 @@ class WorkCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _DTENSOR is not None and any(issubclass(t, _DTENSOR) for t in types):
+            return self._on_shards(func, args, kwargs)
+        if self._in_dtensor and any(issubclass(t, FakeTensor) for t in types) and not self._under_fake:
+            return func(*args, **(kwargs or {}))  # a DTensor's sharding propagation at its global shape: no work
         kwargs = kwargs or {}
         if func.namespace == "prim":  # metadata queries (prim.device: fake tensors ask it): no data, no kernel
             device = fake_device(func, args)
@@ -195,6 +219,19 @@ class WorkCounter(TorchDispatchMode):
             self.bytes_accessed += _nbytes(read) + _nbytes(kwargs.values()) + _nbytes(written)
             self.kernels += 1
         return out
+
+    def _on_shards(self, func, args, kwargs):
+        """Run a DTensor's operator as the DTensor runs it, this counter seeing what it runs: the operator on this
+        rank's shards and the collectives it issues are counted (its global shape is not what this rank computes);
+        its sharding propagation on fake tensors of the global shape is not (where this counter counts real tensors)."""
+        if self._in_dtensor:
+            return NotImplemented  # (this counter again, below: the DTensor's own __torch_dispatch__ runs it)
+        self._in_dtensor = True
+        try:
+            with _pushed(self):
+                return func(*args, **(kwargs or {}))
+        finally:
+            self._in_dtensor = False
 
     def _communication(self, func, args) -> None:
         name = func.overloadpacket.__name__

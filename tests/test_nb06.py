@@ -33,7 +33,7 @@ def test_notebook_06_invariants_with_other_parameters(execute_notebook):
     assert sorted(tp_peaks) == ["0", "1"] and all(p <= ex.budget_bytes for p in tp_peaks.values())
     assert all(p < ex.baseline_peak_bytes for p in tp_peaks.values())
     # each rank counted its metered step (labkit.work), the one process its own: model parallelism's ranks share one
-    # process's FLOPs out, a tensor-parallel rank computes a little over half of them (its shards: LocalWorkCounter)
+    # process's FLOPs out, a tensor-parallel rank computes a little over half of them (its shards: WorkCounter counts a DTensor's operators on them)
     work = {name: work_from_record(w) for name, w in m["work_by_setting"].items()}
     mp, tp = ([work[f"{name}, rank {r}"] for r in range(2)] for name in ("model parallel", "tensor parallel"))
     one = work["one process"]

@@ -178,3 +178,26 @@ def test_a_step_on_fake_tensors_counts_what_the_same_step_counts_on_real_ones():
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake = count_work(step, *built())
     assert fake == real and real.kernels > 0 and real.bytes_accessed > 0
+
+
+def test_a_dtensors_operators_count_on_this_ranks_shard_and_its_collectives():
+    """Rank 0 of 2 (a fake group in this process) holding half of each matrix: an elementwise op on a sharded DTensor
+    reads and writes this rank's half, not the global tensor; a matmul of a row-sharded by a replicated matrix
+    computes this rank's rows; redistributing to replicated is an all-gather of this rank's shard."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        a = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])  # this rank: rows 0-3
+        w = distribute_tensor(torch.randn(4, 6), mesh, [Replicate()])
+        assert count_work(torch.mul, a, 2.0).bytes_accessed == 2 * F32 * 4 * 4  # its (4, 4) read and written
+        assert count_work(torch.matmul, a, w).flops == {"fp32": 2 * 4 * 4 * 6}  # its 4 rows
+        with WorkCounter(world_size=2) as counter:
+            a.redistribute(mesh, [Replicate()])
+        assert counter.bytes == {"all_gather": F32 * 4 * 4}  # the shard it hands over
+    finally:
+        dist.destroy_process_group()
