@@ -193,8 +193,9 @@ class WorkCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _DTENSOR is not None and any(issubclass(t, _DTENSOR) for t in types):
-            return self._on_shards(func, args, kwargs)
+        if _DTENSOR is not None and not self._under_fake and any(issubclass(t, _DTENSOR) for t in types):
+            return self._on_shards(func, args, kwargs)  # (the planner's fake steps: as before, the global shape, where
+            #                                              it counts no bytes: FSDP2's optimizer step)
         if self._in_dtensor and any(issubclass(t, FakeTensor) for t in types) and not self._under_fake:
             return func(*args, **(kwargs or {}))  # a DTensor's sharding propagation at its global shape: no work
         kwargs = kwargs or {}
