@@ -138,7 +138,7 @@ try:
     from torch.distributed.tensor import DTensor as _DTENSOR
 except ImportError:  # a torch built without distributed
     _DTENSOR = None
-_WRITTEN: dict = {}
+_WRITTEN: dict = {}  # operator -> the positions of the arguments it writes in place and does not return
 
 
 @contextlib.contextmanager
@@ -149,7 +149,7 @@ def _pushed(mode):
     try:
         yield
     finally:
-        _pop_mode()  # operator -> the positions of the arguments it writes in place and does not return
+        _pop_mode()
 
 
 def _written_in_place(func) -> tuple:
@@ -196,7 +196,7 @@ class WorkCounter(TorchDispatchMode):
         if _DTENSOR is not None and not self._under_fake and any(issubclass(t, _DTENSOR) for t in types):
             return self._on_shards(func, args, kwargs)  # (the planner's fake steps: as before, the global shape, where
             #                                              it counts no bytes: FSDP2's optimizer step)
-        if self._in_dtensor and any(issubclass(t, FakeTensor) for t in types) and not self._under_fake:
+        if self._in_dtensor and any(issubclass(t, FakeTensor) for t in types):  # (set on real tensors only)
             return func(*args, **(kwargs or {}))  # a DTensor's sharding propagation at its global shape: no work
         kwargs = kwargs or {}
         if func.namespace == "prim":  # metadata queries (prim.device: fake tensors ask it): no data, no kernel
