@@ -29,7 +29,7 @@ def cost_table(works: Mapping[str, Work], gpu: str | DeviceProfile, baseline: st
     """Return one line per setting: FLOPs by precision, bytes, kernels, host and peer bytes, its time on `gpu`.
 
     The time is the estimate where the GPU has a published efficiency, else the roofline bound; `baseline` (a key
-    of `works`) adds each time over that setting's.
+    of `works`) adds each time over that setting's, by the work alone and with the host's launches counted.
     """
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
     times = {name: step_time(w, device) for name, w in works.items()}
@@ -39,7 +39,7 @@ def cost_table(works: Mapping[str, Work], gpu: str | DeviceProfile, baseline: st
     half = device.half
     head = (f"{'setting':<{width}} {'GFLOP fp32':>10} {'GFLOP ' + half:>10} {'GB moved':>9} {'kernels':>8} "
             f"{'MiB host':>8} {'MiB sent':>8} {('estimate' if estimate else 'bound') + ' (ms)':>13} {'launch (ms)':>11}"
-            + (f" {'x base':>7}" if baseline is not None else ""))
+            + (f" {'x base':>7} {'x base w/ launch':>16}" if baseline is not None else ""))
     lines = [f"counted per optimizer step; time on the {device.name}: "
              + (f"an estimate at {device.efficiency.fraction:.1%} of peak ({device.efficiency.source.split(':')[0]})"
                 if estimate else "the roofline, a bound (no published run gives this GPU's share of peak)"), head]
@@ -49,12 +49,14 @@ def cost_table(works: Mapping[str, Work], gpu: str | DeviceProfile, baseline: st
                 f"{w.bytes_accessed / 1e9:>9.3f} {w.kernels:>8,.0f} {w.host_bytes / 2**20:>8.1f} "
                 f"{w.sent_bytes / 2**20:>8.1f} {seconds[name] * 1e3:>13.3f} {times[name].launch_s * 1e3:>11.3f}")
         if baseline is not None:
-            line += f" {seconds[name] / seconds[baseline]:>7.2f}"
+            line += (f" {seconds[name] / seconds[baseline]:>7.2f}"
+                     f" {times[name].with_launches_s / times[baseline].with_launches_s:>16.2f}")
         lines.append(line)
     lines.append("GB moved: operators' reads and writes; kernels: operators, collectives and host copies run; "
                  "MiB host: over PCIe; MiB sent: to other GPUs"
                  + (f"; 16-bit runs as {half} on the {device.name}" if half != "bf16" else "")
-                 + (f"; x base: time over {baseline}'s" if baseline is not None else ""))
+                 + (f"; x base: time over {baseline}'s by the work alone, w/ launch: each the longer of its "
+                    "launches and its work" if baseline is not None else ""))
     bound_by_launches = [name for name, t in times.items() if t.launch_bound]
     lines.append(f"launch: kernels × {EAGER_OPERATOR_S * 1e6:.1f} µs, eager PyTorch's host time per operator "
                  "(labkit.gpus.EAGER_OPERATOR_S: chapter 00's step timed on an H200 ÷ its kernels), outside the "

@@ -179,12 +179,11 @@ def check_gpu(param: str, value) -> DeviceProfile:
 # The host's time per operator when PyTorch runs eagerly: each operator is dispatched from Python and its kernel
 # launched one after another, and a GPU whose kernels finish sooner waits for the next (the "overhead" regime of
 # Horace He, "Making Deep Learning Go Brrrr From First Principles", 2022). No datasheet gives it: this is the
-# project's recorded H200 run (data/gpu_run_h200.json: chapter 00's plain step of the running example, 11.8 ms over
-# the 630 kernels labkit.work counts in it; torch 2.11.0, a 16-core Xeon host, 2026-11-30; the run's own record says
-# 671: its counter then also counted matmul's 37 reshapes and 4 profiler markers, which launch none; another timing
-# of the same step in that run, 9.76 ms, gives 15.5 us: about 15-19 us on that host). A slower host takes longer;
-# CUDA graphs and torch.compile's fused kernels take less.
-EAGER_OPERATOR_S = 18.7e-6
+# project's recorded H200 run (data/gpu_run_h200.json: chapter 00's plain step of the running example, 12.6 ms over
+# the 630 kernels labkit.work counts in it; torch 2.11.0, a 16-core Xeon host, 2026-11-30, commit c24b2a3). The same
+# step timed in the first loan that day took 11.8 ms (18.7 us each) and once 9.76 ms (15.5 us): about 15-20 us on
+# that host. A slower host takes longer; CUDA graphs and torch.compile's fused kernels take less.
+EAGER_OPERATOR_S = 20.0e-6
 GPU_RUN_PATH = Path(__file__).parent / "data" / "gpu_run_h200.json"  # that run's results.json
 
 

@@ -363,16 +363,14 @@ class PipelineTimings:
         return tuple(statistics.median(p[i] for p in parts) for i in range(3))
 
     def bubble_parts(self, schedule: str, micro_batches: int) -> tuple[float, float, float]:
-        """Return the measured bubble in three parts (medians over steps): the compute-only replay's bubble, what the
-        waits for a core inside actions add (the whole-span replay's bubble less it), and what the time between
-        actions adds (the measured bubble less the whole-span replay's)."""
-        import statistics
-
-        parts = []
-        for s, c in zip(self.actions(schedule, micro_batches), self.actions(schedule, micro_batches, compute_only=True)):
-            measured, whole, compute = (measured_bubble(x)["bubble_fraction"] for x in (s, replay(s), replay(c)))
-            parts.append((compute, whole - compute, measured - whole))
-        return tuple(statistics.median(p[i] for p in parts) for i in range(3))
+        """Return the median timed step's measured bubble (median_step's) in three parts that add up to it: the
+        compute-only replay's bubble, what the waits for a core inside actions add (the whole-span replay's bubble
+        less it), and what the time between actions adds (the measured bubble less the whole-span replay's)."""
+        t = self.median_step(schedule, micro_batches)[1]
+        step = self.actions(schedule, micro_batches)[t]
+        measured, whole, compute = (measured_bubble(x)["bubble_fraction"] for x in (
+            step, replay(step), replay(self.actions(schedule, micro_batches, compute_only=True)[t])))
+        return compute, whole - compute, measured - whole
 
     def per_action_s(self, schedule: str, micro_batches: int) -> tuple[float, float, float]:
         """Return per action (seconds, medians over steps): compute, the step's waits for a core, between actions."""

@@ -345,8 +345,10 @@ def test_the_recorded_gpu_runs_steps_beside_their_roofline_and_their_launches():
             assert min(off.values()) > closing.NEAR
         else:
             assert off[r["nearer"]] <= closing.NEAR and off[r["nearer"]] == min(off.values())
-    # what the record says: accumulation follows its launches; layer-to-layer's copies neither prediction explains
-    assert [r["nearer"] for r in rows.values()] == ["launches"] * 4 + ["neither"]
+    # what the record says: k=2 and bf16 follow their launches; k=4 and k=8 take longer than their operators' launches
+    # (1.3-1.4x more: a cost per micro-step the per-operator figure leaves out), layer-to-layer's copies likewise
+    assert [r["nearer"] for r in rows.values()] == ["launches", "neither", "neither", "launches", "neither"]
+    assert all(r["measured"] > r["launches"] for n, r in rows.items() if n != "bf16 autocast")  # low where it misses
     lines = closing.gpu_run_lines(run, list(rows.values()))
     assert "NVIDIA H200" in lines[0] and len(lines) == 2 + len(rows)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from labkit.pipeline import (actions_within, bubble_theory, ideal_schedule, measured_bubble, replay, simulate_order,
@@ -271,10 +273,13 @@ class _Rank:
 
 def _ranks_from(plan_by_step, gap_s=0.0, core_s=0.0):
     """Turn ideal plans {t: {rank: actions}} into ranks' spans "GPipe M=4 #t", each action pushed `gap_s` later per
-    action before it (time between actions) and lengthened by `core_s` spent waiting for a core."""
+    action before it (time between actions) and lengthened by `core_s` spent waiting for a core (each a number, or
+    a list with one per step)."""
     ranks = {}
     t0 = 0.0
+    gaps, cores = ([x] * len(plan_by_step) if isinstance(x, float) else x for x in (gap_s, core_s))
     for t, plan in plan_by_step.items():
+        gap_s, core_s = gaps[t], cores[t]
         end = t0
         for r, acts in plan.items():
             spans, waits = ranks.setdefault(r, ([], []))
@@ -312,6 +317,22 @@ def test_pipeline_timings_replay_the_compute_and_split_the_rest():
     replayed, core, between = slow.bubble_parts("GPipe", 4)
     assert replayed == pytest.approx(bubble_theory(2, 4)) and between > 0  # the gaps idle both ranks
     assert replayed + core + between == pytest.approx(slow.bubbles("GPipe", 4)[0])  # the parts add up
+    # steps that differ (rank 1 three times slower in the first, gaps in the others): the parts' medians over steps
+    # would not add up to the median bubble; the median step's parts do
+    def rank1_slower(k):
+        acts, t = [], plan[1][0][1]
+        for label, a, b in plan[1]:
+            acts.append((label, max(t, a), max(t, a) + k * (b - a)))
+            t = acts[-1][2]
+        return {0: plan[0], 1: acts}
+
+    steps = [(3.0, 0.0), (1.0, 1.0), (1.0, 0.4)]  # (rank 1's slowdown, time between actions) per step
+    mixed = PipelineTimings(_ranks_from({t: rank1_slower(k) for t, (k, _) in enumerate(steps)},
+                                        gap_s=[g for _, g in steps]), 3)
+    median, t = mixed.median_step("GPipe", 4)
+    assert sum(mixed.bubble_parts("GPipe", 4)) == pytest.approx(median) == pytest.approx(mixed.bubbles("GPipe", 4)[t])
+    alone = [PipelineTimings(_ranks_from({0: rank1_slower(k)}, gap_s=g), 1).bubble_parts("GPipe", 4) for k, g in steps]
+    assert sum(statistics.median(part) for part in zip(*alone)) < median - 0.02  # what the parts' medians gave before
 
 
 def test_micro_batches_held_come_out_of_the_bytes():
