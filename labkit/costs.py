@@ -63,5 +63,5 @@ def cost_table(works: Mapping[str, Work], gpu: str | DeviceProfile, baseline: st
                  + ("estimate" if estimate else "bound")
                  + f"; {len(bound_by_launches)} of {len(times)} settings "
                  f"{'takes' if len(bound_by_launches) == 1 else 'take'} longer to launch than to run on the {device.name}"
-                 + (" (the host sets their pace)" if bound_by_launches else ""))
+                 + (" (at an H200 host's launch rate: the host sets their pace)" if bound_by_launches else ""))
     return "\n".join(lines)

@@ -290,6 +290,14 @@ class HeldCounts:
     working_bytes: list  # t_s: one micro-batch's working memory is t_s / M (GPipe's b)
     fit_saved_bytes: list  # A_s from the fits: GPipe's a less 1F1B's
 
+    def modelled_bytes(self, saved_bytes: list, points: dict) -> dict:
+        """Return c_s + (h·A_s + t_s)/M by schedule, M and stage with the counts built in (GPipe h = M, 1F1B
+        h = K − s) and A_s metered (`saved_bytes`): what the metered peaks are set against."""
+        k = len(saved_bytes)
+        return {name: {m: [self.fixed_bytes[s] + ((m if name == "GPipe" else k - s) * saved_bytes[s]
+                                                  + self.working_bytes[s]) / m for s in range(k)] for m in ms}
+                for name, ms in points.items()}
+
 
 def micro_batches_held(peaks: dict, points: dict, saved_bytes: list) -> HeldCounts:
     """Count the micro-batches held from activation peaks {schedule: {M: [bytes by stage]}} (chapter 06b).
@@ -310,6 +318,20 @@ def micro_batches_held(peaks: dict, points: dict, saved_bytes: list) -> HeldCoun
             for m in ms:
                 held[name][m].append((peaks[name][m][s] - c_s - t_s / m) * m / saved)
     return HeldCounts(held, fixed, working, fit_saved)
+
+
+def step_with_bubble_s(rows: list, updates: list, micro_batches: int, gpu, launches: bool = False) -> float:
+    """Return one pipeline step on `gpu` (chapter 06b) from each stage's counted step (`rows`, labkit.work.Work) and
+    the optimizer update inside it (`updates`): forward and backward stretched by the bubble, (M + K − 1)/M with equal
+    stages and free sends, then the update once; the slowest stage's. `launches`: with the host's launches counted."""
+    from labkit.gpus import step_time
+
+    def seconds(work) -> float:
+        on = step_time(work, gpu)
+        return on.with_launches_s if launches else on.time_s
+
+    stretch = (micro_batches + len(rows) - 1) / micro_batches
+    return max((seconds(row) - seconds(up)) * stretch + seconds(up) for row, up in zip(rows, updates))
 
 
 @dataclasses.dataclass
@@ -432,6 +454,13 @@ def _rise_after(ranges: list[tuple[float, float]], first: int, last: int) -> int
     return min(below, key=lambda k: ranges[k][1]) if below else None
 
 
+def _beside(ranges: list[tuple[float, float]], first: int, last: int) -> tuple[list[int], list[int]]:
+    """Return the stretch's indices whose range the next point's overlaps, and those it lies wholly below."""
+    nxt = ranges[last + 1]
+    return ([k for k in range(first, last + 1) if _overlap(nxt, ranges[k])],
+            [k for k in range(first, last + 1) if nxt[1] < ranges[k][0]])
+
+
 def _pairwise(ranges: list[tuple[float, float]]) -> bool:
     return all(_overlap(a, b) for a in ranges for b in ranges)
 
@@ -452,9 +481,13 @@ def describe_bubble(ms: list[int], bubbles: list[float], ranges: list[tuple[floa
     if last == len(ms) - 1:
         return words
     k, r = _rise_after(ranges, first, last), last + 1
-    if k is None:  # the next point lies below part of the stretch: the medians' trend from there
-        return words + f"; after M = {ms[last]} the median " + describe_trend(ms[last:], bubbles[last:], x_name="M",
-                                                                               tol=tol)
+    if k is None:  # the next point overlaps part of the stretch and lies below the rest: no trend told from it
+        over, below = _beside(ranges, first, last)
+        words += (f"; M = {ms[r]}'s steps ({ranges[r][0]:.3f}-{ranges[r][1]:.3f}) overlap M = "
+                  f"{' and '.join(str(ms[j]) for j in over)}'s and lie below M = {' and '.join(str(ms[j]) for j in below)}'s")
+        if r == len(ms) - 1:
+            return words
+        return words + f"; after M = {ms[r]} the median " + describe_trend(ms[r:], bubbles[r:], x_name="M", tol=tol)
     words += (f", then rises to {bubbles[r]:.3f} at M = {ms[r]}, its steps ({ranges[r][0]:.3f}-{ranges[r][1]:.3f}) "
               f"above M = {ms[k]}'s ({ranges[k][0]:.3f}-{ranges[k][1]:.3f})")
     if r == len(ms) - 1:
@@ -472,6 +505,9 @@ def bubble_shape(ms: list[int], bubbles: list[float], ranges: list[tuple[float, 
     parts.append(f"level M = {ms[first]}-{ms[last]}" if last > first else f"lowest at M = {ms[first]}")
     if _rise_after(ranges, first, last) is not None:
         parts.append(f"rises at M = {ms[last + 1]}")
+    elif last < len(ms) - 1:  # overlaps part of the stretch, below the rest
+        over = _beside(ranges, first, last)[0]
+        parts.append(f"M = {ms[last + 1]} within M = {ms[over[-1]]}'s spread")
     return ", ".join(parts)
 
 

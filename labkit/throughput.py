@@ -125,11 +125,11 @@ class PairedRatio:
 
     def words(self, noise: tuple = (1.0, 1.0)) -> str:
         """Return the ratio, its judged rounds and its verdict, e.g. "× 1.21 (the middle 3 of 5 rounds: 1.15–1.27):
-        slower in every judged round"."""
+        slower in each of them"."""
         n, (lo, hi) = self.rounds, self.judged()
         which = f"the middle {n - 2} of {n} rounds" if n >= 5 else f"{n} round{'s' if n > 1 else ''}"
         verdict = self.verdict(noise)
-        why = {"slower": "slower in every judged round", "faster": "faster in every judged round",
+        why = {"slower": "slower in each of them", "faster": "faster in each of them",
                "not told apart": "not told apart (the rounds lie within the timing's own noise or on both sides of 1)",
                "unreliable": "too few rounds to tell" if n < 3 else "unreliable: the rounds disagree"}[verdict]
         return f"× {self.median:.2f} ({which}: {lo:.2f}–{hi:.2f}): {why}"

@@ -321,7 +321,7 @@ def test_a_paired_ratio_says_slower_faster_not_told_apart_or_unreliable():
     assert PairedRatio(2.0, (1.0, 2.0, 4.0)).verdict() == "unreliable"  # they disagree
     assert PairedRatio(2.0, (2.0, 2.0)).verdict() == "unreliable"  # too few
     assert PairedRatio(2.0, (2.0, 6.0, 1.1, 2.0, 2.0)).words() == \
-        "× 2.00 (the middle 3 of 5 rounds: 2.00–2.00): slower in every judged round"
+        "× 2.00 (the middle 3 of 5 rounds: 2.00–2.00): slower in each of them"
     assert PairedRatio(2.0, (2.0, 2.0)).words().endswith("(2 rounds: 2.00–2.00): too few rounds to tell")
 
 

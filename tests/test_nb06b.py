@@ -51,12 +51,17 @@ def test_notebook_06b_invariants_with_other_parameters(execute_notebook):
     # the projection: the T4's roofline of each counted step (GPU="t4"), positive
     t4 = {name: step_time(w, "t4").time_s for name, w in work.items()}
     assert m["gpu_step_s_by_stage"] == pytest.approx(t4) and all(s > 0 for s in t4.values())
-    # a step with its bubble: the slowest stage's row x (M + K - 1)/M, by the work alone and with launches
-    steps = m["gpu_pipeline_step_s"]
+    # a step with its bubble: each stage's row less its update x (M + K - 1)/M, then the update, the slowest stage's;
+    # by the work alone and with launches
+    steps, updates = m["gpu_pipeline_step_s"], {n: work_from_record(w) for n, w in m["update_work_by_stage"].items()}
     for mb in (2, 16):
-        on_t4 = [step_time(work[f"stage {s}, M={mb}"], "t4") for s in range(2)]
-        assert steps[f"M={mb}"] == pytest.approx(max(t.time_s for t in on_t4) * (mb + 1) / mb)
-        assert steps[f"M={mb} with launches"] == pytest.approx(max(t.with_launches_s for t in on_t4) * (mb + 1) / mb)
+        for launches in (False, True):
+            def t(w):
+                return step_time(w, "t4").with_launches_s if launches else step_time(w, "t4").time_s
+            rows = [(t(work[f"stage {s}, M={mb}"]), t(updates[f"stage {s}, M={mb}"])) for s in range(2)]
+            assert 0 < rows[0][1] < rows[0][0]  # the update is part of the row
+            want = max((row - up) * (mb + 1) / mb + up for row, up in rows)
+            assert steps[f"M={mb}" + (" with launches" if launches else "")] == pytest.approx(want)
     assert steps["M=16 with launches"] > steps["M=2 with launches"]  # at this size each micro-batch's launches cost
     # the metered activation peaks against c_s + (h A_s + t_s)/M with the counts built in (h = M, K - s)
     assert 0 <= m["held_model_max_rel_error"] <= 0.05

@@ -414,3 +414,10 @@ def test_describe_bubble_says_level_only_where_the_spreads_overlap():
     assert describe_bubble(ms, ys, points) == ("falls from 0.511 at M = 1 to its lowest, 0.327 at M = 8, then rises "
                                                "to 0.370 at M = 16")
     assert describe_bubble([2, 4], [0.3, 0.31], [(0.2, 0.4), (0.25, 0.35)]).startswith("stays level within")
+    # chapter 06b's 1F1B of one run: M = 16 overlaps M = 8's steps but lies below M = 4's: neither level nor a rise
+    ms, ys = [2, 4, 8, 16], [0.311, 0.290, 0.223, 0.252]
+    ranges = [(0.300, 0.330), (0.279, 0.304), (0.200, 0.285), (0.216, 0.274)]
+    assert describe_bubble(ms, ys, ranges) == (
+        "falls from 0.311 at M = 2 to level within the timed steps' spread (0.200-0.304) from M = 4 to M = 8; M = 16's "
+        "steps (0.216-0.274) overlap M = 8's and lie below M = 4's")
+    assert bubble_shape(ms, ys, ranges) == "falls, level M = 4-8, M = 16 within M = 8's spread"

@@ -386,7 +386,9 @@ def side_by_side_line(rows: list[dict], chosen: dict) -> str:
     flipped = [f"{a} and {b}" for a in sorted(table) for b in sorted(table) if a < b
                and (table[a] - table[b]) * (by[a] - by[b]) < 0 and abs(by[a] / by[b] - 1) > chosen["noise"]]
     if not flipped:
-        return line + "; it orders the times above the same way" + (", or within its noise" if chosen["noise"] else "")
+        return (line + "; it orders the times above the same way" + (", or within its noise" if chosen["noise"] else "")
+                + (" (both by counted work, the work alone)"
+                   if chosen["speed_on"].startswith("projected") else ""))
     if chosen["speed_on"].startswith("projected"):
         return (line + f"; it orders {', '.join(flipped)} the other way round from the times above: chapter 08 counted "
                 "the steps of its own settings, projected on its GPU, where the rows above count each chapter's step")
