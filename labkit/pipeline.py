@@ -377,12 +377,12 @@ class PipelineTimings:
                                 self.actions(schedule, micro_batches, compute_only=True))]
 
     def step_parts_s(self, schedule: str, micro_batches: int) -> tuple[float, float, float]:
-        """Return a step's seconds (medians over steps) in three parts: the compute-only replay, the waits for a core
-        inside actions, and the time between actions (sends, receives, the schedule's bookkeeping)."""
-        import statistics
-
-        parts = [(c, w - c, s - w) for s, w, c in self.makespans_s(schedule, micro_batches)]
-        return tuple(statistics.median(p[i] for p in parts) for i in range(3))
+        """Return the median timed step's seconds (the step of median length) in three parts that add up to it: the
+        compute-only replay, the waits for a core inside actions, and the time between actions (sends, receives,
+        the schedule's bookkeeping)."""
+        spans = sorted(self.makespans_s(schedule, micro_batches))
+        s, w, c = spans[(len(spans) - 1) // 2]  # the lower middle of an even count: a step that ran
+        return c, w - c, s - w
 
     def bubble_parts(self, schedule: str, micro_batches: int) -> tuple[float, float, float]:
         """Return the median timed step's measured bubble (median_step's) in three parts that add up to it: the
@@ -488,8 +488,10 @@ def describe_bubble(ms: list[int], bubbles: list[float], ranges: list[tuple[floa
         if r == len(ms) - 1:
             return words
         return words + f"; after M = {ms[r]} the median " + describe_trend(ms[r:], bubbles[r:], x_name="M", tol=tol)
+    over = _beside(ranges, first, last)[0]  # stretch points the risen one still overlaps
     words += (f", then rises to {bubbles[r]:.3f} at M = {ms[r]}, its steps ({ranges[r][0]:.3f}-{ranges[r][1]:.3f}) "
-              f"above M = {ms[k]}'s ({ranges[k][0]:.3f}-{ranges[k][1]:.3f})")
+              f"above M = {ms[k]}'s ({ranges[k][0]:.3f}-{ranges[k][1]:.3f})"
+              + (f", within M = {' and '.join(str(ms[j]) for j in over)}'s" if over else ""))
     if r == len(ms) - 1:
         return words
     if _pairwise(ranges[r:]):
@@ -503,8 +505,10 @@ def bubble_shape(ms: list[int], bubbles: list[float], ranges: list[tuple[float, 
     first, last = level_stretch(bubbles, ranges)
     parts = ["falls"] if first > 0 else []
     parts.append(f"level M = {ms[first]}-{ms[last]}" if last > first else f"lowest at M = {ms[first]}")
-    if _rise_after(ranges, first, last) is not None:
-        parts.append(f"rises at M = {ms[last + 1]}")
+    k = _rise_after(ranges, first, last)
+    if k is not None:
+        over = _beside(ranges, first, last)[0]
+        parts.append(f"rises at M = {ms[last + 1]}" + (f" (above M = {ms[k]} only)" if over else ""))
     elif last < len(ms) - 1:  # overlaps part of the stretch, below the rest
         over = _beside(ranges, first, last)[0]
         parts.append(f"M = {ms[last + 1]} within M = {ms[over[-1]]}'s spread")

@@ -44,6 +44,9 @@ def test_notebook_06_invariants_with_other_parameters(execute_notebook):
     tied = ex.config.vocab_size * 128 * 4  # the embedding/head weight, all-reduced between the two ranks
     assert all(w.sent_bytes == 16 * 32 * 128 * 4 + tied for w in mp)  # and one (B, T, C) boundary each way
     assert all(w.sent_bytes == 4 * 6 * 16 * 32 * 128 * 4 for w in tp)  # all-reduced: 2(K - 1)/K = 1x at K = 2
+    # the wire bytes chapter 10 reads: the shapes' figures, equal to what the counters saw
+    assert m["wire_bytes_by_rank_model_parallel"] == {str(r): w.sent_bytes for r, w in enumerate(mp)}
+    assert m["wire_bytes_per_rank_tensor_parallel"] == tp[0].sent_bytes
     assert all(w.kernels > 0 and w.bytes_accessed > 0 and set(w.flops) == {"fp32"} for w in work.values())
     # the projection: the T4's roofline of each counted step, positive
     assert m["gpu"] == "t4"

@@ -387,17 +387,18 @@ def test_describe_bubble_states_the_rise_between_points_whose_spreads_do_not_ove
     ms, ys = [1, 2, 4, 8, 16], [0.509, 0.357, 0.323, 0.353, 0.407]
     words = describe_bubble(ms, ys, GPIPE_RANGES)
     assert words == ("falls from 0.509 at M = 1 to level within the timed steps' spread (0.318-0.448) from M = 2 to "
-                     "M = 8, then rises to 0.407 at M = 16, its steps (0.397-0.436) above M = 4's (0.318-0.373)")
+                     "M = 8, then rises to 0.407 at M = 16, its steps (0.397-0.436) above M = 4's (0.318-0.373), "
+                     "within M = 2 and 8's")
     assert "level from M = 8" not in words
-    assert bubble_shape(ms, ys, GPIPE_RANGES) == "falls, level M = 2-8, rises at M = 16"
+    assert bubble_shape(ms, ys, GPIPE_RANGES) == "falls, level M = 2-8, rises at M = 16 (above M = 4 only)"
     # a rise before the last point, the rest within the risen point's spread
     noisy = [(0.505, 0.538), (0.330, 0.456), (0.323, 0.420), (0.424, 0.468), (0.411, 0.505)]
     ys = [0.509, 0.378, 0.376, 0.449, 0.438]
     assert describe_bubble(ms, ys, noisy) == (
         "falls from 0.509 at M = 1 to level within the timed steps' spread (0.323-0.456) from M = 2 to M = 4, then "
-        "rises to 0.449 at M = 8, its steps (0.424-0.468) above M = 4's (0.323-0.420), and stays within its spread to "
-        "M = 16")
-    assert bubble_shape(ms, ys, noisy) == "falls, level M = 2-4, rises at M = 8"
+        "rises to 0.449 at M = 8, its steps (0.424-0.468) above M = 4's (0.323-0.420), within M = 2's, and stays within "
+        "its spread to M = 16")
+    assert bubble_shape(ms, ys, noisy) == "falls, level M = 2-4, rises at M = 8 (above M = 4 only)"
 
 
 def test_describe_bubble_says_level_only_where_the_spreads_overlap():

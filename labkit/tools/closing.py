@@ -27,7 +27,7 @@ SOURCES = {
     "04_activation_offload": ("baseline_peak_bytes", "device_peak_bytes_offload", "work_baseline", "work_offload"),
     "05_layer_to_layer": ("plain_peak_bytes", "l2l_peak_bytes", "work_plain", "work_l2l"),
     "06_model_and_tensor_parallel": ("peak_bytes_by_rank_model_parallel", "utilisation_model_parallel",
-                                     "sent_bytes_by_rank_model_parallel", "comm_bytes_per_step_tensor_parallel"),
+                                     "wire_bytes_by_rank_model_parallel", "wire_bytes_per_rank_tensor_parallel"),
     "06b_pipeline_parallel": ("bubble_fraction_measured_by_microbatches", "bubble_fraction_theory_by_microbatches",
                               "bubble_rise_told_by_schedule"),
     "07_sharded_data_parallel": ("fits_whole_and_1_over_n_budget_by_point", "comm_bytes_per_step_by_stage",
@@ -334,8 +334,8 @@ def several_device_figures(results: dict) -> dict:
         plain_peak=_m(results, "00_where_the_memory_goes")["measured_peak_bytes"],
         budget=budget_bytes(results), ddp_peak=ddp_peak_bytes(sh),
         pick_peak=point_peak_bytes(sh, sh["use_when"]["whole_budget"]),  # chapter 07's pick for one device's budget
-        pipeline_sent_max=max(mp["sent_bytes_by_rank_model_parallel"].values()),
-        tensor_parallel_comm=mp["comm_bytes_per_step_tensor_parallel"],
+        pipeline_sent_max=max(mp["wire_bytes_by_rank_model_parallel"].values()),  # as chapter 06 prints them
+        tensor_parallel_comm=mp["wire_bytes_per_rank_tensor_parallel"],
         utilisation=mp["utilisation_model_parallel"],
         bubble_by_microbatches={name: _by_int_key(v) for name, v in bubble.items()},
         bubble_theory=_by_int_key(pp.get("bubble_fraction_theory_by_microbatches") or {}),
@@ -452,10 +452,9 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
     ratio = f["tensor_parallel_comm"] / f["pipeline_sent_max"] if f["pipeline_sent_max"] else float("inf")
     lines.append(
         f"many GPUs (more than {gpus_per_node}, several machines): tensor parallelism inside a machine, pipeline stages "
-        f"across machines. Here tensor parallelism all-reduced {format_bytes(f['tensor_parallel_comm'])} per rank "
-        "per step, "
+        f"across machines. Here a tensor-parallel rank sent {format_bytes(f['tensor_parallel_comm'])} per step, "
         f"{ratio:.1f}x what the busiest rank of chapter 06's model-parallel split sent "
-        f"({format_bytes(f['pipeline_sent_max'])})"
+        f"({format_bytes(f['pipeline_sent_max'])}: its boundary sends and the tied weight's all-reduce)"
         + (": per step it needs the faster link, NVLink inside a machine (both ran over loopback here: this run "
            "counted the bytes, it did not compare links)" if ratio > 1 else
            ": at this model's size it did not move more; the rule rests on larger layers, whose all-reduces grow "
