@@ -483,8 +483,9 @@ def describe_bubble(ms: list[int], bubbles: list[float], ranges: list[tuple[floa
     k, r = _rise_after(ranges, first, last), last + 1
     if k is None:  # the next point overlaps part of the stretch and lies below the rest: no trend told from it
         over, below = _beside(ranges, first, last)
-        words += (f"; M = {ms[r]}'s steps ({ranges[r][0]:.3f}-{ranges[r][1]:.3f}) overlap M = "
-                  f"{' and '.join(str(ms[j]) for j in over)}'s and lie below M = {' and '.join(str(ms[j]) for j in below)}'s")
+        words += (f"; M = {ms[r]}'s steps ({ranges[r][0]:.3f}-{ranges[r][1]:.3f}) "
+                  + (f"overlap M = {' and '.join(str(ms[j]) for j in over)}'s and " if over else "")
+                  + f"lie below M = {' and '.join(str(ms[j]) for j in below)}'s")
         if r == len(ms) - 1:
             return words
         return words + f"; after M = {ms[r]} the median " + describe_trend(ms[r:], bubbles[r:], x_name="M", tol=tol)
@@ -509,9 +510,10 @@ def bubble_shape(ms: list[int], bubbles: list[float], ranges: list[tuple[float, 
     if k is not None:
         over = _beside(ranges, first, last)[0]
         parts.append(f"rises at M = {ms[last + 1]}" + (f" (above M = {ms[k]} only)" if over else ""))
-    elif last < len(ms) - 1:  # overlaps part of the stretch, below the rest
-        over = _beside(ranges, first, last)[0]
-        parts.append(f"M = {ms[last + 1]} within M = {ms[over[-1]]}'s spread")
+    elif last < len(ms) - 1:  # below part of the stretch, overlapping the rest (if any)
+        over, below = _beside(ranges, first, last)
+        parts.append(f"M = {ms[last + 1]} within M = {ms[over[-1]]}'s spread" if over
+                     else f"M = {ms[last + 1]} below M = {ms[below[-1]]}")
     return ", ".join(parts)
 
 
