@@ -183,6 +183,7 @@ class MemoryMeter(TorchDispatchMode):
         self._hooks: list = []
         self._tracked_modules: list[weakref.ref] = []
         self._tracked_optimizers: list[weakref.ref] = []
+        self._handed_over: list[_Record] = []  # the records of storages handed to collectives (see settle)
 
     # -- context -----------------------------------------------------------------------------
     def __enter__(self):
@@ -369,16 +370,34 @@ class MemoryMeter(TorchDispatchMode):
             return device if device is not None else func(*args, **(kwargs or {}))
         # Inputs first seen here (the batch, an untracked weight) are counted, never refused.
         records = self._records
-        for a in (args, kwargs.values()) if kwargs else (args,):
-            for t in a:
-                for u in t if isinstance(t, (list, tuple)) else (t,):
-                    if isinstance(u, torch.Tensor):
-                        st = _storage(u)
-                        if st is not None and id(st) not in records:
-                            self._see(u, check_budget=False)
+        inputs = [u for a in ((args, kwargs.values()) if kwargs else (args,)) for t in a
+                  for u in (t if isinstance(t, (list, tuple)) else (t,)) if isinstance(u, torch.Tensor)]
+        for u in inputs:
+            st = _storage(u)
+            if st is not None and id(st) not in records:
+                self._see(u, check_budget=False)
         out = func(*args, **(kwargs or {}))
         self._see_all((out,))
+        if func.namespace in _COLLECTIVES:  # a communication library may hold these a moment longer: see settle
+            self._handed_over.extend(rec for u in inputs for key in _storage_ids(u)
+                                     if (rec := records.get(key)) is not None)
         return out
+
+    def settle(self, keep=(), timeout_s: float = 10.0) -> None:
+        """Wait until the storages handed to collectives in this meter are released, those of `keep` and of tracked
+        states aside; up to timeout_s, then count what is still held.
+
+        A collective returns when its result is ready; gloo's worker thread drops the tensors it was handed a moment
+        later (on a loaded CPU, after the caller's next steps), so bytes read "at rest" right after a step could
+        include an input buffer the step had already let go of.
+        """
+        self._classify()
+        kept = {id(self._records.get(k)) for t in keep for k in _storage_ids(t)}
+        deadline = time.perf_counter() + timeout_s
+        while any(r.free_seq is None and r.category is None and id(r) not in kept for r in self._handed_over):
+            if time.perf_counter() > deadline:
+                return
+            time.sleep(0.002)
 
     def _see_all(self, outs) -> None:
         for t in outs:
@@ -539,6 +558,7 @@ def _freed(meter_ref, key: int, rec: _Record, _storage_ref) -> None:
         del meter._refs[key]
 
 
+_COLLECTIVES = ("c10d", "_c10d_functional")  # the operator namespaces of torch.distributed's collectives
 _PRIM_DEVICE = torch.ops.prim.device.default
 
 

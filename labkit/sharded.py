@@ -85,10 +85,13 @@ class StepProbe:
     """What the body of `measured_step` can ask for: the model states at rest, read when it calls `at_rest()`."""
 
     meter: MemoryMeter
+    buckets: list = dataclasses.field(default_factory=list)  # DDP's flat buckets: handed to all-reduces, kept
     rest: dict[str, int] | None = None
 
     def at_rest(self) -> None:
-        """Read the live bytes by category now (right after the optimizer step: every state exists)."""
+        """Read the live bytes by category now (right after the optimizer step: every state exists), once the
+        collectives' buffers the step let go of are released (`MemoryMeter.settle`)."""
+        self.meter.settle(keep=self.buckets)
         self.rest = self.meter.current_split()
 
 
@@ -129,7 +132,7 @@ def measured_step(name: str, result: dict, model, optimizer, *inputs, buckets: d
         with rank_meter(name, budget_bytes=budget_bytes) as meter, WorkCounter() as counter:
             meter.keep_timeline = True  # when the peak comes: forward, backward or the optimizer step
             meter.track(model, optimizer, *inputs, *buckets)
-            probe = StepProbe(meter)
+            probe = StepProbe(meter, buckets)
             yield probe
     except OutOfMemory as refused:
         result.update(fits=False, refused={"requested_bytes": refused.requested_bytes,

@@ -2,7 +2,11 @@
 
 import pytest
 
+import labkit
 import labkit.costs
+from labkit.data import MarkovTokens
+from labkit.l2l import L2LTrainer
+from labkit.work import count_work
 
 STEM = "05_layer_to_layer"
 
@@ -24,6 +28,11 @@ def test_notebook_runs_with_other_seed_and_depths(execute_notebook):
     plain, l2l_work = (labkit.costs.work_from_record(m[k]) for k in ("work_plain", "work_l2l"))
     assert l2l_work.total_flops == pytest.approx(m["flop_ratio_l2l"] * plain.total_flops)
     assert l2l_work.host_bytes > 0 == plain.host_bytes  # the weights, gradients and boundaries over the host link
+    ex = labkit.running_example(n_layer=3, batch_size=6)  # the steady step, as chapter 08 counts its L2L setting:
+    trainer = L2LTrainer(labkit.seeded_model(ex.config, 3), "cpu")  # after a first step has made Adam's state
+    batch = MarkovTokens(vocab_size=ex.config.vocab_size, seed=3).batch(6, ex.seq_len)
+    trainer.step(batch)
+    assert l2l_work.kernels == count_work(trainer.step, batch).kernels
     assert 1 <= m["gpu_step_time_ratio_l2l"] <= m["gpu_step_time_ratio_l2l_serial"]
     assert 1.0 < m["flop_ratio_l2l"] <= 4 / 3 + 1e-9
     weights = m["l2l_weight_bytes_moved_per_sample_by_micro_batches"]

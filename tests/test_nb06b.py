@@ -5,6 +5,7 @@ import pytest
 import labkit
 from labkit.costs import work_from_record
 from labkit.gpus import step_time
+from labkit.pipeline import describe_bubble
 
 STEM = "06b_pipeline_parallel"
 
@@ -24,6 +25,11 @@ def test_notebook_06b_invariants_with_other_parameters(execute_notebook):
         assert sorted(int(k) for k in record["GPipe"]) == [2, 4, 8, 16]
         assert sorted(int(k) for k in record["1F1B"]) == [2, 4, 8, 16]  # 1F1B needs M >= K: every point here
         assert all(0 <= v < 1 for schedule in record.values() for v in schedule.values())
+    for name, by_m in measured.items():  # the verdict chapter 10 repeats: one timed step each, the medians' own trend
+        ms = sorted(int(k) for k in by_m)
+        ys = [by_m[str(k)] for k in ms]
+        assert m["bubble_trend_by_schedule"][name].startswith(
+            describe_bubble(ms, ys, [(y, y) for y in ys]).split(", then rises")[0]), name
     # the sweep does not start at 1: micro-batches held are still counted (from the fit), K - s for 1F1B; the
     # same at K = 4 (from three points, M = 4, 8, 16: a fit with a residual, not one count repeated)
     for key, k in (("micro_batches_held_by_microbatches", 2), ("micro_batches_held_4_stages", 4)):

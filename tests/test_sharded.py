@@ -1,5 +1,8 @@
 """labkit.sharded: chapter 07's instruments, on one in-process gloo rank and on made-up rank results."""
 
+import threading
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -62,6 +65,33 @@ def test_measured_step_splits_the_step_and_reads_the_states_at_rest(one_rank):
     assert result["peak"]["other"] == n_bytes  # DDP's buckets, counted apart from the activations
     assert result["comm_bytes"] == {"all_reduce": n_bytes} and result["wire_bytes"] == 0  # one rank sends nothing
     assert result["peak_phase"] in ("forward", "backward", "optimizer")
+
+
+def test_at_rest_waits_until_a_collectives_buffer_the_step_let_go_of_is_released(one_rank):
+    # gloo's worker thread drops a finished collective's tensors a moment after it returns: here a timer does
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    held = []
+    result = {}
+    with sharded.measured_step("late", result, model, opt) as probe:
+        sent, kept = torch.ones(1000), torch.ones(500)  # 4,000 B handed to an all-reduce; 2,000 B to nothing
+        dist.all_reduce(sent)
+        held.append(sent)
+        del sent
+        threading.Timer(0.3, held.clear).start()
+        t0 = time.perf_counter()
+        probe.at_rest()
+        waited_s = time.perf_counter() - t0
+    assert waited_s >= 0.25 and not held
+    assert result["states"]["other"] == 2000  # the buffer released, the tensor no collective had still counted
+    with MemoryMeter("cpu") as meter:  # one a library never lets go of: counted after the timeout
+        stuck = torch.ones(1000)
+        dist.all_reduce(stuck)
+        meter.settle(timeout_s=0.05)
+        assert meter.current_split()["activations"] == 4000
+        t0 = time.perf_counter()
+        meter.settle(keep=[stuck], timeout_s=60)  # kept on purpose (DDP's buckets): no wait
+        assert time.perf_counter() - t0 < 5
 
 
 def test_measured_step_reports_a_budget_refusal_instead_of_raising(one_rank):

@@ -10,9 +10,7 @@ from labkit.costs import work_from_record
 from labkit.gpus import CUDA_NAMES, GPU_AUTO, GPU_RUN_PATH, DeviceProfile, device_profile, step_time
 from labkit.meter import format_bytes
 from labkit.plan import RESERVE_FRACTION
-from labkit.pipeline import BUBBLE_LEVEL
 from labkit.results import results_path  # noqa: F401  (the closing page reads it here)
-from labkit.trend import describe_trend
 
 MiB = 2**20
 FIXTURE_NOTE = ("these figures are a real `make run`'s results.json, cut to the records this page reads "
@@ -23,13 +21,14 @@ SOURCES = {
     "00_where_the_memory_goes": ("measured_peak_bytes", "budget_bytes", "step_s"),
     "01_gradient_accumulation": ("peak_bytes_by_accum_steps", "work_by_accum_steps", "fitting_accum_steps"),
     "02_activation_checkpointing": ("peak_bytes_checkpointed", "work_plain", "work_every_block"),
-    "03_mixed_precision": ("half_precision", "peak_bytes_fp32", "peak_bytes_half", "work_fp32", "work_half"),
+    "03_mixed_precision": ("half_precision", "peak_bytes_fp32", "peak_bytes_half", "work_fp32", "work_half",
+                           "work_fp16_scaled"),
     "04_activation_offload": ("baseline_peak_bytes", "device_peak_bytes_offload", "work_baseline", "work_offload"),
     "05_layer_to_layer": ("plain_peak_bytes", "l2l_peak_bytes", "work_plain", "work_l2l"),
     "06_model_and_tensor_parallel": ("peak_bytes_by_rank_model_parallel", "utilisation_model_parallel",
                                      "wire_bytes_by_rank_model_parallel", "wire_bytes_per_rank_tensor_parallel"),
     "06b_pipeline_parallel": ("bubble_fraction_measured_by_microbatches", "bubble_fraction_theory_by_microbatches",
-                              "bubble_rise_told_by_schedule"),
+                              "bubble_trend_by_schedule"),
     "07_sharded_data_parallel": ("fits_whole_and_1_over_n_budget_by_point", "comm_bytes_per_step_by_stage",
                                  "rank_budget_bytes", "use_when", "pays_by_point",
                                  "peak_bytes_per_param_per_rank_by_stage", "bytes_per_param_per_rank_by_stage",
@@ -146,10 +145,7 @@ def one_device_rows(results: dict, gpu: str | DeviceProfile = GPU_AUTO) -> list[
         dict(technique="activation checkpointing, every block", chapter="02", before=plain_00,
              after=ck["peak_bytes_checkpointed"], work=(ck["work_plain"], ck["work_every_block"]),
              source="peak: chapter 00's plain step and 02's; work: 02's plain and every-block steps"),
-        dict(technique=f"{mp['half_precision']} autocast" + (f" (fp16 on the {device.name})" if device.half == "fp16"
-                                                              and mp["half_precision"] != "fp16" else ""), chapter="03", before=mp["peak_bytes_fp32"],
-             after=mp["peak_bytes_half"], work=(mp["work_fp32"], mp["work_half"]),
-             source="peaks, and the work of an fp32 and a 16-bit step (counted on fake tensors)"),
+        dict(chapter="03", before=mp["peak_bytes_fp32"], after=mp["peak_bytes_half"], **_half_row(mp, device)),
         dict(technique="activation offload", chapter="04", before=off["baseline_peak_bytes"],
              after=off["device_peak_bytes_offload"], work=(off["work_baseline"], off["work_offload"]),
              source="device peaks, and the work with the bytes over the host link"),
@@ -168,6 +164,17 @@ def one_device_rows(results: dict, gpu: str | DeviceProfile = GPU_AUTO) -> list[
         row["headroom"] = budget - row["after"]  # what the budget leaves for what the tensors do not show
         row["timing"] = f"counted work on the {device.name} ({kind})"
     return rows
+
+
+def _half_row(mp: dict, device: DeviceProfile) -> dict:
+    """Return chapter 03's row's technique, work and source: the 16-bit step `device` runs, fp16 with a GradScaler
+    where it has no bf16 units (its peaks are 16-bit either way)."""
+    if device.half == "fp16":
+        return dict(technique="fp16 autocast + GradScaler", work=(mp["work_fp32"], mp["work_fp16_scaled"]),
+                    source=f"peaks of {mp['half_precision']} and fp32 steps (16 bits hold as many bytes either way); "
+                           "the work of an fp32 and an fp16 + GradScaler step, as the GPU runs it (counted)")
+    return dict(technique=f"{mp['half_precision']} autocast", work=(mp["work_fp32"], mp["work_half"]),
+                source="peaks, and the work of an fp32 and a 16-bit step (counted)")
 
 
 def cost_per_mib(row: dict) -> float:
@@ -339,7 +346,7 @@ def several_device_figures(results: dict) -> dict:
         utilisation=mp["utilisation_model_parallel"],
         bubble_by_microbatches={name: _by_int_key(v) for name, v in bubble.items()},
         bubble_theory=_by_int_key(pp.get("bubble_fraction_theory_by_microbatches") or {}),
-        bubble_rise_told=pp["bubble_rise_told_by_schedule"],  # {schedule: a rise beyond the spread, not core waits}
+        bubble_trend=pp["bubble_trend_by_schedule"],  # {schedule: 06b's verdict on the bubble over M, by its spread}
     )
 
 
@@ -466,13 +473,10 @@ def several_device_lines(f: dict, gpus_per_node: int) -> list[str]:
         "outside the compute, which the theory leaves out (chapter 06b explains it):")
     for schedule, bubble in f["bubble_by_microbatches"].items():
         ms = sorted(bubble)
-        each = ", ".join(f"M={m}: {bubble[m]:.1%}" + (f" ({theory[m]:.0%})" if m in theory else "") for m in ms)
-        ys = [bubble[m] for m in ms]
-        shape = describe_trend(ms, ys, fmt="{:.1%}", x_name="M", tol=BUBBLE_LEVEL) if len(ms) > 1 else ""
-        lines.append(f"    {schedule}: {each}" + (f"; it {shape}" if shape else "")
-                     + ("" if "rise" not in shape or f["bubble_rise_told"].get(schedule, True) else
-                        " (that rise is not told apart: within chapter 06b's timed steps' spread, or mostly "
-                        "waits for a core)"))
+        each = ", ".join(f"M={m}: {bubble[m]:.3f}" + (f" ({theory[m]:.3f})" if m in theory else "") for m in ms)
+        trend = f["bubble_trend"].get(schedule)
+        lines.append(f"    {schedule}: {each}" + (f"; chapter 06b's verdict, by its timed steps' spread: it {trend}"
+                                                    if trend else ""))
     lines.append(
         f"  splitting the model over {f['model_parallel_ranks']} ranks left at most "
         f"{format_bytes(f['model_parallel_peak_max'])} per rank, against {format_bytes(f['plain_peak'])} on one device.")
