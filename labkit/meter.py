@@ -394,7 +394,8 @@ class MemoryMeter(TorchDispatchMode):
         self._classify()
         kept = {id(self._records.get(k)) for t in keep for k in _storage_ids(t)}
         deadline = time.perf_counter() + timeout_s
-        while any(r.free_seq is None and r.category is None and id(r) not in kept for r in self._handed_over):
+        held = [r for r in self._handed_over if r.category is None and not r.host and id(r) not in kept]
+        while any(r.free_seq is None for r in held):
             if time.perf_counter() > deadline:
                 return
             time.sleep(0.002)

@@ -429,6 +429,35 @@ class PipelineTimings:
         """Tell whether the bubble's rise from M = m_from to m_to lies beyond both points' spread of timed steps."""
         return self.steps >= 2 and self.bubble_range(schedule, m_from)[1] < self.bubble_range(schedule, m_to)[0]
 
+    def verdict(self, schedule: str, ms: list[int], bubbles: list[float]) -> BubbleVerdict:
+        """Return what the measured bubbles (medians, by M in `ms`) show: describe_bubble's trend and, where they rise
+        after the lowest M, whether that rise is a finding (beyond the timed steps' spread, and not mostly waits for
+        a core), with its split into replay, core waits and time between actions (chapter 06b)."""
+        low = bubbles.index(min(bubbles))
+        words = describe_bubble(ms, bubbles, [self.bubble_range(schedule, m) for m in ms])
+        if low == len(ms) - 1 or bubbles[-1] <= bubbles[low] + BUBBLE_LEVEL:
+            return BubbleVerdict(words, None, None, "")
+        (r0, c0, b0), (r1, c1, b1) = (self.bubble_parts(schedule, m) for m in (ms[low], ms[-1]))
+        shares = {"replay": r1 - r0, "core waits": c1 - c0, "between": b1 - b0}  # what the rise is made of
+        why_not = ("within the steps' spread" if not self.rise_told(schedule, ms[low], ms[-1]) else
+                   "mostly core waits" if max(shares, key=shares.get) == "core waits" else None)
+        told = why_not is None
+        words = (words if told else words.split(", then rises")[0]) + (
+            f" (M = {ms[low]} -> {ms[-1]}, {bubbles[low]:.3f} -> {bubbles[-1]:.3f}: {'a rise' if told else why_not})")
+        return BubbleVerdict(words, told, why_not, f"; between the median timed steps of those two M, in shares of "
+                             f"the step: {r1 - r0:+.3f} in their replays, {c1 - c0:+.3f} from core waits, "
+                             f"{b1 - b0:+.3f} between actions")
+
+
+@dataclasses.dataclass
+class BubbleVerdict:
+    """What chapter 06b says of one schedule's measured bubble over M (PipelineTimings.verdict)."""
+
+    words: str  # the trend, level where the timed steps' spreads overlap, and the verdict on a rise
+    rise_told: bool | None  # None: no rise after the lowest M; True: the rise is a finding
+    why_not: str | None  # why a rise is no finding: "within the steps' spread" or "mostly core waits"
+    parts: str  # "; between the median timed steps ...": the rise in three parts ("" without a rise)
+
 
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return a[0] <= b[1] and b[0] <= a[1]

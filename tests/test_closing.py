@@ -389,3 +389,16 @@ def test_the_measured_run_is_this_pages_only_when_it_timed_chapters_01_03_05_on_
     assert not closing.timed_on_its_gpu(failed)
     lines = closing.gpu_run_lines(recorded, closing.gpu_run_rows(recorded), "this page's results.json")
     assert "(this page's results.json)" in lines[0] and GPU_RUN_PATH.name not in lines[0]
+
+
+def test_where_launches_set_every_rows_pace_the_sentence_names_the_with_launches_first(results):
+    rows = closing.one_device_rows(results, "t4")
+    order, launch_order = closing.cost_order(rows), closing.with_launches_order(rows)
+    sentence = closing.order_sentence(order, launch_order=launch_order)
+    assert sentence.startswith(closing.order_sentence(order))  # the counted-work order's sentence, then the clause
+    clause = f"so on such a GPU the order with the launches applies: there {launch_order[0]['technique']} comes first"
+    every = all(r["launch_bound"] for r in rows) and launch_order[0]["chapter"] != order[0]["chapter"]
+    assert (clause in sentence) == every
+    unbound = [{**r, "launch_bound": False} for r in rows]  # the work sets some row's pace: no such clause
+    assert closing.order_sentence(closing.cost_order(unbound), launch_order=closing.with_launches_order(unbound)) == \
+        closing.order_sentence(closing.cost_order(unbound))

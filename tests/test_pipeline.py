@@ -422,3 +422,31 @@ def test_describe_bubble_says_level_only_where_the_spreads_overlap():
         "falls from 0.311 at M = 2 to level within the timed steps' spread (0.200-0.304) from M = 4 to M = 8; M = 16's "
         "steps (0.216-0.274) overlap M = 8's and lie below M = 4's")
     assert bubble_shape(ms, ys, ranges) == "falls, level M = 4-8, M = 16 within M = 8's spread"
+
+
+def test_a_rise_after_the_lowest_m_is_a_finding_only_beyond_the_spread_and_not_mostly_core_waits():
+    from labkit.pipeline import PipelineTimings
+
+    class Fixed(PipelineTimings):  # each M's timed steps' range and its median step's three parts, given
+        def __init__(self, ranges, parts):
+            super().__init__([], 2)
+            self.ranges, self.parts = ranges, parts
+
+        def bubble_range(self, schedule, micro_batches):
+            return self.ranges[micro_batches]
+
+        def bubble_parts(self, schedule, micro_batches):
+            return self.parts[micro_batches]
+
+    ms, ys = [1, 4, 16], [0.5, 0.3, 0.4]  # medians: down to M = 4, then up
+    apart = {1: (0.49, 0.51), 4: (0.29, 0.31), 16: (0.39, 0.41)}  # M = 16's steps all above M = 4's
+    between = Fixed(apart, {1: (0.5, 0, 0), 4: (0.2, 0.05, 0.05), 16: (0.2, 0.06, 0.14)}).verdict("GPipe", ms, ys)
+    assert between.rise_told is True and between.why_not is None and between.words.endswith("0.300 -> 0.400: a rise)")
+    assert "+0.010 from core waits, +0.090 between actions" in between.parts
+    cores = Fixed(apart, {1: (0.5, 0, 0), 4: (0.2, 0.05, 0.05), 16: (0.2, 0.14, 0.06)}).verdict("GPipe", ms, ys)
+    assert cores.rise_told is False and cores.why_not == "mostly core waits" and ", then rises" not in cores.words
+    spread = {1: (0.49, 0.51), 4: (0.25, 0.42), 16: (0.35, 0.45)}  # M = 16's steps overlap M = 4's
+    within = Fixed(spread, {1: (0.5, 0, 0), 4: (0.2, 0.05, 0.05), 16: (0.2, 0.06, 0.14)}).verdict("GPipe", ms, ys)
+    assert within.rise_told is False and within.why_not == "within the steps' spread"
+    flat = Fixed(apart, {}).verdict("GPipe", ms, [0.5, 0.3, 0.302])  # no rise beyond BUBBLE_LEVEL: no verdict on one
+    assert flat.rise_told is None and flat.parts == ""

@@ -273,8 +273,21 @@ def order_line(place: int, row: dict, order: list[dict], tolerance: float = TIME
             + (f"; fits the budget alone, {format_bytes(row['headroom'])} to spare" if row["fits"] else ""))
 
 
-def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
-    """Return what the order says, in words computed from its figures: which comes first, which fits first."""
+def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE, launch_order: list[dict] | None = None) -> str:
+    """Return what the order says, in words computed from its figures: which comes first, which fits first; and,
+    where the host's launches set every row's pace, what comes first in `launch_order` (with_launches_order's)."""
+    text = _order_sentence(order, tolerance)
+    if not launch_order or not all(r["launch_bound"] for r in order) or launch_order[0]["chapter"] == order[0]["chapter"]:
+        return text
+    lead = launch_order[0]
+    with_ = ties(launch_order, tolerance)[lead["technique"]]
+    return (text + f" The host's launches set every row's pace at this size, so on such a GPU the order with the "
+            f"launches applies: there {lead['technique']} comes first ({lead['time_ratio_launches']:.2f}x the plain "
+            "step's time with the launches" + (f", tied with {', '.join(launch_order[p - 1]['technique'] for p in with_)}"
+                                              if with_ else "") + ").")
+
+
+def _order_sentence(order: list[dict], tolerance: float) -> str:
     first = order[0]
     if cost_per_mib(first) == float("inf"):
         return "no technique saved memory on this run: nothing to order"
