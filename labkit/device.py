@@ -103,8 +103,7 @@ def half_precision(device: str | torch.device) -> HalfPrecision:
     dev = torch.device(device)
     if dev.type != "cuda":
         return HalfPrecision("bf16", torch.bfloat16, False,
-                             f"{dev.type}: bf16 (fp16 compute is never run on a CPU: its fp16 matmuls use slow "
-                             "generic kernels)")
+                             f"{dev.type}: bf16 (the workbook runs no fp16 compute on a CPU)")
     props = torch.cuda.get_device_properties(as_device(dev))
     if torch.version.hip:
         return HalfPrecision("bf16", torch.bfloat16, False, f"{props.name} (ROCm): bf16 in hardware")

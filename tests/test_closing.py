@@ -396,7 +396,7 @@ def test_where_launches_set_every_rows_pace_the_sentence_names_the_with_launches
     order, launch_order = closing.cost_order(rows), closing.with_launches_order(rows)
     sentence = closing.order_sentence(order, launch_order=launch_order)
     assert sentence.startswith(closing.order_sentence(order))  # the counted-work order's sentence, then the clause
-    clause = f"so on such a GPU the order with the launches applies: there {launch_order[0]['technique']} comes first"
+    clause = f"counted with them, {launch_order[0]['technique']} comes first"
     every = all(r["launch_bound"] for r in rows) and launch_order[0]["chapter"] != order[0]["chapter"]
     assert (clause in sentence) == every
     unbound = [{**r, "launch_bound": False} for r in rows]  # the work sets some row's pace: no such clause

@@ -64,7 +64,7 @@ def test_a_t4_is_fp16_although_torch_calls_bf16_supported(monkeypatch):
 def test_a_cpu_always_gets_bf16_and_never_a_scaler():
     choice = lkdevice.half_precision("cpu")
     assert (choice.precision, choice.dtype, choice.needs_scaler) == ("bf16", torch.bfloat16, False)
-    assert "never run on a CPU" in choice.reason and choice.scaler("cpu") is None
+    assert "no fp16 compute on a CPU" in choice.reason and choice.scaler("cpu") is None
 
 
 def test_rank_placement_without_gpus_is_gloo_on_the_cpu(monkeypatch, capsys):

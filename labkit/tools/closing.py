@@ -281,10 +281,10 @@ def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE, launch_
         return text
     lead = launch_order[0]
     with_ = ties(launch_order, tolerance)[lead["technique"]]
-    return (text + f" The host's launches set every row's pace at this size, so on such a GPU the order with the "
-            f"launches applies: there {lead['technique']} comes first ({lead['time_ratio_launches']:.2f}x the plain "
-            "step's time with the launches" + (f", tied with {', '.join(launch_order[p - 1]['technique'] for p in with_)}"
-                                              if with_ else "") + ").")
+    return (text + f" The host's launches set every row's pace at this size; counted with them, {lead['technique']} "
+            f"comes first ({lead['time_ratio_launches']:.2f}x the plain step's time"
+            + (f", tied with {', '.join(launch_order[p - 1]['technique'] for p in with_)}" if with_ else "")
+            + "): how far either prediction held on a real GPU, the measured run below shows.")
 
 
 def _order_sentence(order: list[dict], tolerance: float) -> str:
