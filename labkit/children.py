@@ -62,9 +62,21 @@ class ChildProcesses:
         self.procs.append(proc)
         return proc
 
-    def start(self, argv: list[str], env: dict | None = None, log_path=None) -> subprocess.Popen:
-        """Start one child (stdout and stderr to `log_path`, else discarded); return its Popen."""
+    def start(self, argv: list[str], env: dict | None = None, log_path=None, preload: tuple | None = None):
+        """Start one child (stdout and stderr to `log_path`, else discarded); return its Popen.
+
+        preload: argv must be this Python's `-m module ...`; the child is forked from the fork server that imported
+        torch and the modules `preload` names (start_forked), and runs the module as `python -m` would, without the
+        seconds a new Python takes to import them again.
+        """
         full_env = dict(os.environ if env is None else env)
+        if preload is not None:
+            if argv[:2] != [sys.executable, "-m"] or len(argv) < 3:
+                raise ValueError(f"start(preload=...) runs `{sys.executable} -m module ...` only, not {argv[:3]}")
+            if log_path is not None:
+                open(log_path, "w").close()  # as a new process's log: this run's lines only
+            return self.start_forked(run_module, (argv[2], argv[3:]), env=full_env,
+                                     stdout_path=os.devnull if log_path is None else log_path, preload=preload)
         full_env[PARENT_ENV] = str(os.getpid())
         with open(log_path, "w") if log_path is not None else contextlib.nullcontext(subprocess.DEVNULL) as out:
             proc = subprocess.Popen(argv, env=full_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -142,8 +154,9 @@ def fork_context(preload: tuple = ()):
     A child forked from the server starts in milliseconds instead of the ~3 s of importing torch (4 ranks on 2
     cores: ~7 s). The server is started by this process's first forked child, with that caller's `preload` (a later
     caller's children import what else they need), and runs no child's code itself; it ends when this process ends
-    (a kernel: on shutdown, restart or death), or at stop_fork_server(). Preload torch's modules only: labkit's take
-    ~0.1 s and each child imports them afresh (an edited labkit reaches the next child, as with a new process).
+    (a kernel: on shutdown, restart or death), or at stop_fork_server(). Preload installed libraries only (torch's
+    modules, optuna): labkit's take ~0.1 s and each child imports them afresh (an edited labkit reaches the next child,
+    as with a new process).
     """
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
@@ -203,6 +216,13 @@ def _forked_main(target, args: tuple, env: dict, stdout_path, stderr_path) -> No
         import torch
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     target(*args)
+
+
+def run_module(module: str, args: list) -> None:
+    """In a child: run `module` as `python -m module *args` would (its SystemExit is the child's exit code)."""
+    import runpy
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def descendants(pid: int | None = None) -> set[int]:

@@ -85,3 +85,21 @@ def test_the_fork_servers_imports_query_no_cuda_device():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert int(out.stdout) >= 5
+
+
+def test_a_python_module_started_with_preload_is_forked_and_exits_as_python_m_would(tmp_path):
+    log = tmp_path / "worker.log"
+    log.write_text("an earlier run's line\n")
+    argv = [sys.executable, "-m", "labkit.tools.search", "worker", "--storage", "sqlite:///:memory:", "--study", "x"]
+    with children.ChildProcesses() as kids:
+        proc = kids.start(argv, log_path=log, preload=("optuna",))
+        assert isinstance(proc, children.Forked)  # a child of the fork server, not a new Python
+        assert proc.wait(timeout=120) == 2  # the module's own exit code (an in-memory storage is refused)
+        ok = kids.start([sys.executable, "-m", "labkit.tools.search", "katib", "--budget-bytes", "1000000"],
+                        log_path=tmp_path / "katib.log", preload=())
+        assert ok.wait(timeout=120) == 0
+    text = log.read_text()
+    assert "earlier" not in text and "python -m labkit.tools.search worker:" in text and "memory" in text, text
+    assert "kind: Experiment" in (tmp_path / "katib.log").read_text()
+    with pytest.raises(ValueError, match="-m module"):
+        children.ChildProcesses().start(["echo", "hi"], preload=())

@@ -184,7 +184,8 @@ def test_two_workers_on_a_postgresql_server(postgres_url):
     study = studies.create_study("pg", storage, config, "loss", sampler="replay", pruner="none", replay=settings)
     with ChildProcesses() as kids:
         for i in range(2):
-            kids.start(workers.worker_argv(postgres_url, "pg", trials=3, index=i), env=workers.worker_env())
+            kids.start(workers.worker_argv(postgres_url, "pg", trials=3, index=i), env=workers.worker_env(),
+                       preload=workers.WORKER_PRELOAD)
         assert kids.wait(timeout_s=180) == [0, 0]
     trials = study.get_trials(deepcopy=False)
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 6

@@ -20,6 +20,7 @@ from labkit.children import ChildProcesses, process_gone, this_process
 from labkit.validate import check_int
 
 WORKER_ATTR = "worker"  # the user attribute `mark_worker` writes
+WORKER_PRELOAD = ("torch.distributed.tensor", "optuna", "sqlalchemy")  # what a worker imports beyond torch (~1 s)
 
 
 def worker_argv(storage_url: str, study: str | list[str], trials: int, total: int | None = None, index: int = 0,
@@ -54,7 +55,8 @@ class WorkersRun:
 def run_workers(storage_url: str, study: optuna.Study, n_workers: int, n_trials: int, log_dir, kill_one: bool = False,
                 timeout_s: float = 600.0, on_progress=None, every: int = 4, poll_s: float = 0.5,
                 drawn=lambda trial: bool(trial.params), replace: bool = True) -> WorkersRun:
-    """Run `n_workers` worker processes (`worker_argv`) on `study` until it holds `n_trials` finished trials (chapter 08).
+    """Run `n_workers` worker processes (`worker_argv`, forked with WORKER_PRELOAD imported) on `study` until it holds
+    `n_trials` finished trials (chapter 08).
 
     kill_one: SIGKILL the first worker once, while it runs a trial whose setting is `drawn(trial)` (by default: a
     parameter drawn) for 0.2 s or more (no exception, no cleanup: the trial stays RUNNING until another worker finds
@@ -70,7 +72,7 @@ def run_workers(storage_url: str, study: optuna.Study, n_workers: int, n_trials:
     with ChildProcesses() as kids:
         def start(i):
             kids.start(worker_argv(storage_url, name, trials=n_trials, total=n_trials, index=i), env=env,
-                       log_path=Path(log_dir) / f"{name}-worker-{i}.log")
+                       log_path=Path(log_dir) / f"{name}-worker-{i}.log", preload=WORKER_PRELOAD)
         for i in range(n_workers):
             start(i)
         while any(p.poll() is None for p in kids.procs):
