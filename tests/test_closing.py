@@ -211,6 +211,11 @@ def test_the_search_lines_call_a_chapter_with_the_chosen_setting_the_same_settin
     assert chosen["speed_on"].startswith("projected") and chosen["noise"] == 0  # the fixture's run: on a CPU
     lines = closing.search_lines(chosen)
     assert sum(line.endswith(": the same setting") for line in lines) == len(chosen["same"])
+    for name, launches in chosen["ratios_launches"].items():  # chapter 08's with-launches ratio beside the work's
+        assert name in chosen["same"] or any(line.startswith(f"  against {name}: projected {chosen['ratios'][name]:.2f}x "
+                                                             f"as fast by the work, {launches:.2f}x with the host's "
+                                                             "launches") for line in lines), lines
+    assert chosen["ratios_launches"], "the fixture's chapter 08 recorded no with-launches ratios"
     changed = copy.deepcopy(results)  # a run on CUDA: timed, with a noise band the copies of one setting widen
     m = changed["notebooks"]["08_memory_aware_search"]["measurements"]
     name = next(n for n in m["fastest_vs_chapters_speed_ratio"] if n not in m["chapters_with_fastest_setting"])

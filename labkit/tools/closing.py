@@ -284,7 +284,7 @@ def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE, launch_
     return (text + f" The host's launches set every row's pace at this size; counted with them, {lead['technique']} "
             f"comes first ({lead['time_ratio_launches']:.2f}x the plain step's time"
             + (f", tied with {', '.join(launch_order[p - 1]['technique'] for p in with_)}" if with_ else "")
-            + "): how far either prediction held on a real GPU, the measured run below shows.")
+            + "); the measured GPU run below shows, for the techniques it timed, how far either prediction held.")
 
 
 def _order_sentence(order: list[dict], tolerance: float) -> str:
@@ -364,8 +364,9 @@ def several_device_figures(results: dict) -> dict:
 
 
 def search_figures(results: dict) -> dict:
-    """Return chapter 08's choice: knobs, peak, speed ratios (each chapter's step time over the choice's), `same`
-    (chapters with its setting), `speed_on` (projected on a GPU, or measured) and `noise`.
+    """Return chapter 08's choice: knobs, peak, speed ratios (each chapter's step time over the choice's; with the
+    host's launches in `ratios_launches`, where projected), `same` (chapters with its setting), `speed_on` (projected
+    on a GPU, or measured) and `noise`.
 
     noise: a timing's widest gap between two copies of one setting, the noise control's and those chapters' alike; 0
     for a projection (arithmetic on counted work: no noise).
@@ -376,7 +377,8 @@ def search_figures(results: dict) -> dict:
     noise = 0.0 if m["timing_noise_ratio"] is None else max(
         [abs(m["timing_noise_ratio"] - 1)] + [abs(ratios[n] - 1) for n in same if n in ratios])
     return dict(params=m["fastest_fitting_params"], peak_bytes=m["fastest_fitting_peak_bytes"],
-                ratios=ratios, noise=noise, same=same, speed_on=m["speed_on"])
+                ratios=ratios, noise=noise, same=same, speed_on=m["speed_on"],
+                ratios_launches=m.get("fastest_vs_chapters_speed_ratio_with_launches") or {})
 
 
 def search_lines(chosen: dict) -> list[str]:
@@ -388,8 +390,10 @@ def search_lines(chosen: dict) -> list[str]:
                 f" (timed {ratio:.2f}x apart: two copies of one setting, part of the noise band)" if chosen["noise"]
                 else ""))
         elif abs(ratio - 1) > chosen["noise"]:
+            launches = chosen.get("ratios_launches", {}).get(name)
             lines.append(f"  against {name}: {'projected ' if chosen['speed_on'].startswith('projected') else ''}"
-                         f"{ratio:.2f}x as fast")
+                         f"{ratio:.2f}x as fast" + (f" by the work, {launches:.2f}x with the host's launches"
+                                                    if launches is not None else ""))
         else:
             lines.append(f"  against {name}: {ratio:.2f}x (within the timing's noise of {chosen['noise']:.1%}: "
                          "not told apart)")
