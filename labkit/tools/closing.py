@@ -34,7 +34,8 @@ SOURCES = {
                                  "peak_bytes_per_param_per_rank_by_stage", "bytes_per_param_per_rank_by_stage",
                                  "comm_bytes_by_collective_by_stage"),
     "08_memory_aware_search": ("fastest_fitting_params", "fastest_fitting_peak_bytes",
-                               "fastest_vs_chapters_speed_ratio", "timing_noise_ratio",
+                               "fastest_vs_chapters_speed_ratio", "fastest_vs_chapters_speed_ratio_with_launches",
+                               "timing_noise_ratio",
                                "chapters_with_fastest_setting", "speed_on"),
 }
 
