@@ -16,14 +16,21 @@ from labkit.gpus import GiB
 PRECISION_MARKERS = {"fp32": "o", "bf16": "s", "fp16": "^", "bf16-mp": "D", "bf16-pure": "v"}  # a row's marker
 CKPT_COLORS = {"none": "#505050", "every": "#64b5cd", "sqrt": "#da8bc3", "selective": "#e6b800", "full": "#4c72b0",
                "op": "#dd8452"}  # a row's fill by checkpointing
-PLACEMENT_EDGES = {"offload": "#c44e52", "Adam on the host": "#8172b2"}  # edge colours of the rows that use the host
+PLACEMENT_EDGES = {"offload": "#c44e52", "Adam on the host": "#8172b2",  # edge colours of the rows that use the host
+                   "offload + Adam on the host": "#222222"}
+
+
+def placement_of(c) -> str | None:
+    """Return which of PLACEMENT_EDGES' uses of the host a combination makes (None: none)."""
+    host = c.optimizer == "host"
+    return ("offload + Adam on the host" if host else "offload") if c.offload else ("Adam on the host" if host else None)
 
 
 def edge_of(c) -> str:
-    """Return the marker edge colour of a combination: red with offload, purple with Adam on the host, else its fill."""
-    if c.offload:
-        return PLACEMENT_EDGES["offload"]
-    return PLACEMENT_EDGES["Adam on the host"] if c.optimizer == "host" else CKPT_COLORS[c.checkpointing]
+    """Return the marker edge colour of a combination: red with offload, purple with Adam on the host, near-black with
+    both, else its fill."""
+    where = placement_of(c)
+    return CKPT_COLORS[c.checkpointing] if where is None else PLACEMENT_EDGES[where]
 
 
 _LABEL_PARTS = (lambda c: f"{c.ranks}×{c.parallel}", lambda c: f"mb {c.micro_batch}×{c.accum_steps}",
@@ -123,7 +130,7 @@ def draw_plan(p):
     handles += [Line2D([], [], marker="o", color=col, ls="none", label=f"ckpt {k}")
                 for k, col in CKPT_COLORS.items() if any(r.combination.checkpointing == k for r in p.rows)]
     for what, col in PLACEMENT_EDGES.items():
-        if any((c.offload if what == "offload" else c.optimizer == "host") for c in (r.combination for r in p.rows)):
+        if any(placement_of(r.combination) == what for r in p.rows):
             handles.append(Line2D([], [], marker="o", color="#a6a6a6", mec=col, mew=1.5, ls="none",
                                   label=what))  # filled: hollow means only "does not fit"
     if not all(r.fits for r in p.rows):
@@ -153,7 +160,7 @@ def draw_plan(p):
 
 def _check_style(c) -> dict:
     """Return the plot style of a checked combination: `none` hollow and larger (the `sqrt` rows, identical at two
-    blocks, sit inside it), the host rows' edge red or purple."""
+    blocks, sit inside it), the host rows' edge red, purple or near-black (edge_of)."""
     style = dict(marker=PRECISION_MARKERS[c.precision], color=CKPT_COLORS[c.checkpointing], ls="none",
                  ms=9 if c.checkpointing == "none" else 6)
     if c.checkpointing == "none":
@@ -210,7 +217,7 @@ def draw_check(check, timed_precisions=("fp32", "bf16")):
                        label=f"ckpt {k}" + (" (hollow)" if k == "none" else ""))
                 for k, col in CKPT_COLORS.items() if any(c.checkpointing == k for c in combos)]
     for what, col in PLACEMENT_EDGES.items():
-        if any((c.offload if what == "offload" else c.optimizer == "host") for c in combos):
+        if any(placement_of(c) == what for c in combos):
             handles.append(Line2D([], [], marker="o", color="white", mec=col, mew=1.5, ls="none", label=what))
     ax1.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     return fig

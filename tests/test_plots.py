@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from labkit import plots
@@ -78,3 +80,19 @@ def test_plot_fit_draws_the_points_so_far_and_the_fit_over_the_whole_range():
     points, curve = ax.get_lines()
     assert curve.get_xdata()[0] == 2 and curve.get_xdata()[-1] == 16 and curve.get_ydata()[-1] == pytest.approx(16)
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["measured", "fitted line"]
+
+
+def test_each_use_of_the_host_has_its_own_edge_and_legend_entry():
+    """A row with offload and Adam on the host is not drawn as offload alone (chapter 09's figures)."""
+    from labkit.planplot import PLACEMENT_EDGES, draw_plan, edge_of
+    out = _plan_of([(50, 100, "fp32", "none", True)])
+    c = out.rows[0].combination
+    kinds = {(False, "device"): None, (True, "device"): "offload", (False, "host"): "Adam on the host",
+             (True, "host"): "offload + Adam on the host"}
+    for (offload, optimizer), what in kinds.items():
+        row = dataclasses.replace(out.rows[0], combination=dataclasses.replace(c, offload=offload, optimizer=optimizer))
+        out.rows.append(row)
+        assert edge_of(row.combination) == (PLACEMENT_EDGES[what] if what else edge_of(c))
+    assert len(set(PLACEMENT_EDGES.values())) == 3
+    legend = {t.get_text() for t in draw_plan(out).axes[0].get_legend().get_texts()}
+    assert set(PLACEMENT_EDGES) <= legend

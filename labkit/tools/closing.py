@@ -412,8 +412,9 @@ def side_by_side_line(rows: list[dict], chosen: dict) -> str:
                and (table[a] - table[b]) * (by[a] - by[b]) < 0 and abs(by[a] / by[b] - 1) > chosen["noise"]]
     if not flipped:
         return (line + "; it orders the times above the same way" + (", or within its noise" if chosen["noise"] else "")
-                + (" (both by counted work, the work alone)"
-                   if chosen["speed_on"].startswith("projected") else ""))
+                + (" (both by counted work, the work alone; the ratios differ: chapter 08 counts the steps of its own "
+                   "settings, its 16-bit one without a GradScaler's kernels, where the rows above count each chapter's "
+                   "step)" if chosen["speed_on"].startswith("projected") else ""))
     if chosen["speed_on"].startswith("projected"):
         return (line + f"; it orders {', '.join(flipped)} the other way round from the times above: chapter 08 counted "
                 "the steps of its own settings, projected on its GPU, where the rows above count each chapter's step")
