@@ -63,7 +63,8 @@ class ChildProcesses:
         return proc
 
     def start(self, argv: list[str], env: dict | None = None, log_path=None, preload: tuple | None = None):
-        """Start one child (stdout and stderr to `log_path`, else discarded); return its Popen.
+        """Start one child (stdout and stderr to `log_path`, else discarded); return its Popen (with `preload`: its
+        Forked, which behaves as one).
 
         preload: argv must be this Python's `-m module ...`; the child is forked from the fork server that imported
         torch and the modules `preload` names (start_forked), and runs the module as `python -m` would, without the
