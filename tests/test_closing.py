@@ -407,3 +407,16 @@ def test_where_launches_set_every_rows_pace_the_sentence_names_the_with_launches
     unbound = [{**r, "launch_bound": False} for r in rows]  # the work sets some row's pace: no such clause
     assert closing.order_sentence(closing.cost_order(unbound), launch_order=closing.with_launches_order(unbound)) == \
         closing.order_sentence(closing.cost_order(unbound))
+
+
+def test_the_side_by_side_line_names_the_gradscaler_only_where_a_row_has_one(results):
+    rows = closing.one_device_rows(results)
+    chosen = closing.search_figures(results)
+    table = {r["chapter"]: r["time_ratio"] for r in rows}
+    chosen["ratios"] = {n: table[n[:2]] for n in chosen["ratios"] if n[:2] in table}  # ordered as the rows: no flip
+    scaled = any("GradScaler" in r["technique"] for r in rows)
+    assert scaled  # the fixture's page projects on a T4: fp16 with a GradScaler
+    assert "without a GradScaler's kernels" in closing.side_by_side_line(rows, chosen)
+    plain = [dict(r, technique=r["technique"].replace(" + GradScaler", "")) for r in rows]  # a bf16 GPU's rows
+    line = closing.side_by_side_line(plain, chosen)
+    assert "the same way" in line and "GradScaler" not in line

@@ -410,11 +410,13 @@ def side_by_side_line(rows: list[dict], chosen: dict) -> str:
     table = {r["chapter"]: r["time_ratio"] for r in rows if r["chapter"] in by}
     flipped = [f"{a} and {b}" for a in sorted(table) for b in sorted(table) if a < b
                and (table[a] - table[b]) * (by[a] - by[b]) < 0 and abs(by[a] / by[b] - 1) > chosen["noise"]]
+    scaled = any("GradScaler" in r["technique"] for r in rows)  # this page's 03 row: fp16 with a GradScaler
     if not flipped:
         return (line + "; it orders the times above the same way" + (", or within its noise" if chosen["noise"] else "")
                 + (" (both by counted work, the work alone; the ratios differ: chapter 08 counts the steps of its own "
-                   "settings, its 16-bit one without a GradScaler's kernels, where the rows above count each chapter's "
-                   "step)" if chosen["speed_on"].startswith("projected") else ""))
+                   "settings" + (", its 16-bit one without a GradScaler's kernels" if scaled else "")
+                   + ", where the rows above count each chapter's step)" if chosen["speed_on"].startswith("projected")
+                   else ""))
     if chosen["speed_on"].startswith("projected"):
         return (line + f"; it orders {', '.join(flipped)} the other way round from the times above: chapter 08 counted "
                 "the steps of its own settings, projected on its GPU, where the rows above count each chapter's step")
