@@ -445,7 +445,8 @@ class PipelineTimings:
         words = (words if told else words.split(", then rises")[0]) + (
             f" (M = {ms[low]} -> {ms[-1]}, {bubbles[low]:.3f} -> {bubbles[-1]:.3f}: {'a rise' if told else why_not})")
         return BubbleVerdict(words, told, why_not, f"; between the median timed steps of those two M, in shares of "
-                             f"the step: {r1 - r0:+.3f} in their replays, {c1 - c0:+.3f} from core waits, "
+                             f"the step: {r1 - r0:+.3f} in those two steps' replays ({r0:.3f} -> {r1:.3f}; the table's replay "
+                             f"column is the median of every timed step's), {c1 - c0:+.3f} from core waits, "
                              f"{b1 - b0:+.3f} between actions")
 
 

@@ -150,8 +150,19 @@ def throughput_checks(runs: list[dict]) -> list[Check]:
                              eff.fraction * profile.flops_per_s["bf16"] / counted,
                              f"{eff.fraction:.3f} of the {run['gpu']}'s bf16 peak (from {eff.source.split(':')[0]}; "
                              "FLOPs counted as run, recomputation included: assumed the same share with and without "
-                             f"checkpointing) over {counted / 1e9:.2f} GFLOP per token counted, recomputation included"))
+                             f"checkpointing) over {counted / 1e9:.2f} GFLOP per token counted, recomputation included"
+                             + _other_model(run, profile)))
     return out
+
+
+def _other_model(run: dict, profile) -> str:
+    """Return a clause saying the run's GPUs are another model than its profile's (their memory differs), else ""."""
+    run_gib, profile_gib = run.get("gpu_memory_gib"), profile.memory_bytes / 2**30
+    if run_gib is None or abs(run_gib / profile_gib - 1) < 0.02:
+        return ""
+    return (f"; the run's GPUs hold {run_gib:.0f} GiB, another model than the {run['gpu']} profile's "
+            f"{profile_gib:.0f} GiB ({run.get('gpu_note', 'its rates not published')}): priced at the profile's "
+            "datasheet rates, so this check crosses GPU models")
 
 
 def validation(depth: str = "fast", workers: int | None = None) -> list[Check]:

@@ -84,6 +84,16 @@ def test_rows_are_the_chapters_figures_and_their_work_on_the_gpu(results):
     assert all(r["timing"] == "counted work on the t4 (the roofline, a bound)" for r in rows.values())
 
 
+def test_16_bit_autocast_comes_first_among_what_fits_on_the_t4_and_the_a100(results):
+    # issue 36's acceptance: the one-device order is the GPU's, where 16-bit autocast saves time as well as memory
+    for gpu, technique in (("t4", "fp16 autocast + GradScaler"), ("a100-80gb", "bf16 autocast")):
+        order = closing.cost_order(closing.one_device_rows(results, gpu))
+        assert next(r for r in order if r["fits"])["technique"] == technique, (gpu, [r["technique"] for r in order])
+        assert closing.order_sentence(order).startswith(f"On this run {technique} comes first")
+    cpu = closing.cost_order(closing.one_device_rows(results, "cpu"))  # (this CPU, without bf16 units, ranks it last)
+    assert cpu[-1]["chapter"] == "03"
+
+
 def _with_launches(m: dict, before: str, after: str, gpu: str) -> tuple[float, bool]:
     b, a = (gpus.step_time(work_from_record(m[k]), gpu) for k in (before, after))
     return a.with_launches_s / b.with_launches_s, a.launch_bound or b.launch_bound

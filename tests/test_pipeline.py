@@ -443,6 +443,7 @@ def test_a_rise_after_the_lowest_m_is_a_finding_only_beyond_the_spread_and_not_m
     between = Fixed(apart, {1: (0.5, 0, 0), 4: (0.2, 0.05, 0.05), 16: (0.2, 0.06, 0.14)}).verdict("GPipe", ms, ys)
     assert between.rise_told is True and between.why_not is None and between.words.endswith("0.300 -> 0.400: a rise)")
     assert "+0.010 from core waits, +0.090 between actions" in between.parts
+    assert "+0.000 in those two steps' replays (0.200 -> 0.200;" in between.parts  # (not the table's median replay)
     cores = Fixed(apart, {1: (0.5, 0, 0), 4: (0.2, 0.05, 0.05), 16: (0.2, 0.14, 0.06)}).verdict("GPipe", ms, ys)
     assert cores.rise_told is False and cores.why_not == "mostly core waits" and ", then rises" not in cores.words
     spread = {1: (0.49, 0.51), 4: (0.25, 0.42), 16: (0.35, 0.45)}  # M = 16's steps overlap M = 4's
