@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from labkit.validate import ParameterError, check_choice, check_int
+from labkit.validate import ParameterError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-RANK_BACKENDS = ("auto", "gloo", "nccl")  # auto: NCCL with one GPU per rank, gloo on the CPU
 BF16_MIN_CAPABILITY = (8, 0)  # NVIDIA GPUs compute bf16 natively from Ampere (compute capability 8.0) on
 
 _announced: set[str] = set()  # accelerators "auto" has already said it passes over, once per process
@@ -116,40 +115,3 @@ def half_precision(device: str | torch.device) -> HalfPrecision:
     return HalfPrecision("fp16", torch.float16, True,
                          f"{props.name} (compute capability {props.major}.{props.minor}) has no bf16 arithmetic "
                          f"(it needs {need}, Ampere; torch would emulate it, slowly): fp16 with a GradScaler instead")
-
-
-@dataclass(frozen=True)
-class RankPlacement:
-    """Where the ranks of a process group compute and how they talk, and why."""
-
-    device: str  # "cpu" | "cuda": each rank's compute device (cuda: GPU number = local rank)
-    backend: str  # "gloo" | "nccl": the process group's backend
-    reason: str  # one line: the GPUs seen and why this placement
-
-
-def rank_placement(nproc: int, device: str = "auto", backend: str = "auto") -> RankPlacement:
-    """Return where `nproc` local ranks run: NCCL with one GPU per rank when there are enough, else gloo on the CPU."""
-    check_int("nproc", nproc, 1)
-    check_choice("device", device, DEVICE_CHOICES)
-    check_choice("backend", backend, RANK_BACKENDS)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device == "cuda" and gpus < nproc:
-        raise ParameterError(f"device='cuda' needs one GPU per rank: nproc={nproc} ranks, {gpus} GPUs visible")
-    dev = device if device != "auto" else ("cuda" if gpus >= nproc else "cpu")
-    chosen = backend if backend != "auto" else ("nccl" if dev == "cuda" else "gloo")
-    if chosen == "nccl" and dev != "cuda":
-        raise ParameterError(f"backend='nccl' needs CUDA devices; the ranks run on {dev}: use backend 'gloo'")
-    if dev == "cuda":
-        reason = f"{nproc} ranks on {gpus} GPUs: one GPU per rank, {chosen}"
-    elif gpus == 0:
-        reason = f"{nproc} ranks on the CPU with {chosen}: torch sees no GPU"
-    elif device == "cpu":
-        reason = f"{nproc} ranks on the CPU with {chosen}, as asked ({gpus} GPUs visible)"
-    else:
-        reason = (f"{nproc} ranks, {gpus} GPU{'s' if gpus > 1 else ''}: the ranks run on the CPU with gloo, because "
-                  f"NCCL needs one GPU per rank (it refuses two ranks on one GPU); {nproc} GPUs would run them "
-                  "on CUDA with NCCL")
-        if reason not in _announced:
-            _announced.add(reason)
-            print(f"device='auto': {reason}")
-    return RankPlacement(dev, chosen, reason)

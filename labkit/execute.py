@@ -3,14 +3,32 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from labkit.results import records_from_notebook
+from labkit.results import MIME_TYPE
 
 ERROR_CHARS = 2000
+
+
+def records_from_notebook(nb) -> dict[str, object]:
+    """Collect the recorded measurements from an executed notebook (nbformat node or dict)."""
+    out: dict[str, object] = {}
+    for cell in nb["cells"]:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if MIME_TYPE in data:
+                payload = data[MIME_TYPE]
+                if isinstance(payload, str):
+                    payload = json.loads(payload)
+                name = payload["name"]
+                if payload.get("rank") not in (None, 0):
+                    name = f"{name}@rank{payload['rank']}"
+                out[name] = payload["value"]
+    return out
 
 
 @contextlib.contextmanager

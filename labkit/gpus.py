@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from labkit.cpu import bf16_native
-from labkit.throughput import copy_bandwidth, fastest_s
+from labkit.hostlink import copy_bandwidth
+from labkit.throughput import fastest_s
 from labkit.validate import ParameterError, check_choice
 from labkit.work import Work
 

@@ -108,23 +108,6 @@ def build_dir(*parts: str) -> Path:
     raise PermissionError(f"no writable build folder among {[str(p) for p in places]}; set {BUILD_DIR_ENV}")
 
 
-def records_from_notebook(nb) -> dict[str, object]:
-    """Collect the recorded measurements from an executed notebook (nbformat node or dict)."""
-    out: dict[str, object] = {}
-    for cell in nb["cells"]:
-        for output in cell.get("outputs", []):
-            data = output.get("data", {})
-            if MIME_TYPE in data:
-                payload = data[MIME_TYPE]
-                if isinstance(payload, str):
-                    payload = json.loads(payload)
-                name = payload["name"]
-                if payload.get("rank") not in (None, 0):
-                    name = f"{name}@rank{payload['rank']}"
-                out[name] = payload["value"]
-    return out
-
-
 VALUE_CHARS = 80  # a record's value in show_records' table, shortened past this
 
 

@@ -148,8 +148,8 @@ def leftover_processes(tag: str | None = None, wait_s: float = 10.0) -> list[str
 
 
 def pytest_report_header(config):
-    """Print the CPU line (labkit.cpu) at the top of the run: every timing a run reports comes with its machine."""
-    from labkit.cpu import cpu_report
+    """Print the CPU line (workbook.cpureport) at the top of the run: every timing a run reports comes with its machine."""
+    from workbook.cpureport import cpu_report
     return cpu_report().line()
 
 

@@ -439,7 +439,7 @@ class Lab:
         """
         import nbformat
 
-        from labkit.results import records_from_notebook
+        from labkit.execute import records_from_notebook
         from workbook import figcheck
         from workbook.nbcheck import crowded_sections
 

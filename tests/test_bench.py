@@ -1,4 +1,4 @@
-"""The machine report every timing comes with (labkit.cpu) and `make bench`'s table."""
+"""The machine report every timing comes with (workbook.cpureport) and `make bench`'s table."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import sys
 import pytest
 
 from labkit import cpu
+from workbook import cpureport
 from workbook import bench
 
-REPORT = cpu.CpuReport(model="Some CPU", cores=2, capability="AVX512", bf16_flags=("avx512_bf16",), dispatch_env={},
+REPORT = cpureport.CpuReport(model="Some CPU", cores=2, capability="AVX512", bf16_flags=("avx512_bf16",), dispatch_env={},
                        fp32_matmul_s=0.005, bf16_matmul_s=0.001, bf16_native=True)
 
 
@@ -53,7 +54,7 @@ def test_the_line_names_the_cpu_its_vector_level_the_dispatch_variables_and_the_
 def test_the_avx2_variables_make_this_cpu_report_no_native_bf16():
     """What `make bench` and the chapters read under the reference machine's emulation (or on an AVX2 machine)."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-    code = "from labkit.cpu import bf16_native, cpu_report; r = cpu_report(); print(r.capability, bf16_native(), r.bf16_ratio > 2)"
+    code = "from labkit.cpu import bf16_native; from workbook.cpureport import cpu_report; r = cpu_report(); print(r.capability, bf16_native(), r.bf16_ratio > 2)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     capability, native, slow = out.stdout.split()

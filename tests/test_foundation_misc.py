@@ -11,7 +11,7 @@ import torch
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 import labkit
-from labkit import results, validate
+from labkit import execute, results, validate
 from labkit.device import DEVICE_CHOICES, hardware_report, resolve_device
 from labkit.meter import MemoryMeter, OutOfMemory, TimelinePoint
 from labkit.plots import LiveFigure, MiB, plot_memory_bars, plot_series, plot_timeline, png_bytes
@@ -97,10 +97,10 @@ def test_records_from_notebook():
     ])
     cell3 = new_code_cell("record('peak_bytes', 456)", outputs=[payload({"name": "peak_bytes", "value": 456})])
     nb = new_notebook(cells=[new_markdown_cell("# title"), cell1, cell2, cell3])
-    assert results.records_from_notebook(nb) == {"peak_bytes": 456, "step_s": 0.5, "loss": 1.0,
+    assert execute.records_from_notebook(nb) == {"peak_bytes": 456, "step_s": 0.5, "loss": 1.0,
                                                  "loss@rank1": 2.0, "loss@rank3": 3.0}
     # A plain dict (nbformat JSON) reads the same.
-    assert results.records_from_notebook(json.loads(json.dumps(nb))) == results.records_from_notebook(nb)
+    assert execute.records_from_notebook(json.loads(json.dumps(nb))) == execute.records_from_notebook(nb)
 
 
 def test_record_shows_nothing_and_show_records_one_table(clean_records, monkeypatch, capsys):
@@ -136,7 +136,7 @@ def test_an_executed_notebook_keeps_every_record_and_shows_one_table(tmp_path):
     texts = [o.get("text") or o.get("data", {}).get("text/plain", "") for c in nb.cells for o in c.outputs]
     assert not any("recorded peak_bytes =" in t or "recorded step_s =" in t for t in texts), texts
     assert [bool(o.get("data", {}).get("text/plain")) for o in nb.cells[1].outputs] == [False, False]
-    assert results.records_from_notebook(nb) == {"peak_bytes": 2**21, "step_s": 0.25}
+    assert execute.records_from_notebook(nb) == {"peak_bytes": 2**21, "step_s": 0.25}
     table = nb.cells[2].outputs[0]["data"]["text/plain"].splitlines()
     assert table[1:] == ["peak_bytes  2097152", "step_s      0.25"]
 

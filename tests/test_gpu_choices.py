@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+import sys
 import textwrap
 import types
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from labkit import device as lkdevice
+from labkit.dist.launch import RankPlacement, rank_placement
 from labkit.validate import ParameterError
 
 
@@ -28,6 +30,7 @@ def fake_gpus(monkeypatch, count: int, capability=(7, 5), name="Tesla T4"):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(lkdevice, "_announced", set())
+    monkeypatch.setattr(sys.modules["labkit.dist.launch"], "_ANNOUNCED", set())
 
 
 @pytest.mark.parametrize("name, capability, want", [
@@ -69,35 +72,35 @@ def test_a_cpu_always_gets_bf16_and_never_a_scaler():
 
 def test_rank_placement_without_gpus_is_gloo_on_the_cpu(monkeypatch, capsys):
     fake_gpus(monkeypatch, 0)
-    p = lkdevice.rank_placement(2)
+    p = rank_placement(2)
     assert (p.device, p.backend) == ("cpu", "gloo") and "no GPU" in p.reason
     assert capsys.readouterr().out == ""  # nothing to explain on a CPU machine
 
 
 def test_one_gpu_and_two_ranks_run_on_the_cpu_and_say_why_once(monkeypatch, capsys):
     fake_gpus(monkeypatch, 1)  # Colab's single T4
-    p = lkdevice.rank_placement(2)
+    p = rank_placement(2)
     assert (p.device, p.backend) == ("cpu", "gloo")
     assert "NCCL needs one GPU per rank" in p.reason
-    again = lkdevice.rank_placement(2)
+    again = rank_placement(2)
     out = capsys.readouterr().out
     assert again == p and out.count("\n") == 1 and "NCCL needs one GPU per rank" in out  # said once per process
     with pytest.raises(ParameterError, match="device='cuda' needs one GPU per rank: nproc=2 ranks, 1 GPUs"):
-        lkdevice.rank_placement(2, device="cuda")
-    assert lkdevice.rank_placement(1) == lkdevice.RankPlacement("cuda", "nccl", "1 ranks on 1 GPUs: one GPU per rank, nccl")
+        rank_placement(2, device="cuda")
+    assert rank_placement(1) == RankPlacement("cuda", "nccl", "1 ranks on 1 GPUs: one GPU per rank, nccl")
 
 
 def test_two_gpus_run_two_ranks_on_nccl_and_four_on_the_cpu(monkeypatch):
     fake_gpus(monkeypatch, 2)  # Kaggle's T4 x2
-    p = lkdevice.rank_placement(2)
+    p = rank_placement(2)
     assert (p.device, p.backend) == ("cuda", "nccl")
-    assert lkdevice.rank_placement(2, backend="gloo").backend == "gloo"  # gloo also runs on GPUs
-    assert lkdevice.rank_placement(4).device == "cpu"  # the four-rank memory point of 06 and 07
-    assert lkdevice.rank_placement(4, device="cpu").reason.endswith("as asked (2 GPUs visible)")
+    assert rank_placement(2, backend="gloo").backend == "gloo"  # gloo also runs on GPUs
+    assert rank_placement(4).device == "cpu"  # the four-rank memory point of 06 and 07
+    assert rank_placement(4, device="cpu").reason.endswith("as asked (2 GPUs visible)")
     with pytest.raises(ParameterError, match="backend='nccl' needs CUDA devices"):
-        lkdevice.rank_placement(4, backend="nccl")
+        rank_placement(4, backend="nccl")
     with pytest.raises(ParameterError, match="backend must be one of"):
-        lkdevice.rank_placement(2, backend="mpi")
+        rank_placement(2, backend="mpi")
 
 
 def test_launch_places_its_ranks_with_rank_placement(monkeypatch, tmp_path, capsys):

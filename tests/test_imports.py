@@ -86,3 +86,33 @@ def test_no_module_of_labkit_or_workbook_imports_itself_through_others():
     edges = graph()
     assert "labkit.device" in edges and "labkit.validate" in edges["labkit.device"]  # the graph sees imports
     assert cycles(edges) == []
+
+
+CORE = {"labkit", "labkit.validate", "labkit.runmode", "labkit.device", "labkit.cpu", "labkit.models", "labkit.example",
+        "labkit.meter", "labkit.train", "labkit.estimate", "labkit.throughput", "labkit.results", "labkit.tables",
+        "labkit.progress"}  # what a learner's chapters lean on: README's "Reading labkit" table
+CORE_MAX_LINES = 2000  # a teacher reads it in an evening (issue 38)
+
+
+def test_import_labkit_loads_the_core_and_nothing_else():
+    import subprocess
+    import sys
+    code = "import sys, labkit; print(sorted(m for m in sys.modules if m.split('.')[0] in ('labkit', 'workbook')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert set(eval(out)) == CORE
+
+
+def test_the_core_imports_only_the_core_and_fits_an_evening():
+    edges = graph()
+    outside = {m: sorted(i for i in edges[m] if i not in CORE) for m in CORE}
+    assert {m: i for m, i in outside.items() if i} == {}  # imports at any depth counted, a function's too
+    files = {m: ROOT / (m.replace(".", "/") + ("/__init__.py" if m == "labkit" else ".py")) for m in CORE}
+    lines = sum(len(p.read_text().splitlines()) for p in files.values())
+    assert lines <= CORE_MAX_LINES, f"labkit's core is {lines} lines: move what a chapter does not lean on out of it"
+
+
+def test_the_readme_lists_the_core():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Reading labkit", 1)[1].split("\n#", 1)[0]
+    listed = {line.split("`")[1] for line in section.splitlines() if line.startswith("| `")}
+    assert listed == CORE - {"labkit"}

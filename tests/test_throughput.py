@@ -1,4 +1,4 @@
-"""labkit.throughput's copy benchmarks: bandwidth of a copy, and a pinned copy overlapping compute (CUDA)."""
+"""labkit.hostlink's copy benchmarks: bandwidth of a copy, and a pinned copy overlapping compute (CUDA)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import labkit
-from labkit.throughput import CopyOverlap, copy_bandwidth, copy_compute_overlap, host_to_device_bandwidth
+from labkit.hostlink import CopyOverlap, copy_bandwidth, copy_compute_overlap, host_to_device_bandwidth
 
 
 def test_copy_bandwidth_copies_and_returns_bytes_per_second():
@@ -59,3 +59,14 @@ def test_a_pinned_non_blocking_copy_returns_at_once_and_overlaps_compute_on_a_si
     assert o.pageable_issue_s > o.issue_s, o  # from pageable memory the call waits for the staging copy
     assert o.overlapped_s < o.serial_s, o  # the side stream overlaps what one stream runs in order
     assert o.hidden_fraction > 0, o
+
+
+def test_the_moved_copy_benchmarks_still_import_from_throughput_with_a_warning():
+    import labkit.hostlink
+    import labkit.throughput
+    for name in ("copy_bandwidth", "CopyOverlap", "host_to_device_bandwidth", "copy_compute_overlap"):
+        with pytest.warns(DeprecationWarning, match=f"labkit.throughput.{name} moved to labkit.hostlink.{name}"):
+            assert getattr(labkit.throughput, name) is getattr(labkit.hostlink, name)
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        labkit.throughput.nothing
+

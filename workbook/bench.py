@@ -2,7 +2,7 @@
 
     python -m workbook.bench [--only cpu chapters plan suite] [--out build/bench] [--repeats N]
 
-Prints a header line (`labkit.cpu.CpuReport.line`: the CPU model, torch's vector level, bf16 flags, the AVX2 dispatch
+Prints a header line (`workbook.cpureport.CpuReport.line`: the CPU model, torch's vector level, bf16 flags, the AVX2 dispatch
 variables when set, a bf16 matmul's time over fp32's), then a table: each chapter's `make run` time (its own run of
 `workbook.runner` into OUT/run), `make plan MODEL=llama-7b GPU=a100-80gb GPUS=8` (the whole command) and the pytest
 time of `make test` (its closing line). With --repeats N the parts run N times, interleaved (chapters, plan,
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not 1 <= args.repeats <= 9:
         ap.error(f"--repeats must be a whole number from 1 to 9, got {args.repeats}")
-    from labkit.cpu import cpu_report
+    from workbook.cpureport import cpu_report
 
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

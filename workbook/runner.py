@@ -60,7 +60,7 @@ def run_notebook(path: str | Path, out_dir: str | Path, parameters: dict, timeou
 def write_results(entries: dict[str, dict], out_dir: str | Path, parameters: dict, *, merge: bool = False) -> Path:
     """Write OUT/results.json from the per-notebook entries (merge: keep other notebooks' existing entries)."""
     import torch
-    from labkit.cpu import cpu_report
+    from workbook.cpureport import cpu_report
     from labkit.device import hardware_report
 
     out_dir = Path(out_dir)
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parameters = {name: _parse_value(value) for name, value in args.parameter}
     out_dir = Path(args.out)
 
-    from labkit.cpu import cpu_report
+    from workbook.cpureport import cpu_report
 
     print(cpu_report().line(), flush=True)  # every timing comes with the machine it ran on
     entries: dict[str, dict] = {}

@@ -17,15 +17,56 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.children import ChildProcesses
-from labkit.device import rank_placement
-from labkit.dist.rank import BACKEND_ENV, DEVICE_ENV, RESULT_DIR_ENV, TIMEOUT_ENV
-from labkit.validate import ParameterError, check_float, check_int
+import torch
 
+from labkit.children import ChildProcesses
+from labkit.device import DEVICE_CHOICES
+from labkit.dist.rank import BACKEND_ENV, DEVICE_ENV, RESULT_DIR_ENV, TIMEOUT_ENV
+from labkit.validate import ParameterError, check_choice, check_float, check_int
+
+_ANNOUNCED: set[str] = set()  # placements "auto" has already explained, once per process
+RANK_BACKENDS = ("auto", "gloo", "nccl")  # auto: NCCL with one GPU per rank, gloo on the CPU
 OUTPUT_CHARS = 20_000  # the tail of each rank's stdout/stderr kept in its result
 RANK_PRELOAD = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint.state_dict",
                 "torch.distributed.pipelining", "torch.distributed.optim", "torch.nn.parallel")  # torch's modules the
 #                 ranks of 06 and 07 import: the fork server imports them once for all (labkit: each rank, afresh)
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where the ranks of a process group compute and how they talk, and why."""
+
+    device: str  # "cpu" | "cuda": each rank's compute device (cuda: GPU number = local rank)
+    backend: str  # "gloo" | "nccl": the process group's backend
+    reason: str  # one line: the GPUs seen and why this placement
+
+
+def rank_placement(nproc: int, device: str = "auto", backend: str = "auto") -> RankPlacement:
+    """Return where `nproc` local ranks run: NCCL with one GPU per rank when there are enough, else gloo on the CPU."""
+    check_int("nproc", nproc, 1)
+    check_choice("device", device, DEVICE_CHOICES)
+    check_choice("backend", backend, RANK_BACKENDS)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and gpus < nproc:
+        raise ParameterError(f"device='cuda' needs one GPU per rank: nproc={nproc} ranks, {gpus} GPUs visible")
+    dev = device if device != "auto" else ("cuda" if gpus >= nproc else "cpu")
+    chosen = backend if backend != "auto" else ("nccl" if dev == "cuda" else "gloo")
+    if chosen == "nccl" and dev != "cuda":
+        raise ParameterError(f"backend='nccl' needs CUDA devices; the ranks run on {dev}: use backend 'gloo'")
+    if dev == "cuda":
+        reason = f"{nproc} ranks on {gpus} GPUs: one GPU per rank, {chosen}"
+    elif gpus == 0:
+        reason = f"{nproc} ranks on the CPU with {chosen}: torch sees no GPU"
+    elif device == "cpu":
+        reason = f"{nproc} ranks on the CPU with {chosen}, as asked ({gpus} GPUs visible)"
+    else:
+        reason = (f"{nproc} ranks, {gpus} GPU{'s' if gpus > 1 else ''}: the ranks run on the CPU with gloo, because "
+                  f"NCCL needs one GPU per rank (it refuses two ranks on one GPU); {nproc} GPUs would run them "
+                  "on CUDA with NCCL")
+        if reason not in _ANNOUNCED:
+            _ANNOUNCED.add(reason)
+            print(f"device='auto': {reason}")
+    return RankPlacement(dev, chosen, reason)
 
 
 @dataclass

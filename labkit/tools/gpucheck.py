@@ -33,7 +33,8 @@ from labkit.models import GPT, GPTConfig, count_params
 from labkit.offload import OffloadHooks
 from labkit.precision import amp_train_step, forward_activation_bytes
 from labkit.results import build_dir, checkout_root
-from labkit.throughput import copy_bandwidth, measure_throughputs
+from labkit.hostlink import copy_bandwidth
+from labkit.throughput import measure_throughputs
 from labkit.train import make_optimizer, measure_step, seeded_model, train_step
 
 CHECKS = ("meter", "budget", "offload", "l2l", "precision", "checkpoint", "roofline", "plan", "tests", "notebooks")
