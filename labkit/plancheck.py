@@ -75,10 +75,27 @@ class PlanCheck:
         """Return each timed row's measured / predicted step time."""
         return [self.timed[n].step_s / self.predicted[n].step_s for n in self.timed_names]
 
+    def _code(self, name: str) -> tuple:
+        """Return what decides the code a row runs: its micro-batch, precision, offload, optimizer placement and
+        measured peak (`sqrt` at two blocks is one segment: the `none` rows again)."""
+        c = self.predicted[name].combination
+        return c.micro_batch, c.precision, c.offload, c.optimizer, self.measured_bytes[name]
+
+    @property
+    def rank_names(self) -> list:
+        """Return the timed rows the orders are compared on: each code once (a twin would count one row twice)."""
+        seen, out = set(), []
+        for n in self.timed_names:
+            if self._code(n) not in seen:
+                seen.add(self._code(n))
+                out.append(n)
+        return out
+
     @property
     def rho(self) -> float:
-        """Return Spearman's rank correlation of the predicted order of step times with the measured order."""
-        names = self.timed_names
+        """Return Spearman's rank correlation of the predicted order of step times with the measured order, over
+        rank_names."""
+        names = self.rank_names
         return rank_correlation([self.predicted[n].step_s for n in names], [self.timed[n].step_s for n in names])
 
     @property
@@ -94,9 +111,7 @@ class PlanCheck:
         (`sqrt` at two blocks is one segment: the `none` rows again)."""
         same: dict = {}
         for n in self.timed_names:
-            c = self.predicted[n].combination
-            key = (c.micro_batch, c.precision, c.offload, c.optimizer, self.measured_bytes[n])
-            same.setdefault(key, []).append(self.timed[n].step_s)
+            same.setdefault(self._code(n), []).append(self.timed[n].step_s)
         spreads = [(max(ts) - min(ts)) / min(ts) for ts in same.values() if len(ts) > 1]
         return max(spreads) if spreads else float("nan")
 

@@ -17,7 +17,7 @@ PRECISION_MARKERS = {"fp32": "o", "bf16": "s", "fp16": "^", "bf16-mp": "D", "bf1
 CKPT_COLORS = {"none": "#505050", "every": "#64b5cd", "sqrt": "#da8bc3", "selective": "#e6b800", "full": "#4c72b0",
                "op": "#dd8452"}  # a row's fill by checkpointing
 PLACEMENT_EDGES = {"offload": "#c44e52", "Adam on the host": "#8172b2",  # edge colours of the rows that use the host
-                   "offload + Adam on the host": "#222222"}
+                   "offload + Adam on the host": "#8c564b"}  # brown: apart from every fill (none's grey)
 
 
 def placement_of(c) -> str | None:
@@ -27,7 +27,7 @@ def placement_of(c) -> str | None:
 
 
 def edge_of(c) -> str:
-    """Return the marker edge colour of a combination: red with offload, purple with Adam on the host, near-black with
+    """Return the marker edge colour of a combination: red with offload, purple with Adam on the host, brown with
     both, else its fill."""
     where = placement_of(c)
     return CKPT_COLORS[c.checkpointing] if where is None else PLACEMENT_EDGES[where]

@@ -180,7 +180,8 @@ def fp16_cast_stats(values: torch.Tensor, scale: float = 1.0) -> Fp16CastStats:
     inf = int(h.isinf().sum())
     sub = int(((h != 0) & (h.abs() < FP16_MIN_NORMAL)).sum())
     below = int((v.abs() < FP16_MIN_SUBNORMAL).sum())
-    return Fp16CastStats(float(scale), n, zero / n, sub / n, inf / n, below / n, (n - zero - sub - inf) / n)
+    normal = int((h.isfinite() & (h.abs() >= FP16_MIN_NORMAL)).sum())  # counted, not the rest: a NaN is in no bin
+    return Fp16CastStats(float(scale), n, zero / n, sub / n, inf / n, below / n, normal / n)
 
 
 @dataclass

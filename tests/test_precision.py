@@ -186,6 +186,8 @@ def test_fp16_cast_stats_counts():
     assert st.normal_fraction == pytest.approx(1 / 6)  # 1.0
     assert list(st.bins) == ["flushed to zero", "subnormal", "normal", "overflow"]
     assert sum(st.bins.values()) == pytest.approx(1.0)  # disjoint: 1.5·2^-25 counts once, as a subnormal
+    nan = P.fp16_cast_stats(torch.tensor([1.0, float("nan")]))  # a NaN falls in no bin: the bins fall short of 1
+    assert nan.normal_fraction == pytest.approx(1 / 2) and sum(nan.bins.values()) == pytest.approx(1 / 2)
     scaled = P.fp16_cast_stats(v, 2.0**16)
     assert scaled.zero_fraction == 0.0 and scaled.overflow_fraction == pytest.approx(2 / 6)  # 1.0 and 7e4
     assert P.fp16_cast_stats(torch.zeros(3)).nonzero == 0
