@@ -164,6 +164,8 @@ def device_profile(name: str) -> DeviceProfile:
 
 
 GPU_AUTO = "t4"  # GPU="auto" without CUDA: the GPU free notebooks (Colab, Kaggle) give
+RESERVE_FRACTION = 0.10  # share of a GPU's memory held back for what tensors do not show (CUDA context, NCCL's
+#                          buffers, the allocator's cache and fragmentation): the planner's default (chapter 09)
 
 
 def check_gpu(param: str, value) -> DeviceProfile:

@@ -14,7 +14,7 @@ from labkit.device import as_device
 from labkit.hosttier import host_tier, mark_host_state, pin, to_device, to_host
 from labkit.meter import MemoryMeter, active_meter
 from labkit.models import token_weights
-from labkit.pipeline import split_stages, stage_name
+from labkit.stages import split_stages, stage_name
 from labkit.validate import check_int
 
 __all__ = ["L2LTrainer", "measure_l2l_step"]

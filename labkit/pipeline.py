@@ -3,73 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch.nn as nn
-import torch.nn.functional as F
 
-from labkit.models import GPT, MLP, Block, token_loss
+from labkit.models import GPT
+from labkit.stages import (ACTION_KINDS, LOSS_KIND, EmbedStage, GPTHeadStage, MLPHeadStage,  # noqa: F401
+                           split_stages, stage_name)
+#    (a model's stages: labkit.stages; these names stay importable from here)
 from labkit.validate import ParameterError, check_choice, check_int
 
 SCHEDULES = ("GPipe", "1F1B")
-ACTION_KINDS = ("F", "B", "W")  # forward, backward (input and weights), weight-only backward (zero bubble)
-LOSS_KIND = "L"  # the last stage's loss of one micro-batch: part of that micro-batch's forward
 BUBBLE_LEVEL = 0.005  # two bubble fractions closer than this count as level in a trend sentence (chapters 06b, 10)
-
-
-class EmbedStage(nn.Module):
-    """Token (and position) embedding of a GPT: (B, T) int64 -> (B, T, C). Shares the GPT's parameters."""
-
-    def __init__(self, gpt: GPT):
-        super().__init__()
-        self.tok_emb, self.pos_emb, self.drop, self.cfg = gpt.tok_emb, gpt.pos_emb, gpt.drop, gpt.cfg
-
-    def forward(self, idx):  # (B, T)
-        return GPT.embed(self, idx)  # the GPT's own embedding, on the parameters this stage shares
-
-
-class GPTHeadStage(nn.Module):
-    """Final norm, output head (tied to the token embedding when the GPT ties them), and the loss given targets."""
-
-    def __init__(self, gpt: GPT):
-        super().__init__()
-        self.norm, self.head = gpt.norm, gpt.head
-
-    def forward(self, x, targets=None):  # x: (B, T, C), targets: (B, T)
-        logits = self.head(self.norm(x))  # (B, T, V)
-        return logits if targets is None else token_loss(logits, targets)  # () with targets
-
-
-class MLPHeadStage(nn.Module):
-    """Classifier head of an MLP and its loss."""
-
-    def __init__(self, mlp: MLP):
-        super().__init__()
-        self.head = mlp.head
-
-    def forward(self, x, targets):  # x: (B, hidden), targets: (B,)
-        return F.cross_entropy(self.head(x), targets)
-
-
-def split_stages(model: nn.Module) -> list[nn.Module]:
-    """Return the model's stages in order (GPT: embedding, blocks, head; MLP: layers, head), sharing its parameters.
-
-    The last stage takes (x, targets) and returns the loss; a tied weight appears in two stages.
-    """
-    if isinstance(model, GPT):
-        return [EmbedStage(model), *model.blocks, GPTHeadStage(model)]
-    if isinstance(model, MLP):
-        return [*model.layers, MLPHeadStage(model)]
-    raise TypeError(f"split_stages supports labkit GPT and MLP models, got {type(model).__name__}")
-
-
-def stage_name(i: int, stage: nn.Module) -> str:
-    """Name stage i for reports: "embedding", "block i", "layer i" or "head"."""
-    if isinstance(stage, EmbedStage):
-        return "embedding"
-    if isinstance(stage, (GPTHeadStage, MLPHeadStage)):
-        return "head"
-    return f"block {i}" if isinstance(stage, Block) else f"layer {i}"
 
 
 def partition(model: nn.Module, parts: int) -> list[nn.Sequential]:
@@ -197,40 +141,6 @@ def replay(actions_by_rank: dict[int, list]) -> dict[int, list[tuple[str, float,
     by_start = {r: sorted(acts, key=lambda act: act[1]) for r, acts in actions_by_rank.items()}
     return _simulate({r: [(label, _stage_of(label, r), float(b) - float(a)) for label, a, b in acts]
                       for r, acts in by_start.items()})
-
-
-def time_actions(stage, name_stage: bool = False, schedule=None) -> None:
-    """Make every forward and backward of a torch.distributed.pipelining stage a labkit.dist span ("F3", "B3").
-
-    Given the `schedule`, the last stage's loss of each micro-batch is timed too, as a span "L3".
-    """
-    from labkit.dist import span
-
-    suffix = f"/s{stage.stage_index}" if name_stage else ""
-    if schedule is not None and not getattr(schedule, "_labkit_timed_loss", False):
-        compute_loss = schedule._maybe_compute_loss  # private: pinned by tests/test_pipeline.py
-
-        @functools.wraps(compute_loss)
-        def timed_loss(st, output, target_mbs, mb_index, *args, **kwargs):
-            if not st.is_last or getattr(schedule, "_loss_fn", None) is None:
-                return compute_loss(st, output, target_mbs, mb_index, *args, **kwargs)
-            with span(f"{LOSS_KIND}{mb_index}" + (f"/s{st.stage_index}" if name_stage else "")):
-                return compute_loss(st, output, target_mbs, mb_index, *args, **kwargs)
-        schedule._maybe_compute_loss = timed_loss
-        schedule._labkit_timed_loss = True
-
-    def wrap(method: str, kind: str):
-        fn = getattr(stage, method)
-
-        @functools.wraps(fn)
-        def timed(chunk_id, *args, **kwargs):
-            with span(f"{kind}{chunk_id}{suffix}"):
-                return fn(chunk_id, *args, **kwargs)
-        setattr(stage, method, timed)
-
-    wrap("forward_one_chunk", "F")
-    wrap("backward_one_chunk", "B")
-    wrap("backward_weight_one_chunk", "W")
 
 
 def actions_within(spans: list, window: str, core_waits: list | None = None) -> list[tuple[str, float, float]]:
@@ -577,3 +487,13 @@ def step_from_first_forward(spans_by_rank: dict[int, list], window: str = "step"
 def seconds_in(spans: list, *labels: str) -> float:
     """Return the seconds a rank's spans with these labels last in all (chapter 06)."""
     return sum(b - a for label, a, b in spans if label in labels)
+
+
+def __getattr__(name: str):
+    """Return time_actions, moved to labkit.dist (it marks a rank's spans), with a DeprecationWarning."""
+    if name != "time_actions":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
+    warnings.warn("labkit.pipeline.time_actions moved to labkit.dist.time_actions", DeprecationWarning, stacklevel=2)
+    return importlib.import_module("labkit.dist.rank").time_actions

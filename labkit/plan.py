@@ -28,7 +28,7 @@ from labkit.children import ChildProcesses, die_with_parent
 from labkit.cpu import one_thread
 from labkit.estimate import MemoryEstimate, data_parallel_rank, example_batch, fake_sharded, fake_step, remembered
 from labkit.work import WorkCounter
-from labkit.gpus import DeviceProfile, device_profile
+from labkit.gpus import RESERVE_FRACTION, DeviceProfile, device_profile
 from labkit.hosttier import host_tier
 from labkit.meter import CATEGORIES, active_meter, format_bytes
 from labkit.models import ATTENTION, GPTConfig, blocks_of, build_model
@@ -38,7 +38,6 @@ from labkit.progress import progress
 from labkit.train import ADAM_IMPLS, create_optimizer_state, make_optimizer, seeded_model
 from labkit.validate import ParameterError, check_choice, check_divides, check_float, check_int, check_int_list
 
-RESERVE_FRACTION = 0.10  # share of device memory kept for what tensors do not show (CUDA context, fragmentation)
 CHECKPOINTING = ("none", "every", "full", "sqrt", "selective", "op")  # every block but the last (kept whole: its
 #   backward comes first); every block, the last too (torchtitan's "full", transformers' gradient checkpointing); sqrt(n)
 #   segments; every block but the last, matmul outputs kept; torchtitan's op-level selective (every block, the last

@@ -116,3 +116,20 @@ def test_the_readme_lists_the_core():
     section = readme.split("### Reading labkit", 1)[1].split("\n#", 1)[0]
     listed = {line.split("`")[1] for line in section.splitlines() if line.startswith("| `")}
     assert listed == CORE - {"labkit"}
+
+
+WRONG_WAY = {  # (importer, imported): imports that would point up or sideways (issue 38)
+    ("labkit.pipeline", "labkit.dist"),  # schedule arithmetic needs no rank runtime (time_actions lives in labkit.dist)
+    ("labkit.l2l", "labkit.pipeline"),  # a model's stages are labkit.stages, not the pipeline's
+    ("labkit.tools.closing", "labkit.plan"),  # the closing page reads figures, not the planner (RESERVE_FRACTION: gpus)
+    ("labkit.tools.closing", "labkit.pipeline"),
+}
+
+
+def test_the_library_does_not_import_the_repositorys_tooling_and_nothing_points_the_wrong_way():
+    edges = graph()
+    tooling = {m: sorted(i for i in edges[m] if i.startswith("workbook") or i.startswith("labkit.tools")
+                         and not m.startswith("labkit.tools")) for m in edges if m.startswith("labkit")}
+    assert {m: i for m, i in tooling.items() if i} == {}
+    wrong = [(a, b) for a, b in WRONG_WAY if any(i == b or i.startswith(b + ".") for i in edges[a])]
+    assert wrong == []

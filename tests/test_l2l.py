@@ -19,6 +19,7 @@ from labkit.compare import max_param_diff
 from labkit.data import TeacherTask
 from labkit.work import count_work
 from labkit.l2l import L2LTrainer, measure_l2l_step
+from labkit.stages import split_stages
 
 CPU = torch.device("cpu")
 
@@ -387,7 +388,7 @@ def test_micro_batched_dropout_masks_are_replayed_per_micro_batch(tiny_batch, gp
     torch.manual_seed(20)
     _, grads = _l2l_grads(trainer, b, k)
     ref = copy.deepcopy(model)
-    stages = labkit.pipeline.split_stages(ref)
+    stages = split_stages(ref)
     h = list(x.tensor_split(k))
     torch.manual_seed(20)
     for i, stage in enumerate(stages[:-1]):

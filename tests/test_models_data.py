@@ -224,7 +224,7 @@ def test_gpt_shapes_and_sequence_limit():
 # -- stages ---------------------------------------------------------------------------------------
 
 def test_split_stages_run_the_gpt_and_share_its_parameters(tiny_gpt, tiny_batch):
-    from labkit.pipeline import EmbedStage, GPTHeadStage, split_stages, stage_name
+    from labkit.stages import EmbedStage, GPTHeadStage, split_stages, stage_name
 
     model = tiny_gpt(11, n_layer=3)
     x, y = tiny_batch(2)
@@ -239,7 +239,7 @@ def test_split_stages_run_the_gpt_and_share_its_parameters(tiny_gpt, tiny_batch)
 
 
 def test_split_stages_of_an_mlp_and_errors():
-    from labkit.pipeline import MLPHeadStage, split_stages, stage_name
+    from labkit.stages import MLPHeadStage, split_stages, stage_name
 
     torch.manual_seed(0)
     mlp = MLP(MLPConfig(depth=2))

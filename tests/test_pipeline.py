@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import statistics
+import sys
 
 import pytest
 
+from labkit.dist import time_actions
 from labkit.pipeline import (actions_within, bubble_theory, ideal_schedule, measured_bubble, replay, simulate_order,
-                             stage_order, time_actions, torch_schedule_order)
+                             stage_order, torch_schedule_order)
 from labkit.plots import plot_gantt
 
 
@@ -156,8 +158,6 @@ def test_time_actions_times_the_loss_through_the_schedules_private_hook(monkeypa
 
     assert list(inspect.signature(_PipelineSchedule._maybe_compute_loss).parameters)[:5] == [
         "self", "stage", "output", "target_mbs", "mb_index"]
-    import labkit.dist as ld
-
     spans = []
 
     class Span:
@@ -170,7 +170,7 @@ def test_time_actions_times_the_loss_through_the_schedules_private_hook(monkeypa
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(ld, "span", Span)
+    monkeypatch.setattr(sys.modules["labkit.dist.rank"], "span", Span)  # (time_actions' module)
 
     class Stage:
         stage_index, is_last = 1, True
@@ -451,3 +451,12 @@ def test_a_rise_after_the_lowest_m_is_a_finding_only_beyond_the_spread_and_not_m
     assert within.rise_told is False and within.why_not == "within the steps' spread"
     flat = Fixed(apart, {}).verdict("GPipe", ms, [0.5, 0.3, 0.302])  # no rise beyond BUBBLE_LEVEL: no verdict on one
     assert flat.rise_told is None and flat.parts == ""
+
+
+def test_time_actions_still_imports_from_pipeline_with_a_warning():
+    import labkit.pipeline
+    with pytest.warns(DeprecationWarning, match="labkit.pipeline.time_actions moved to labkit.dist.time_actions"):
+        assert labkit.pipeline.time_actions is time_actions
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        labkit.pipeline.nothing
+

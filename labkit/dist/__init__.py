@@ -2,7 +2,7 @@
 
 from labkit.dist.comm import CommCounter  # deprecated name of labkit.work.WorkCounter
 from labkit.dist.launch import RankFailure, RankResult, launch
-from labkit.dist.rank import device, meter, now_s, rank, run, span, world_size
+from labkit.dist.rank import device, meter, now_s, rank, run, span, time_actions, world_size
 
 __all__ = ["CommCounter", "RankFailure", "RankResult", "device", "launch", "meter",
-           "now_s", "rank", "run", "span", "world_size"]
+           "now_s", "rank", "run", "span", "time_actions", "world_size"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from labkit.children import PARENT_ENV, die_with_parent
 from labkit.meter import MemoryMeter
 from labkit.results import jsonable, recorded
+from labkit.stages import LOSS_KIND
 
 RESULT_DIR_ENV = "LABKIT_RESULT_DIR"  # where a launched rank writes rank<r>.json
 DEVICE_ENV = "LABKIT_DEVICE"  # "cpu" or "cuda", chosen by the launcher ("auto" under torchrun)
@@ -184,3 +186,35 @@ def _write(report: dict) -> None:
         sys.stdout.flush()
         while line:  # one write call where it can: the ranks share torchrun's stdout (pipes keep 4 KiB writes whole)
             line = line[os.write(sys.stdout.fileno(), line):]
+
+
+def time_actions(stage, name_stage: bool = False, schedule=None) -> None:
+    """Make every forward and backward of a torch.distributed.pipelining stage a labkit.dist span ("F3", "B3").
+
+    Given the `schedule`, the last stage's loss of each micro-batch is timed too, as a span "L3".
+    """
+    suffix = f"/s{stage.stage_index}" if name_stage else ""
+    if schedule is not None and not getattr(schedule, "_labkit_timed_loss", False):
+        compute_loss = schedule._maybe_compute_loss  # private: pinned by tests/test_pipeline.py
+
+        @functools.wraps(compute_loss)
+        def timed_loss(st, output, target_mbs, mb_index, *args, **kwargs):
+            if not st.is_last or getattr(schedule, "_loss_fn", None) is None:
+                return compute_loss(st, output, target_mbs, mb_index, *args, **kwargs)
+            with span(f"{LOSS_KIND}{mb_index}" + (f"/s{st.stage_index}" if name_stage else "")):
+                return compute_loss(st, output, target_mbs, mb_index, *args, **kwargs)
+        schedule._maybe_compute_loss = timed_loss
+        schedule._labkit_timed_loss = True
+
+    def wrap(method: str, kind: str):
+        fn = getattr(stage, method)
+
+        @functools.wraps(fn)
+        def timed(chunk_id, *args, **kwargs):
+            with span(f"{kind}{chunk_id}{suffix}"):
+                return fn(chunk_id, *args, **kwargs)
+        setattr(stage, method, timed)
+
+    wrap("forward_one_chunk", "F")
+    wrap("backward_one_chunk", "B")
+    wrap("backward_weight_one_chunk", "W")

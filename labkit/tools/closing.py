@@ -7,9 +7,8 @@ import math
 from pathlib import Path
 
 from labkit.costs import work_from_record
-from labkit.gpus import CUDA_NAMES, GPU_AUTO, GPU_RUN_PATH, DeviceProfile, device_profile, step_time
+from labkit.gpus import CUDA_NAMES, GPU_AUTO, GPU_RUN_PATH, RESERVE_FRACTION, DeviceProfile, device_profile, step_time
 from labkit.meter import format_bytes
-from labkit.plan import RESERVE_FRACTION
 from labkit.results import results_path  # noqa: F401  (the closing page reads it here)
 
 MiB = 2**20
