@@ -7,8 +7,10 @@ draws combinations.
 
 from __future__ import annotations
 
+import math
+
 from matplotlib.lines import Line2D
-from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, ScalarFormatter
+from matplotlib.ticker import FixedLocator, LogLocator, MaxNLocator, NullFormatter, ScalarFormatter
 
 from labkit import plots
 from labkit.gpus import GiB
@@ -18,6 +20,21 @@ CKPT_COLORS = {"none": "#505050", "every": "#64b5cd", "sqrt": "#da8bc3", "select
                "op": "#dd8452"}  # a row's fill by checkpointing
 PLACEMENT_EDGES = {"offload": "#c44e52", "Adam on the host": "#8172b2",  # edge colours of the rows that use the host
                    "offload + Adam on the host": "#8c564b"}  # brown: apart from every fill (none's grey)
+
+
+def log_ticks(lo: float, hi: float, min_ratio: float = 1.3) -> list:
+    """Return plain tick values for a log axis from lo to hi: 1, 2 and 5 times powers of ten, or, where fewer than two
+    of them fall in range, 1, 1.5, 2, 3, 5 and 7 times; neighbours at least `min_ratio` apart (chapter 09)."""
+    decades = range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+    for subs in ((1, 2, 5), (1, 1.5, 2, 3, 5, 7)):
+        ticks = [t for t in sorted(m * 10.0**k for k in decades for m in subs) if lo <= t <= hi]
+        if len(ticks) >= 2:
+            break
+    out = []
+    for t in ticks:
+        if not out or t / out[-1] >= min_ratio:
+            out.append(t)
+    return out
 
 
 def placement_of(c) -> str | None:
@@ -198,7 +215,8 @@ def draw_check(check, timed_precisions=("fp32", "bf16")):
         axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         axis.set_major_formatter(ScalarFormatter())
         axis.set_minor_formatter(NullFormatter())
-    ax1.set_xlim(t_lo, t_hi)
+    ax1.xaxis.set_major_locator(FixedLocator(log_ticks(t_lo, t_hi)))  # (LogLocator falls back to linear ticks,
+    ax1.set_xlim(t_lo, t_hi)  #                                   crowded on a log axis, when one 1-2-5 tick is in range)
     pred_ms = [predicted[n].step_s * 1e3 for n in names]
     y_lo, y_hi = min(pred_ms) / 1.2, max(pred_ms) * 1.2  # the predictions' own span: y = x may leave the panel
     if y_hi / y_lo < 10:  # within a decade: evenly spaced ticks (a decade's 1-9 multiples leave 11-19 unlabelled)

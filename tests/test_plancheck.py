@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -103,6 +104,20 @@ def test_draw_check_sets_the_time_panel_y_limits_from_the_predictions(check):
     lo, hi = times.get_ylim()
     shown = [t.get_position()[1] for t in times.get_yticklabels() if t.get_text() and lo <= t.get_position()[1] <= hi]
     assert len(shown) >= 3 and max(shown) > 10  # within a decade: labels past 10 ms too (not 7, 8, 9, 10 alone)
+
+
+def test_the_time_axis_keeps_plain_ticks_apart_where_one_1_2_5_tick_is_in_range():
+    from labkit.planplot import draw_check, log_ticks
+
+    assert log_ticks(10, 110) == [10, 20, 50, 100]
+    assert log_ticks(55, 105) == [70, 100]  # (CI85: matplotlib's LogLocator labelled 90 and 100 side by side)
+    rows = [_row(1000, s) for s in (0.055, 0.060, 0.070)]
+    rows = [dataclasses.replace(r, combination=dataclasses.replace(r.combination, micro_batch=m)) for r, m in zip(rows, (1, 2, 4))]
+    predicted = {short_name(r.combination): r for r in rows}
+    check = PlanCheck(predicted, dict.fromkeys(predicted, 1000),
+                      dict(zip(predicted, map(_timed, [0.060, 0.075, 0.088]))), budget_bytes=2000)
+    fig = draw_check(check, ("fp32",))
+    assert not [q for q in figure_problems(fig) if "overlap" in q], figure_problems(fig)
 
 
 def test_draw_plan_starts_a_linear_time_axis_at_zero():
