@@ -107,6 +107,7 @@ class _Record:
     alloc_seq: int
     category: str | None = None  # None: activations and other, unless classified later
     free_seq: int | None = None
+    stream: object = 0  # the stream it was allocated on (the meter's `stream` then)
 
 
 def _storage(t: torch.Tensor):
@@ -160,6 +161,7 @@ class MemoryMeter(TorchDispatchMode):
         self.keep_timeline = timeline
         self.every_record = every_record  # keep every storage's record, so that timeline_splits() can split each point
         self.tag = None  # a label the caller sets; each timeline point keeps the tag current at its event
+        self.stream = 0  # the CUDA stream allocations are made on now, as the caller says (0: the default stream)
         self.current_bytes = 0  # device bytes live now
         self.peak_bytes = 0  # most device bytes live at once
         self.host_current_bytes = 0  # host-tier bytes live now
@@ -478,7 +480,7 @@ class MemoryMeter(TorchDispatchMode):
         host = self._host_depth > 0 or (dev != self.device.type and self.device.type != "cpu")
         if dev == "meta" and self.device.type != "meta":
             host = self._host_depth > 0
-        rec = _Record(st.nbytes(), host, self._seq)
+        rec = _Record(st.nbytes(), host, self._seq, stream=self.stream)
         self._acquire(rec, check_budget=check_budget)
         self._register(st, rec)
 
@@ -499,8 +501,7 @@ class MemoryMeter(TorchDispatchMode):
         """End `rec` and count its live storage anew (resized, or moved to the host tier), before any budget refusal."""
         self._release(rec)
         rec.free_seq = self._seq
-        new = _Record(nbytes, host, self._seq)
-        new.category = rec.category
+        new = _Record(nbytes, host, self._seq, rec.category, stream=self.stream)
         self._register(st, new)
         in_use = self.current_bytes
         self._acquire(new, check_budget=False)

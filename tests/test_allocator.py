@@ -1,0 +1,175 @@
+"""labkit.allocator: the CUDA caching allocator's documented rules, one by one, and (on CUDA) its reserved bytes."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from labkit.allocator import CachingAllocator, meter_events, replay, round_size, segment_size
+from labkit.meter import MemoryMeter
+
+MiB = 2**20
+
+
+def test_requests_round_to_512_bytes_and_segments_follow_get_allocation_size():
+    assert [round_size(n) for n in (0, 1, 512, 513, 4096)] == [512, 512, 512, 1024, 4096]
+    assert segment_size(1 * MiB) == 2 * MiB  # the small pool's 2 MiB segments
+    assert segment_size(1 * MiB + 512) == segment_size(10 * MiB - 512) == 20 * MiB  # 1-10 MiB: a 20 MiB segment
+    assert segment_size(10 * MiB) == 10 * MiB and segment_size(11 * MiB + 512) == 12 * MiB  # rounded to 2 MiB
+
+
+def test_small_requests_are_packed_into_2_mib_segments():
+    a = CachingAllocator()
+    for _ in range(4096):  # 4,096 x 512 B fill one 2 MiB segment
+        a.malloc(512)
+    assert (a.segments, a.reserved_bytes) == (1, 2 * MiB)
+    a.malloc(100)  # the 4,097th takes a new one
+    assert (a.segments, a.reserved_bytes, a.allocated_bytes) == (2, 4 * MiB, 4097 * 512)
+
+
+def test_mid_sized_requests_share_a_20_mib_segment_and_a_fifth_takes_another():
+    a = CachingAllocator()
+    blocks = [a.malloc(5 * MiB) for _ in range(4)]
+    assert a.segments == 1 and [b.address for b in blocks] == [0, 5 * MiB, 10 * MiB, 15 * MiB]  # the front each time
+    a.malloc(5 * MiB)
+    assert (a.segments, a.reserved_bytes) == (2, 40 * MiB)
+
+
+def test_a_large_block_is_split_only_when_more_than_1_mib_would_remain():
+    a = CachingAllocator()
+    a.free(a.malloc(12 * MiB))
+    whole = a.malloc(11 * MiB)  # 1 MiB would remain: handed out whole, and counted whole
+    assert whole.size == 12 * MiB and a.allocated_bytes == 12 * MiB and a.segments == 1
+    a.free(whole)
+    part = a.malloc(10 * MiB)  # 2 MiB remain: split
+    assert part.size == 10 * MiB and a.allocated_bytes == 10 * MiB and a.segments == 1
+
+
+def test_the_best_fit_is_the_smallest_free_block_that_holds_the_request():
+    a = CachingAllocator()
+    big, small = a.malloc(30 * MiB), a.malloc(14 * MiB)
+    a.free(big)
+    a.free(small)
+    assert a.malloc(13 * MiB).address == small.address and a.segments == 2
+
+
+def test_a_freed_block_merges_with_its_free_neighbours():
+    a = CachingAllocator()
+    x, y, z = (a.malloc(5 * MiB) for _ in range(3))
+    a.free(x)
+    a.free(y)
+    assert [size for size, *_ in a.free_blocks[(0, False)]] == [5 * MiB, 10 * MiB]  # z's tail; x and y one block
+    assert a.malloc(9 * MiB).address == x.address and a.segments == 1
+
+
+def test_a_tensor_kept_between_two_frees_fragments_the_segment():
+    a = CachingAllocator()
+    first = a.malloc(100 * MiB)
+    a.free(first)
+    kept = a.malloc(10 * MiB)  # carved from the front of the freed 100 MiB
+    a.malloc(100 * MiB)  # 90 MiB remain free there: the next 100 MiB needs a segment of its own
+    assert kept.address == 0 and a.reserved_bytes == 200 * MiB and a.allocated_bytes == 110 * MiB
+
+
+def test_a_block_freed_on_one_stream_serves_only_that_stream():
+    a = CachingAllocator()
+    a.free(a.malloc(50 * MiB, stream="side"))
+    a.malloc(50 * MiB)  # the default stream
+    assert a.segments == 2
+    a.malloc(50 * MiB, stream="side")
+    assert a.segments == 2
+
+
+def test_past_the_device_memory_the_cache_is_released_and_the_request_retried():
+    a = CachingAllocator(capacity_bytes=100 * MiB)
+    a.free(a.malloc(60 * MiB))
+    a.malloc(60 * MiB + 512)  # does not fit the cached 60 MiB: its segment is released, then the retry succeeds
+    assert (a.retries, a.reserved_bytes, a.peak_reserved_bytes) == (1, 62 * MiB, 62 * MiB)
+    with pytest.raises(MemoryError, match="cannot reserve"):
+        a.malloc(60 * MiB)
+
+
+def test_replay_frees_by_key_and_takes_no_block_for_zero_bytes():
+    a = replay([("x", 5 * MiB, 0), ("e", 0, 0), ("x", None, 0), ("e", None, 0), ("y", 3 * MiB, 0)])
+    assert (a.allocated_bytes, a.reserved_bytes) == (3 * MiB, 20 * MiB)
+    with pytest.raises(ValueError, match="allocated twice"):
+        replay([("x", 1, 0), ("x", 1, 0)])
+
+
+def test_a_meters_events_add_up_to_its_peak_and_carry_their_stream():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+    with MemoryMeter("cpu", every_record=True) as meter:
+        meter.track(model, x)
+        model(x).square().sum().backward()
+        meter.stream = "side"
+        side = torch.empty(1000)
+    events = meter_events(meter)
+    live, now, peak = {}, 0, 0
+    for key, nbytes, _ in events:
+        now += -live.pop(key) if nbytes is None else live.setdefault(key, nbytes)
+        peak = max(peak, now)
+    assert peak == meter.peak_bytes > 0 and now == meter.current_bytes
+    assert events[-1] == (events[-1][0], side.untyped_storage().nbytes(), "side")
+    assert {stream for *_, stream in events[:-1]} == {0}
+    with pytest.raises(ValueError, match="every_record"):
+        meter_events(MemoryMeter("cpu"))
+
+
+RANDOM_EVENTS = """
+import random
+MiB = 2**20
+
+
+def random_events(n, seed):
+    rng, live, events = random.Random(seed), [], []
+    for i in range(n):
+        if live and rng.random() < 0.45:
+            events.append((live.pop(rng.randrange(len(live))), None, 0))
+        else:
+            nbytes = rng.choice([rng.randrange(1, 4096), rng.randrange(1, 2 * MiB), rng.randrange(MiB, 12 * MiB),
+                                 rng.randrange(10 * MiB, 64 * MiB)])
+            events.append((i, nbytes, 0))
+            live.append(i)
+    return events
+"""
+
+ON_CUDA = RANDOM_EVENTS + """
+import torch
+from labkit.allocator import replay
+for seed in range(3):
+    events = random_events(400, seed)
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() == 0
+    torch.cuda.reset_peak_memory_stats()
+    live = {}
+    for key, nbytes, _ in events:
+        if nbytes is None:
+            del live[key]
+        else:
+            live[key] = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    cuda = torch.cuda.memory_reserved(), torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
+    del live
+    a = replay(events)
+    print(seed, cuda, (a.reserved_bytes, a.peak_reserved_bytes, a.peak_allocated_bytes))
+    assert cuda == (a.reserved_bytes, a.peak_reserved_bytes, a.peak_allocated_bytes), seed
+"""
+
+
+def test_the_random_sequence_fragments_and_reuses():
+    # the sequence the CUDA test replays exercises every rule: both pools, splits, merges, new segments
+    scope = {}
+    exec(RANDOM_EVENTS, scope)
+    a = replay(scope["random_events"](400, 0))
+    assert a.segments > 5 and a.peak_reserved_bytes > a.peak_allocated_bytes > 0
+    assert {small for _, small in a.free_blocks} == {True, False}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA: torch sees no CUDA device here (run `make "
+                    "gpu-check` on a machine with one)")
+def test_the_replay_reserves_what_cudas_allocator_reserves():
+    # a process of its own: the comparison needs an allocator that holds nothing else
+    out = subprocess.run([sys.executable, "-c", ON_CUDA], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
