@@ -16,7 +16,10 @@ frees a stream's pending work delays (record_stream): a block is reusable once i
 from __future__ import annotations
 
 import bisect
+import contextlib
 from dataclasses import dataclass, field
+
+import torch
 
 MIN_BLOCK_BYTES = 512  # kMinBlockSize: every request is rounded up to a multiple of it
 SMALL_BYTES = 1 << 20  # kSmallSize: the largest request served from the small pool
@@ -138,6 +141,33 @@ class CachingAllocator:
         free = self.free_blocks[block.pool]
         del free[bisect.bisect_left(free, (block.size, block.address, id(block)))]
         del self._blocks[id(block)]
+
+
+@contextlib.contextmanager
+def cpu_stream_tags(meter):
+    """Tag what `meter` sees with the stream that torch.cpu.stream(s) selects around it (0: the stream current on entry).
+
+    FSDP2 on a CPU fake step enters its all-gather copy-in, all-gather, reduce-scatter and all-reduce streams as it
+    would on CUDA (torch.cpu's streams only select, they run nothing); on CUDA each is a pool of its own: a block freed
+    on one is never handed out on another.
+    """
+    original, names = torch.cpu.stream, {id(torch.cpu.current_stream()): 0}
+
+    @contextlib.contextmanager
+    def tagged(stream):
+        before = meter.stream
+        if stream is not None:
+            meter.stream = names.setdefault(id(stream), len(names))
+        try:
+            with original(stream):
+                yield
+        finally:
+            meter.stream = before
+    torch.cpu.stream = tagged
+    try:
+        yield
+    finally:
+        torch.cpu.stream = original
 
 
 def meter_events(meter) -> list[tuple]:

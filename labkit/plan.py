@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                           UnsupportedOperatorException)
 
 from labkit.accumulation import split_batch
+from labkit.allocator import cpu_stream_tags, meter_events, replay
 from labkit.autocast_ops import CudaAutocastOps, recompute_context_fn
 from labkit.checkpointing import checkpoint_blocks
 from labkit.children import ChildProcesses, die_with_parent
@@ -240,6 +241,8 @@ class Row:
     tokens_per_s: float  # global batch tokens / step_s (compute alone: an upper bound)
     bytes_accessed: int = 0  # bytes the step's operators read and write (each once: no fusion), optimizer included
     host_s: float = 0.0  # host link transfers (offload; with Adam on the host its traffic and its step)
+    reserved_bytes: int | None = None  # the CUDA caching allocator's reserved peak: the full-depth fake step's
+    #   allocations replayed by labkit.allocator (plan(reserved=True), Pareto-front rows; None: not computed)
 
     @property
     def overlapped_s(self) -> float:
@@ -333,26 +336,30 @@ def _tag_blocks(meter, model) -> None:
         block.register_forward_hook(functools.partial(block_post, i))
 
 
-def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: bool = True):
+def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: bool = True, reserved: bool = False):
     """Run `step` with `n_layer` blocks on fake tensors (estimate.fake_step); return peak, split, states, n, work per
     micro-batch (remembered by model, depth and step when the model has a key).
 
-    trace: a sixth item, the events tagged by block; whole=False: stop where the optimizer step starts.
+    trace: a sixth item, the events tagged by block; whole=False: stop where the optimizer step starts; reserved:
+    states["peak_reserved"], the CUDA caching allocator's reserved peak for the step's allocations (labkit.allocator,
+    each stream FSDP2 selects a pool of its own).
     """
-    count = functools.partial(_count_fake_run, spec, step, n_layer, trace, whole)
+    count = functools.partial(_count_fake_run, spec, step, n_layer, trace, whole, reserved)
     if spec.key is None:
         return count()
-    out = remembered(("plan", spec.key, n_layer, step, trace, whole), count)
-    _FLOPS.setdefault((spec.key, n_layer, step), out[4])  # (counted in another process: its trace needs no count)
+    out = remembered(("plan", spec.key, n_layer, step, trace, whole, reserved), count)
+    if out[4] is not None:  # (counted in another process: its trace needs no count)
+        _FLOPS.setdefault((spec.key, n_layer, step), out[4])
     return out
 
 
-def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bool):
+def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bool, reserved: bool = False):
     """Return _fake_run's figures, counted now."""
     flops_key = (spec.key, n_layer, step)
-    count = spec.key is None or flops_key not in _FLOPS
+    count = not reserved and (spec.key is None or flops_key not in _FLOPS)  # (a replay's run counts no work: 2x faster)
     rows, n_micro, seq_len, shard = step.micro_batch * step.n_micro, step.n_micro, step.seq_len, step.shard
     at_optimizer = []  # (bytes by category when the optimizer step started, (peak, split) so far)
+    peak_reserved = []  # the allocator's reserved peak (reserved=True)
 
     def build():
         if shard is None:
@@ -377,14 +384,18 @@ def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bo
         opt.register_step_pre_hook(at_optimizer_step)
 
         def attach(meter):
+            meter.every_record = meter.every_record or reserved  # (before any allocation: the replay needs them all)
             meter.track(model, opt, *batch)
             if trace:
                 _tag_blocks(meter, model)
 
         def run():
             with counter if count else contextlib.nullcontext(), contextlib.suppress(_AtOptimizer), \
-                    CudaAutocastOps() if step.autocast_of == "cuda" else contextlib.nullcontext():
+                    CudaAutocastOps() if step.autocast_of == "cuda" else contextlib.nullcontext(), \
+                    cpu_stream_tags(active_meter()) if reserved else contextlib.nullcontext():
                 plan_step(model, opt, batch, step, hooks)
+            if reserved:
+                peak_reserved.append(replay(meter_events(active_meter())).peak_reserved_bytes)
             if count:
                 w = counter.work()
                 half = sum(n for p, n in w.flops.items() if p != "fp32")
@@ -405,7 +416,9 @@ def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bo
                              "operation independent of tensor values or pass a callable that builds a model "
                              "without it") from None
     states["at_optimizer"], states["before_optimizer"] = at_optimizer
-    return (peak, split, states, n, _FLOPS[flops_key], *events)
+    if reserved:
+        states["peak_reserved"] = peak_reserved[0]
+    return (peak, split, states, n, _FLOPS.get(flops_key), *events)
 
 
 @contextlib.contextmanager
@@ -627,7 +640,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
          precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "fast",
          offload=(False, True), optimizers=OPTIMIZERS, workers: int | None = None,
          adam_impls=ADAM_IMPLS[:1], keep_logits: bool = True, parallels=tuple(COMM_UNITS),
-         micro_batches=None) -> Plan:
+         micro_batches=None, reserved: bool = False) -> Plan:
     """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s.
 
     offload: activation offload off (False) and/or on (True); optimizers: Adam's state on the "device" and/or the
@@ -636,7 +649,9 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     the update allocates: no fake step more, two small ones for foreach); keep_logits: False frees the logits
     before backward in every row (torchtitan's step) instead of holding them (the chapters'); parallels: the ways of
     running on the GPUs to plan (keys of COMM_UNITS; the others' fake steps are not run); micro_batches: the rows per
-    micro-batch to plan (None: every one dividing a GPU's share of the batch).
+    micro-batch to plan (None: every one dividing a GPU's share of the batch); reserved: each Pareto-front row's
+    `reserved_bytes`, from one more fake step at full depth (single-device and FSDP2 rows with Adam on the device and
+    at most two micro-batches: there the fake step allocates all the row does).
     """
     spec = model_spec(model)
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
@@ -739,6 +754,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     if "foreach" in adam_impls and gpus > 1:
         left_out["zero1 with foreach Adam"] = ("ZeroRedundancyOptimizer's update lists 1/N of the parameters, not "
                                                "the whole list a foreach update allocates here: not modelled")
+    replayable = {}  # id(row) -> its Step, where that step's fake run is all the row allocates (no DDP buckets, no
+    #                  micro-batches beyond the two run, Adam on the device): the rows reserved=True can replay
     for st, (peak, split, param_bytes, opt_bytes, n, work, host, _) in fake.items():
         shard, mb, n_micro, c, p, o = st.shard, st.micro_batch, st.n_micro, st.checkpointing, st.precision, st.offload
         out.n_params = n
@@ -765,8 +782,39 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
                     whole = (2 if prec == PURE_BF16 else 4) * n if shard else param_bytes  # one whole copy's bytes
                     out.rows.append(_row(out, device, rate[prec], comb, at_peak + extra + buckets - dropped, rank_split,
                                          work, param_bytes, opt_bytes - dropped, whole))
+                    if rows == mb * n_micro and not buckets and where == "device":  # the fake step: the row's step
+                        replayable[id(out.rows[-1])] = st  # (fp16: bf16's, GradScaler's 16 bytes not replayed)
+    for r in out.pareto if reserved else ():
+        if id(r) in replayable:
+            r.reserved_bytes = _replay(spec, replayable[id(r)])[1]
     out.elapsed_s = time.perf_counter() - t0
     return out
+
+
+def combination_fake_step(comb: Combination, seq_len: int, autocast_of: str = "cuda") -> Step:
+    """Return the Step a plan runs on fake tensors for a row's combination (fp16: bf16's; at most two micro-batches)."""
+    shard = (comb.ranks, comb.parallel == "fsdp2-reshard") if comb.parallel.startswith("fsdp2") else None
+    return Step(comb.micro_batch, min(comb.accum_steps, 2), seq_len, comb.checkpointing,
+                "bf16" if comb.precision == "fp16" else comb.precision, comb.offload, shard, comb.adam_impl,
+                comb.keep_logits, autocast_of)
+
+
+def replayed(model, comb: Combination, seq_len: int) -> tuple:
+    """Return (peak bytes, reserved peak bytes) of a combination's step at full depth on fake tensors: the reference a
+    plan's fast depth reproduces by arithmetic, and its allocations replayed through the CUDA caching allocator's
+    rules (labkit.allocator). Exact for a single device or FSDP2 with Adam on the device and at most two micro-batches
+    (else ParameterError: the row holds more than its fake step allocates)."""
+    if comb.parallel in ("ddp", "zero1") or comb.optimizer != "device" or comb.accum_steps > 2:
+        raise ParameterError(f"combination: {comb.parallel}, Adam on the {comb.optimizer}, {comb.accum_steps} "
+                             "micro-batches: its row holds more than its fake step allocates (DDP's buckets, Adam on "
+                             "the host, micro-batches beyond two); replayed takes single or fsdp2 rows only")
+    return _replay(model_spec(model), combination_fake_step(comb, seq_len))
+
+
+def _replay(spec: ModelSpec, step: Step) -> tuple:
+    """Return (peak, reserved peak) of `step` at full depth, its allocations replayed (labkit.allocator)."""
+    peak, _, states, *_ = _fake_run(spec, step, spec.n_layer, reserved=True)
+    return peak, states["peak_reserved"]
 
 
 def deep_estimate(cfg: GPTConfig, batch_size: int, seq_len: int, world_size: int = 1,
@@ -928,10 +976,11 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s"
             + ("; the logits freed before backward" if any(not r.combination.keep_logits for r in p.rows) else ""))
     width = max([4, *(len(r.combination.precision) for r in p.rows)])
+    replayed = any(r.reserved_bytes is not None for r in p.rows)  # (plan(reserved=True): a column of its own)
     cols = (f"{'#':>3} {'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>{width}} "
             f"{'offl':>4} "
-            f"{'opt':>6} {'adam':>8} {'peak':>10} {'fits':>4} {'step (ms)':>10} {'comm (ms)':>10} {'host (ms)':>10} "
-            f"{'tokens/s':>10}")
+            f"{'opt':>6} {'adam':>8} {'peak':>10} " + (f"{'reserved':>10} " if replayed else "") +
+            f"{'fits':>4} {'step (ms)':>10} {'comm (ms)':>10} {'host (ms)':>10} {'tokens/s':>10}")
     shown, title = (p.rows, "all combinations:") if all_rows else (
         p.pareto, "Pareto front (memory against predicted step time):")
     if not shown:
@@ -942,12 +991,14 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
         c = r.combination
         lines.append(f"{front.get(id(r), ''):>3} {c.ranks:>5} {c.parallel:>13} {c.micro_batch:>5} {c.accum_steps:>5} "
                      f"{c.checkpointing:>9} {c.precision:>{width}} {'on' if c.offload else 'off':>4} {c.optimizer:>6} "
-                     f"{c.adam_impl:>8} "
-                     f"{format_bytes(r.peak_bytes):>10} {'yes' if r.fits else 'no':>4} {r.step_s * 1e3:>10,.2f} "
+                     f"{c.adam_impl:>8} {format_bytes(r.peak_bytes):>10} "
+                     + (f"{'—' if r.reserved_bytes is None else format_bytes(r.reserved_bytes):>10} " if replayed
+                        else "") + f"{'yes' if r.fits else 'no':>4} {r.step_s * 1e3:>10,.2f} "
                      f"{r.comm_s * 1e3:>10,.2f} {r.host_s * 1e3:>10,.2f} {r.tokens_per_s:>10,.0f}")
     best = p.fastest
     lines += ["", "fastest that fits: " + ("none" if best is None else ", ".join(
-        f"{k} {v}" for k, v in asdict(best.combination).items()) + f" ({format_bytes(best.peak_bytes)}, "
+        f"{k} {v}" for k, v in asdict(best.combination).items()) + f" ({format_bytes(best.peak_bytes)}, " + (
+            "" if best.reserved_bytes is None else f"{format_bytes(best.reserved_bytes)} reserved, ") +
         f"{best.step_s * 1e3:,.2f} ms/step, {best.tokens_per_s:,.0f} tokens/s, " + (
             "a roofline bound for eager, unfused PyTorch)" if best.comm_s + best.host_s == 0 else
             "an estimate: roofline + " + " + ".join(f"{t * 1e3:,.2f} ms of {what}" for t, what in (
@@ -955,7 +1006,10 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
             + (f"; {best.overlapped_s * 1e3:,.2f} ms/step with the communication hidden behind compute, as FSDP2's "
                "prefetch and DDP's buckets at best hide it)" if best.comm_s > 0 else ")"))),
               "#: the row's place on the Pareto front (1: the fastest; blank: not on it, or a tie of a row on it); "
-              "peak: per device; step = roofline + comm + host, each in ms per optimizer step; comm: between GPUs "
+              "peak: per device" + ("; reserved: the caching allocator's reserved peak, the step's allocations "
+                                    "replayed through its rules (labkit.allocator; —: the row holds more than its "
+                                    "fake step allocates: DDP's buckets, micro-batches beyond two, Adam on the host)"
+                                    if replayed else "") + "; step = roofline + comm + host, each in ms per optimizer step; comm: between GPUs "
               "(in a server at its GPU-to-GPU rate, beyond it at its network's per GPU: labkit.gpus)",
               "host: over the host link, the offloaded activations and, with opt = host, also Adam's gradients, "
               "parameters and update; offl: activation offload; opt: where Adam's state and update live; adam: its "
@@ -1007,6 +1061,9 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", choices=ATTENTION, default=None,
                     help="a preset's attention: manual (T×T scores kept), sdpa (the kernel torch picks on the device), "
                          "flash or efficient (CUDA's kernels: what each saves for backward)")
+    ap.add_argument("--reserved", action="store_true",
+                    help="each Pareto-front row's reserved peak: its step at full depth on fake tensors, the "
+                         "allocations replayed through the CUDA caching allocator's rules (one fake step more each)")
     ap.add_argument("--all", action="store_true", help="print every combination, not only the Pareto front")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
@@ -1022,8 +1079,7 @@ def main(argv=None) -> int:
     try:
         p = plan(model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
                  depth=args.depth, adam_impls=args.adam_impl, precisions=args.precision, checkpointing=args.checkpointing,
-                 parallels=args.parallel,
-                 keep_logits=not args.free_logits)
+                 parallels=args.parallel, keep_logits=not args.free_logits, reserved=args.reserved)
     except ParameterError as e:
         ap.error(str(e))
     print(json.dumps(plan_json(p), indent=1) if args.json else format_plan(p, args.all))

@@ -1,9 +1,10 @@
 """Published measurements of real training runs beside the planner's figures (chapter 09's validation table).
 
 Each run in data/published_runs.json has its exact source, the configuration it ran and the counter its memory figure
-is. `validation()` sets the planner's figure beside each published one: the peak of the plan's row for the run (where
-the run lists the planner's arguments, "plan"), and tokens/s from the GPU's achieved fraction of peak (labkit.gpus),
-which comes from a different published run than the one it is checked on.
+is. `validation()` sets the planner's figure beside each published one: where the run lists the planner's arguments
+("plan"), the peak of the plan's step for its combination and that step's reserved peak (its allocations replayed
+through the CUDA caching allocator's rules, labkit.allocator); tokens/s from the GPU's achieved fraction of peak
+(labkit.gpus), which comes from a different published run than the one it is checked on.
 """
 
 from __future__ import annotations
@@ -99,32 +100,30 @@ def _range(value) -> tuple:
     return (value, value) if isinstance(value, (int, float)) else tuple(value)
 
 
-def memory_checks(run: dict, depth: str = "fast", workers: int | None = None) -> list[Check]:
-    """Return the run's memory figures beside the peak of the plan's row for it (run["plan"]); reserved: not
-    modelled."""
+def memory_checks(run: dict) -> list[Check]:
+    """Return the run's memory figures beside the plan's for its combination (run["plan"]): the peak of its step at
+    full depth on fake tensors (what the plan's fast depth reproduces by arithmetic), and its reserved peak (the step's
+    allocations replayed through the CUDA caching allocator's rules, labkit.allocator)."""
     from dataclasses import replace
 
-    from labkit.plan import PRESETS, plan
+    from labkit.plan import PRESETS, Combination, replayed
     a = run["plan"]
     model = replace(PRESETS[a["model"]], logits_fp32=a["logits_fp32"], attn=a["attention"])
-    p = plan(model, a["gpu"], a["gpus"], a["seq_len"], a["batch"], precisions=(a["precision"],),
-             checkpointing=(a["checkpointing"],), offload=(False,), optimizers=("device",),
-             adam_impls=(a["adam_impl"],), keep_logits=a["keep_logits"], parallels=(a["parallel"],),
-             micro_batches=(a["micro_batch"],), depth=depth, workers=workers)
-    row = next(r for r in p.rows if r.combination.micro_batch == a["micro_batch"])
-    c = row.combination
-    basis = (f"the plan's row: {c.ranks} × {c.parallel}, micro-batch {c.micro_batch} × {c.accum_steps}, "
-             f"{a['attention']} attention, "
-             f"{c.checkpointing} checkpointing, {c.precision}, {c.adam_impl} Adam, logits "
-             f"{'held through' if c.keep_logits else 'freed before'} backward")
+    c = Combination(a["gpus"], a["parallel"], a["micro_batch"], a["batch"] // a["gpus"] // a["micro_batch"],
+                    a["checkpointing"], a["precision"], adam_impl=a["adam_impl"], keep_logits=a["keep_logits"])
+    peak, reserved = replayed(model, c, a["seq_len"])
+    basis = (f"the plan's step for {c.ranks} × {c.parallel}, micro-batch {c.micro_batch} × {c.accum_steps}, "
+             f"{a['attention']} attention, {c.checkpointing} checkpointing, {c.precision}, {c.adam_impl} Adam, logits "
+             f"{'held through' if c.keep_logits else 'freed before'} backward, at full depth on fake tensors")
     out = []
     for key, figure in (("peak_allocated_gib", "peak allocated"), ("peak_active_gib", "peak active")):
         if key in run["memory"]:
-            out.append(Check(run["id"], figure, _range(run["memory"][key]), row.peak_bytes / GiB, basis))
+            out.append(Check(run["id"], figure, _range(run["memory"][key]), peak / GiB, basis))
     if "peak_reserved_gib" in run["memory"]:
-        out.append(Check(run["id"], "peak reserved", _range(run["memory"]["peak_reserved_gib"]), None,
-                         "not modelled: the caching allocator's reserved-minus-active gap (its cache of free "
-                         "blocks, fragmentation, one pool per CUDA stream) is not in the fake step"))
+        out.append(Check(run["id"], "peak reserved", _range(run["memory"]["peak_reserved_gib"]), reserved / GiB,
+                         basis + ", its allocations replayed through the CUDA caching allocator's default rules "
+                         "(labkit.allocator: segments, best fit, splits; each of FSDP2's streams a pool of its own; "
+                         f"FSDP2 as torch {torch.__version__.split('+')[0]} runs it, the run's was March 2024's)"))
     return out
 
 
@@ -165,20 +164,20 @@ def _other_model(run: dict, profile) -> str:
             "datasheet rates, so this check crosses GPU models")
 
 
-def validation(depth: str = "fast", workers: int | None = None) -> list[Check]:
+def validation() -> list[Check]:
     """Return every published figure beside the planner's: memory where a run gives the plan's arguments, tokens/s
     where its GPU has a published fraction of peak."""
     runs = published_runs()
     out = []
     for run in runs:
         if "plan" in run and "memory" in run:
-            out.extend(memory_checks(run, depth, workers))
+            out.extend(memory_checks(run))
     return out + throughput_checks(runs)
 
 
 NOT_A_CHECK = {"source": "source: not a check, the run labkit.gpus takes its GPU's fraction of peak from "
                          "(predicting it would return its own figure)",
-               "not modelled": "not modelled: not a check, reserved memory (the allocator's cache)",
+               "not modelled": "not modelled: not a check, the plan does not model that figure of the run",
                "no fraction": "no fraction: not a check, no published fraction of peak for that GPU"}
 """What each mark of format_validation's target column means, for a figure that is not a check."""
 
@@ -206,7 +205,8 @@ def format_validation(checks: list[Check]) -> str:
         estimate = " (estimate)" if c.predicted is not None and "peak" not in c.figure else ""
         lines.append(f"{c.run:28s} {setups.get(c.run, ''):16s} {c.figure:17s} {pub:>13s} {pred:>9s} {err:>7s}  "
                      f"{verdict}{estimate}")
-    lines.append("memory in GiB (2^30 B), predicted: the plan row's peak; tokens/s predicted: a fraction of peak "
+    lines.append("memory in GiB (2^30 B), predicted: the peak of the plan's step for the run (reserved: its "
+                 "allocations replayed through the caching allocator's rules); tokens/s predicted: a fraction of peak "
                  "from another run (its source) x the GPU's peak / the run's counted FLOPs per token (compute only), an "
                  "estimate, not the plan's step time; error: to the "
                  "nearer end of a published range (0 inside it); target: the largest error allowed"

@@ -6,8 +6,11 @@ import sys
 import pytest
 import torch
 
-from labkit.allocator import CachingAllocator, meter_events, replay, round_size, segment_size
+from labkit import plan as P
+from labkit.allocator import CachingAllocator, cpu_stream_tags, meter_events, replay, round_size, segment_size
 from labkit.meter import MemoryMeter
+from labkit.models import GPTConfig
+from labkit.validate import ParameterError
 
 MiB = 2**20
 
@@ -116,6 +119,59 @@ def test_a_meters_events_add_up_to_its_peak_and_carry_their_stream():
     assert {stream for *_, stream in events[:-1]} == {0}
     with pytest.raises(ValueError, match="every_record"):
         meter_events(MemoryMeter("cpu"))
+
+
+def test_what_a_selected_stream_allocates_is_tagged_with_it():
+    original = torch.cpu.stream
+    with MemoryMeter("cpu", every_record=True) as meter, cpu_stream_tags(meter):
+        kept = [torch.empty(100)]
+        side = torch.cpu.Stream()
+        with torch.cpu.stream(side):
+            kept.append(torch.empty(200))
+            with torch.cpu.stream(torch.cpu.Stream()):
+                kept.append(torch.empty(300))
+            kept.append(torch.empty(400))
+        with torch.cpu.stream(side):
+            kept.append(torch.empty(500))
+        kept.append(torch.empty(600))
+    assert [s for _, n, s in meter_events(meter) if n] == [0, 1, 2, 1, 1, 0]
+    assert torch.cpu.stream is original
+
+
+# a small Llama-style model, its own shape (the plan's memo keys steps by model: a shape no other test plans)
+SMALL = GPTConfig(n_layer=3, n_embd=40, n_head=4, block_size=24, vocab_size=88, bias=False, mlp="swiglu",
+                  mlp_hidden=96, norm="rms", pos="rope", attn="sdpa", fused_qkv=False, tie_weights=False)
+
+
+def test_fsdp2s_side_streams_are_pools_of_their_own_in_the_replay(monkeypatch):
+    seen = []
+    monkeypatch.setattr(P, "replay", lambda events: seen.append(events) or replay(events))
+    sharded = P.Combination(2, "fsdp2-reshard", 2, 1, "none", P.MIXED_POLICY, adam_impl="foreach")
+    peak, reserved = P.replayed(SMALL, sharded, 24)
+    streams = {s for *_, s in seen[-1]}
+    assert 0 in streams and len(streams) >= 3, streams  # FSDP2's all-gather copy-in and reduce-scatter streams
+    assert reserved == replay(seen[-1]).peak_reserved_bytes >= peak  # (rounded up to 512 B: allocated >= requested)
+    assert reserved > replay([(k, n, 0) for k, n, _ in seen[-1]]).peak_reserved_bytes  # one pool: fewer segments
+    single = P.Combination(1, "single", 4, 1, "every", "bf16", adam_impl="foreach")
+    P.replayed(SMALL, single, 24)
+    assert {s for *_, s in seen[-1]} == {0}
+    with pytest.raises(ParameterError, match="ddp, Adam on the device, 1 micro-batches"):
+        P.replayed(SMALL, P.Combination(2, "ddp", 2, 1, "none", "fp32"), 24)
+
+
+def test_a_plan_replays_its_front_rows_at_full_depth():
+    p = P.plan(SMALL, "a100-80gb", 2, 24, 4, precisions=("bf16", P.MIXED_POLICY), checkpointing=("none", "full"),
+               offload=(False,), optimizers=("device",), parallels=("single", "ddp", "fsdp2-reshard"),
+               reserved=True, workers=1)
+    replayed = [r for r in p.rows if r.reserved_bytes is not None]
+    assert replayed and all(r in p.pareto for r in replayed)
+    assert all(r.combination.parallel != "ddp" and r.combination.accum_steps <= 2 for r in replayed)
+    for r in replayed:
+        assert P.replayed(SMALL, r.combination, 24) == (r.peak_bytes, r.reserved_bytes)
+    table = P.format_plan(p)
+    assert "reserved" in table.splitlines()[3] and "reserved: the caching allocator's reserved peak" in table
+    assert "reserved" not in P.format_plan(P.plan(SMALL, "a100-80gb", 1, 24, 4, precisions=("bf16",),
+                                                  checkpointing=("none",), offload=(False,), workers=1)).splitlines()[3]
 
 
 RANDOM_EVENTS = """

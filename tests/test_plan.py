@@ -342,7 +342,10 @@ def test_command_prints_the_table_and_json(monkeypatch, capsys):
     assert "fastest that fits: ranks" in text and "left out:" in text
     P.main(["--model", "tiny", "--gpu", "h100", "--seq-len", "16", "--batch", "2", "--json"])
     data = json.loads(capsys.readouterr().out)
-    assert data["fastest"]["fits"] and len(data["rows"]) > 0
+    assert data["fastest"]["fits"] and len(data["rows"]) > 0 and data["fastest"]["reserved_bytes"] is None
+    P.main(["--model", "tiny", "--gpu", "h100", "--seq-len", "16", "--batch", "2", "--reserved"])
+    text = capsys.readouterr().out
+    assert " reserved, " in text.split("fastest that fits:")[1] and "reserved: the caching allocator's" in text
     with pytest.raises(SystemExit):
         P.main(["--model", "tiny", "--gpu", "h100", "--gpus", "3", "--seq-len", "16", "--batch", "4"])
     assert "batch (4) must be divisible by gpus (3)" in capsys.readouterr().err
