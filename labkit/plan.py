@@ -77,6 +77,7 @@ MIN_GROUPS_PER_WORKER = 4  # fewer groups of fake steps run here: a worker's sta
 PLAN_PRELOAD = ("torch.distributed.fsdp",)  # torch's modules a plan worker imports beyond torch (FSDP2 rows)
 WORKER_TIMEOUT_S = 3600  # a plan worker still running after this is stopped (the 7B plan: ~35 s each, 2 cores)
 DEPTHS = ("fast", "full")  # fast: exact arithmetic over runs at FAST_DEPTHS; full: every block (the reference)
+REPLAY = "replay"  # _fake_steps' depth for full-depth steps whose allocations are replayed (_replay: peak, reserved)
 FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "full": (2, 3), "selective": (2, 3), "op": (2, 3)}  # blocks of the
 #                                                                                     small runs, one apart
 SHARDED_DEPTHS = (4, 5)  # the same for FSDP2 (its first two and last blocks stand apart)
@@ -392,7 +393,8 @@ def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bo
         def run():
             with counter if count else contextlib.nullcontext(), contextlib.suppress(_AtOptimizer), \
                     CudaAutocastOps() if step.autocast_of == "cuda" else contextlib.nullcontext(), \
-                    cpu_stream_tags(active_meter()) if reserved else contextlib.nullcontext():
+                    cpu_stream_tags(active_meter()) if reserved else contextlib.nullcontext(), \
+                    _local_adam() if shard is not None else contextlib.nullcontext():
                 plan_step(model, opt, batch, step, hooks)
             if reserved:
                 peak_reserved.append(replay(meter_events(active_meter())).peak_reserved_bytes)
@@ -419,6 +421,29 @@ def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bo
     if reserved:
         states["peak_reserved"] = peak_reserved[0]
     return (peak, split, states, n, _FLOPS.get(flops_key), *events)
+
+
+@contextlib.contextmanager
+def _local_adam():
+    """Run Adam's update on each DTensor's local shard (FSDP2's parameters, gradients and state): what DTensor runs
+    for it, the same allocations, without the sharding propagation DTensor does for every foreach operator over
+    lists of all the parameters (seconds per fake step at 7B)."""
+    from torch.distributed.tensor import DTensor
+    from torch.optim import adam
+    originals = {name: getattr(adam, name) for name in ("_single_tensor_adam", "_multi_tensor_adam", "_fused_adam")}
+
+    def on_shards(update):
+        def run(*lists, **kwargs):
+            return update(*([t.to_local() if isinstance(t, DTensor) else t for t in ts] if isinstance(ts, list)
+                            else ts for ts in lists), **kwargs)
+        return run
+    for name, update in originals.items():
+        setattr(adam, name, on_shards(update))
+    try:
+        yield
+    finally:
+        for name, update in originals.items():
+            setattr(adam, name, update)
 
 
 @contextlib.contextmanager
@@ -784,9 +809,11 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
                                          work, param_bytes, opt_bytes - dropped, whole))
                     if rows == mb * n_micro and not buckets and where == "device":  # the fake step: the row's step
                         replayable[id(out.rows[-1])] = st  # (fp16: bf16's, GradScaler's 16 bytes not replayed)
-    for r in out.pareto if reserved else ():
-        if id(r) in replayable:
-            r.reserved_bytes = _replay(spec, replayable[id(r)])[1]
+    front = [r for r in out.pareto if id(r) in replayable] if reserved else []
+    replays = _fake_steps(model, spec, list(dict.fromkeys(replayable[id(r)] for r in front)), REPLAY,
+                          plan_workers() if workers is None else workers) if front else {}
+    for r in front:
+        r.reserved_bytes = replays[replayable[id(r)]][1]
     out.elapsed_s = time.perf_counter() - t0
     return out
 
@@ -799,16 +826,21 @@ def combination_fake_step(comb: Combination, seq_len: int, autocast_of: str = "c
                 comb.keep_logits, autocast_of)
 
 
-def replayed(model, comb: Combination, seq_len: int) -> tuple:
-    """Return (peak bytes, reserved peak bytes) of a combination's step at full depth on fake tensors: the reference a
-    plan's fast depth reproduces by arithmetic, and its allocations replayed through the CUDA caching allocator's
-    rules (labkit.allocator). Exact for a single device or FSDP2 with Adam on the device and at most two micro-batches
-    (else ParameterError: the row holds more than its fake step allocates)."""
-    if comb.parallel in ("ddp", "zero1") or comb.optimizer != "device" or comb.accum_steps > 2:
-        raise ParameterError(f"combination: {comb.parallel}, Adam on the {comb.optimizer}, {comb.accum_steps} "
-                             "micro-batches: its row holds more than its fake step allocates (DDP's buckets, Adam on "
-                             "the host, micro-batches beyond two); replayed takes single or fsdp2 rows only")
-    return _replay(model_spec(model), combination_fake_step(comb, seq_len))
+def replayed(model, combinations: list, seq_len: int, workers: int | None = None) -> list:
+    """Return [(peak bytes, reserved peak bytes)] of each combination's step at full depth on fake tensors: the
+    reference a plan's fast depth reproduces by arithmetic, and its allocations replayed through the CUDA caching
+    allocator's rules (labkit.allocator); the steps shared among `workers` processes (None: plan_workers()). Exact for
+    a single device or FSDP2 with Adam on the device and at most two micro-batches (else ParameterError: the row holds
+    more than its fake step allocates)."""
+    for comb in combinations:
+        if comb.parallel in ("ddp", "zero1") or comb.optimizer != "device" or comb.accum_steps > 2:
+            raise ParameterError(f"combination: {comb.parallel}, Adam on the {comb.optimizer}, {comb.accum_steps} "
+                                 "micro-batches: its row holds more than its fake step allocates (DDP's buckets, Adam "
+                                 "on the host, micro-batches beyond two); replayed takes single or fsdp2 rows only")
+    steps = [combination_fake_step(comb, seq_len) for comb in combinations]
+    out = _fake_steps(model, model_spec(model), list(dict.fromkeys(steps)), REPLAY,
+                      plan_workers() if workers is None else workers)
+    return [out[st] for st in steps]
 
 
 def _replay(spec: ModelSpec, step: Step) -> tuple:
@@ -869,9 +901,10 @@ def _groups(spec: ModelSpec, steps: list, depth: str) -> list:
 
 
 def _run_group(spec: ModelSpec, group: list, depth: str) -> list:
-    """Return [(step, _extrapolated's figures)] for one group of steps (in this process or a worker's)."""
+    """Return [(step, _extrapolated's figures)] for one group of steps (in this process or a worker's); depth REPLAY:
+    [(step, (peak, reserved peak))] (_replay)."""
     with one_thread():  # (FSDP2 sharding meta tensors between the fake steps too: a second thread only slows it)
-        return [(step, _extrapolated(spec, step, depth)) for step in group]
+        return [(step, _replay(spec, step) if depth == REPLAY else _extrapolated(spec, step, depth)) for step in group]
 
 
 def _run_claimed(spec: ModelSpec, groups: list, depth: str, claims: str) -> list:

@@ -100,30 +100,32 @@ def _range(value) -> tuple:
     return (value, value) if isinstance(value, (int, float)) else tuple(value)
 
 
-def memory_checks(run: dict) -> list[Check]:
-    """Return the run's memory figures beside the plan's for its combination (run["plan"]): the peak of its step at
-    full depth on fake tensors (what the plan's fast depth reproduces by arithmetic), and its reserved peak (the step's
-    allocations replayed through the CUDA caching allocator's rules, labkit.allocator)."""
+def memory_checks(runs: list[dict]) -> list[Check]:
+    """Return the runs' memory figures beside the plan's for each one's configuration (run["plan"]): the peak of the
+    plan's step at full depth on fake tensors (the figure a plan's fast depth reaches by arithmetic) and its reserved
+    peak, the step's allocations replayed through the CUDA caching allocator's rules (labkit.plan.replayed)."""
     from dataclasses import replace
 
     from labkit.plan import PRESETS, Combination, replayed
-    a = run["plan"]
-    model = replace(PRESETS[a["model"]], logits_fp32=a["logits_fp32"], attn=a["attention"])
-    c = Combination(a["gpus"], a["parallel"], a["micro_batch"], a["batch"] // a["gpus"] // a["micro_batch"],
-                    a["checkpointing"], a["precision"], adam_impl=a["adam_impl"], keep_logits=a["keep_logits"])
-    peak, reserved = replayed(model, c, a["seq_len"])
-    basis = (f"the plan's step for {c.ranks} × {c.parallel}, micro-batch {c.micro_batch} × {c.accum_steps}, "
-             f"{a['attention']} attention, {c.checkpointing} checkpointing, {c.precision}, {c.adam_impl} Adam, logits "
-             f"{'held through' if c.keep_logits else 'freed before'} backward, at full depth on fake tensors")
     out = []
-    for key, figure in (("peak_allocated_gib", "peak allocated"), ("peak_active_gib", "peak active")):
-        if key in run["memory"]:
-            out.append(Check(run["id"], figure, _range(run["memory"][key]), peak / GiB, basis))
-    if "peak_reserved_gib" in run["memory"]:
-        out.append(Check(run["id"], "peak reserved", _range(run["memory"]["peak_reserved_gib"]), reserved / GiB,
-                         basis + ", its allocations replayed through the CUDA caching allocator's default rules "
-                         "(labkit.allocator: segments, best fit, splits; each of FSDP2's streams a pool of its own; "
-                         f"FSDP2 as torch {torch.__version__.split('+')[0]} runs it, the run's was March 2024's)"))
+    for run in runs:
+        a = run["plan"]
+        model = replace(PRESETS[a["model"]], logits_fp32=a["logits_fp32"], attn=a["attention"])
+        c = Combination(a["gpus"], a["parallel"], a["micro_batch"], a["batch"] // a["gpus"] // a["micro_batch"],
+                        a["checkpointing"], a["precision"], adam_impl=a["adam_impl"], keep_logits=a["keep_logits"])
+        ((peak, reserved),) = replayed(model, [c], a["seq_len"])
+        basis = (f"the plan's step for {c.ranks} × {c.parallel}, micro-batch {c.micro_batch} × {c.accum_steps}, "
+                 f"{a['attention']} attention, {c.checkpointing} checkpointing, {c.precision}, {c.adam_impl} Adam, "
+                 f"logits {'held through' if c.keep_logits else 'freed before'} backward, every block on fake tensors")
+        for key, figure in (("peak_allocated_gib", "peak allocated"), ("peak_active_gib", "peak active")):
+            if key in run["memory"]:
+                out.append(Check(run["id"], figure, _range(run["memory"][key]), peak / GiB, basis))
+        if "peak_reserved_gib" in run["memory"]:
+            out.append(Check(run["id"], "peak reserved", _range(run["memory"]["peak_reserved_gib"]), reserved / GiB,
+                             basis + "; its allocations replayed through the CUDA caching allocator's default rules "
+                             "(labkit.allocator: segments, best fit, splits; each of FSDP2's streams a pool of its "
+                             f"own; FSDP2 as torch {torch.__version__.split('+')[0]} runs it, the run's was March "
+                             "2024's)"))
     return out
 
 
@@ -168,11 +170,7 @@ def validation() -> list[Check]:
     """Return every published figure beside the planner's: memory where a run gives the plan's arguments, tokens/s
     where its GPU has a published fraction of peak."""
     runs = published_runs()
-    out = []
-    for run in runs:
-        if "plan" in run and "memory" in run:
-            out.extend(memory_checks(run))
-    return out + throughput_checks(runs)
+    return memory_checks([run for run in runs if "plan" in run and "memory" in run]) + throughput_checks(runs)
 
 
 NOT_A_CHECK = {"source": "source: not a check, the run labkit.gpus takes its GPU's fraction of peak from "

@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+from labkit import estimate
 from labkit import plan as P
 from labkit.allocator import CachingAllocator, cpu_stream_tags, meter_events, replay, round_size, segment_size
 from labkit.meter import MemoryMeter
@@ -146,17 +147,43 @@ SMALL = GPTConfig(n_layer=3, n_embd=40, n_head=4, block_size=24, vocab_size=88, 
 def test_fsdp2s_side_streams_are_pools_of_their_own_in_the_replay(monkeypatch):
     seen = []
     monkeypatch.setattr(P, "replay", lambda events: seen.append(events) or replay(events))
+    monkeypatch.setattr(P, "_PLANNED", {})  # (each step run here, not taken from another test's memo)
+    monkeypatch.setattr(estimate, "_REMEMBERED", {})
     sharded = P.Combination(2, "fsdp2-reshard", 2, 1, "none", P.MIXED_POLICY, adam_impl="foreach")
-    peak, reserved = P.replayed(SMALL, sharded, 24)
+    ((peak, reserved),) = P.replayed(SMALL, [sharded], 24, workers=1)
     streams = {s for *_, s in seen[-1]}
     assert 0 in streams and len(streams) >= 3, streams  # FSDP2's all-gather copy-in and reduce-scatter streams
     assert reserved == replay(seen[-1]).peak_reserved_bytes >= peak  # (rounded up to 512 B: allocated >= requested)
     assert reserved > replay([(k, n, 0) for k, n, _ in seen[-1]]).peak_reserved_bytes  # one pool: fewer segments
     single = P.Combination(1, "single", 4, 1, "every", "bf16", adam_impl="foreach")
-    P.replayed(SMALL, single, 24)
+    P.replayed(SMALL, [single], 24, workers=1)
     assert {s for *_, s in seen[-1]} == {0}
     with pytest.raises(ParameterError, match="ddp, Adam on the device, 1 micro-batches"):
-        P.replayed(SMALL, P.Combination(2, "ddp", 2, 1, "none", "fp32"), 24)
+        P.replayed(SMALL, [P.Combination(2, "ddp", 2, 1, "none", "fp32")], 24)
+
+
+def test_adam_on_the_local_shards_allocates_what_it_does_on_dtensors(monkeypatch):
+    import contextlib
+
+    combs = [P.Combination(2, "fsdp2", 2, 1, "full", P.MIXED_POLICY, adam_impl=impl) for impl in P.ADAM_IMPLS]
+    on_shards = P.replayed(SMALL, combs, 24, workers=1)
+    monkeypatch.setattr(P, "_local_adam", contextlib.nullcontext)  # DTensor's own foreach and fused operators
+    monkeypatch.setattr(P, "_PLANNED", {})
+    monkeypatch.setattr(estimate, "_REMEMBERED", {})
+    assert P.replayed(SMALL, combs, 24, workers=1) == on_shards
+
+
+def test_replays_shared_among_worker_processes_give_the_same_figures(monkeypatch):
+    combs = [P.Combination(2, "fsdp2-reshard", 2, 1, c, "bf16") for c in ("none", "full")]
+    here = P.replayed(SMALL, combs, 24, workers=1)
+    monkeypatch.setattr(P, "_PLANNED", {})
+    monkeypatch.setattr(estimate, "_REMEMBERED", {})
+    monkeypatch.setattr(P, "MIN_GROUPS_PER_WORKER", 1)  # (two replays: a worker each, here)
+    started = []
+    real = P.ChildProcesses.start_forked
+    monkeypatch.setattr(P.ChildProcesses, "start_forked", lambda self, *a, **k: started.append(a) or real(self, *a, **k))
+    assert P.replayed(SMALL, combs, 24, workers=2) == here
+    assert len(started) == 1  # one worker process beside this one
 
 
 def test_a_plan_replays_its_front_rows_at_full_depth():
@@ -167,7 +194,7 @@ def test_a_plan_replays_its_front_rows_at_full_depth():
     assert replayed and all(r in p.pareto for r in replayed)
     assert all(r.combination.parallel != "ddp" and r.combination.accum_steps <= 2 for r in replayed)
     for r in replayed:
-        assert P.replayed(SMALL, r.combination, 24) == (r.peak_bytes, r.reserved_bytes)
+        assert P.replayed(SMALL, [r.combination], 24, workers=1) == [(r.peak_bytes, r.reserved_bytes)]
     table = P.format_plan(p)
     assert "reserved" in table.splitlines()[3] and "reserved: the caching allocator's reserved peak" in table
     assert "reserved" not in P.format_plan(P.plan(SMALL, "a100-80gb", 1, 24, 4, precisions=("bf16",),

@@ -84,5 +84,5 @@ def test_the_plans_fast_depth_gives_the_validated_peak():
              checkpointing=(a["checkpointing"],), offload=(False,), optimizers=("device",), adam_impls=(a["adam_impl"],),
              keep_logits=a["keep_logits"], parallels=(a["parallel"],), micro_batches=(a["micro_batch"],), workers=1)
     (row,) = p.rows
-    check = next(c for c in published.memory_checks(run) if c.figure == "peak active")
+    check = next(c for c in published.memory_checks([run]) if c.figure == "peak active")
     assert row.peak_bytes / published.GiB == check.predicted
