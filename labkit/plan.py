@@ -342,7 +342,8 @@ def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: 
     micro-batch (remembered by model, depth and step when the model has a key).
 
     trace: a sixth item, the events tagged by block; whole=False: stop where the optimizer step starts; reserved:
-    states["peak_reserved"], the CUDA caching allocator's reserved peak for the step's allocations (labkit.allocator,
+    states["peak_reserved"] and states["peak_allocated"], the CUDA caching allocator's reserved and allocated peaks for
+    the step's allocations (labkit.allocator,
     each stream FSDP2 selects a pool of its own).
     """
     count = functools.partial(_count_fake_run, spec, step, n_layer, trace, whole, reserved)
@@ -360,7 +361,7 @@ def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bo
     count = not reserved and (spec.key is None or flops_key not in _FLOPS)  # (a replay's run counts no work: 2x faster)
     rows, n_micro, seq_len, shard = step.micro_batch * step.n_micro, step.n_micro, step.seq_len, step.shard
     at_optimizer = []  # (bytes by category when the optimizer step started, (peak, split) so far)
-    peak_reserved = []  # the allocator's reserved peak (reserved=True)
+    replays = []  # the allocator's replay (reserved=True)
 
     def build():
         if shard is None:
@@ -397,7 +398,7 @@ def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bo
                     _local_adam() if shard is not None else contextlib.nullcontext():
                 plan_step(model, opt, batch, step, hooks)
             if reserved:
-                peak_reserved.append(replay(meter_events(active_meter())).peak_reserved_bytes)
+                replays.append(replay(meter_events(active_meter())))
             if count:
                 w = counter.work()
                 half = sum(n for p, n in w.flops.items() if p != "fp32")
@@ -419,7 +420,8 @@ def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bo
                              "without it") from None
     states["at_optimizer"], states["before_optimizer"] = at_optimizer
     if reserved:
-        states["peak_reserved"] = peak_reserved[0]
+        states["peak_reserved"] = replays[0].peak_reserved_bytes
+        states["peak_allocated"] = replays[0].peak_allocated_bytes
     return (peak, split, states, n, _FLOPS.get(flops_key), *events)
 
 
@@ -827,9 +829,10 @@ def combination_fake_step(comb: Combination, seq_len: int, autocast_of: str = "c
 
 
 def replayed(model, combinations: list, seq_len: int, workers: int | None = None) -> list:
-    """Return [(peak bytes, reserved peak bytes)] of each combination's step at full depth on fake tensors: the
-    reference a plan's fast depth reproduces by arithmetic, and its allocations replayed through the CUDA caching
-    allocator's rules (labkit.allocator); the steps shared among `workers` processes (None: plan_workers()). Exact for
+    """Return [(peak bytes, reserved peak bytes, allocated peak bytes)] of each combination's step at full depth on
+    fake tensors: the peak is the reference a plan's fast depth reproduces by arithmetic (the bytes requested); the
+    reserved and allocated peaks are its allocations replayed through the CUDA caching allocator's rules
+    (labkit.allocator: allocated counts each block handed out, rounded); the steps shared among `workers` processes (None: plan_workers()). Exact for
     a single device or FSDP2 with Adam on the device and at most two micro-batches (else ParameterError: the row holds
     more than its fake step allocates)."""
     for comb in combinations:
@@ -844,9 +847,10 @@ def replayed(model, combinations: list, seq_len: int, workers: int | None = None
 
 
 def _replay(spec: ModelSpec, step: Step) -> tuple:
-    """Return (peak, reserved peak) of `step` at full depth, its allocations replayed (labkit.allocator)."""
+    """Return (peak, reserved peak, allocated peak) of `step` at full depth, its allocations replayed
+    (labkit.allocator)."""
     peak, _, states, *_ = _fake_run(spec, step, spec.n_layer, reserved=True)
-    return peak, states["peak_reserved"]
+    return peak, states["peak_reserved"], states["peak_allocated"]
 
 
 def deep_estimate(cfg: GPTConfig, batch_size: int, seq_len: int, world_size: int = 1,
@@ -1040,8 +1044,10 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
                "prefetch and DDP's buckets at best hide it)" if best.comm_s > 0 else ")"))),
               "#: the row's place on the Pareto front (1: the fastest; blank: not on it, or a tie of a row on it); "
               "peak: per device" + ("; reserved: the caching allocator's reserved peak, the step's allocations "
-                                    "replayed through its rules (labkit.allocator; —: the row holds more than its "
-                                    "fake step allocates: DDP's buckets, micro-batches beyond two, Adam on the host)"
+                                    "replayed through its default rules from an empty cache (labkit.allocator; no "
+                                    "expandable_segments; —: not on the Pareto front, or the "
+                                    "row holds more than its fake step allocates: DDP's buckets, micro-batches beyond "
+                                    "two, Adam on the host)"
                                     if replayed else "") + "; step = roofline + comm + host, each in ms per optimizer step; comm: between GPUs "
               "(in a server at its GPU-to-GPU rate, beyond it at its network's per GPU: labkit.gpus)",
               "host: over the host link, the offloaded activations and, with opt = host, also Adam's gradients, "
@@ -1096,7 +1102,8 @@ def main(argv=None) -> int:
                          "flash or efficient (CUDA's kernels: what each saves for backward)")
     ap.add_argument("--reserved", action="store_true",
                     help="each Pareto-front row's reserved peak: its step at full depth on fake tensors, the "
-                         "allocations replayed through the CUDA caching allocator's rules (one fake step more each)")
+                         "allocations replayed through the CUDA caching allocator's default rules (no "
+                         "expandable_segments; one fake step more each)")
     ap.add_argument("--all", action="store_true", help="print every combination, not only the Pareto front")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)

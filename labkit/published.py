@@ -100,20 +100,26 @@ def _range(value) -> tuple:
     return (value, value) if isinstance(value, (int, float)) else tuple(value)
 
 
+def run_plan(run: dict) -> tuple:
+    """Return (model, Combination) of the plan for a run that lists the planner's arguments (run["plan"])."""
+    from dataclasses import replace
+
+    from labkit.plan import PRESETS, Combination
+    a = run["plan"]
+    return (replace(PRESETS[a["model"]], logits_fp32=a["logits_fp32"], attn=a["attention"]),
+            Combination(a["gpus"], a["parallel"], a["micro_batch"], a["batch"] // a["gpus"] // a["micro_batch"],
+                        a["checkpointing"], a["precision"], adam_impl=a["adam_impl"], keep_logits=a["keep_logits"]))
+
+
 def memory_checks(runs: list[dict]) -> list[Check]:
     """Return the runs' memory figures beside the plan's for each one's configuration (run["plan"]): the peak of the
     plan's step at full depth on fake tensors (the figure a plan's fast depth reaches by arithmetic) and its reserved
     peak, the step's allocations replayed through the CUDA caching allocator's rules (labkit.plan.replayed)."""
-    from dataclasses import replace
-
-    from labkit.plan import PRESETS, Combination, replayed
+    from labkit.plan import replayed
     out = []
     for run in runs:
-        a = run["plan"]
-        model = replace(PRESETS[a["model"]], logits_fp32=a["logits_fp32"], attn=a["attention"])
-        c = Combination(a["gpus"], a["parallel"], a["micro_batch"], a["batch"] // a["gpus"] // a["micro_batch"],
-                        a["checkpointing"], a["precision"], adam_impl=a["adam_impl"], keep_logits=a["keep_logits"])
-        ((peak, reserved),) = replayed(model, [c], a["seq_len"])
+        a, (model, c) = run["plan"], run_plan(run)
+        ((peak, reserved, _),) = replayed(model, [c], a["seq_len"])
         basis = (f"the plan's step for {c.ranks} × {c.parallel}, micro-batch {c.micro_batch} × {c.accum_steps}, "
                  f"{a['attention']} attention, {c.checkpointing} checkpointing, {c.precision}, {c.adam_impl} Adam, "
                  f"logits {'held through' if c.keep_logits else 'freed before'} backward, every block on fake tensors")
