@@ -1055,6 +1055,11 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
               "implementation (for-loop, foreach, fused: what its update allocates); tokens/s: the global batch's; "
               "keep_logits: the logits held through backward (False: deleted before it, torchtitan's `del pred`)",
               "left out: " + "; ".join(f"{k} ({v})" for k, v in p.left_out.items())]
+    over = [front[id(r)] for r in p.pareto if r.reserved_bytes is not None and r.reserved_bytes > p.budget_bytes]
+    if over:  # (the verdict reads the peak of the tensors; these rows' replay reserves more than the budget)
+        lines.append(f"reserved above the budget: row{'s' * (len(over) > 1)} {', '.join(map(str, over))} of the front "
+                     "fit by their tensors, but the replay's allocator reserves more than the budget: on the GPU it "
+                     "would release its cache and retry (slower), or run out of memory; not a verified fit")
     return "\n".join(lines)
 
 

@@ -1,5 +1,6 @@
 """labkit.allocator: the CUDA caching allocator's documented rules, one by one, and (on CUDA) its reserved bytes."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -199,6 +200,9 @@ def test_a_plan_replays_its_front_rows_at_full_depth():
         assert P.replayed(SMALL, [r.combination], 24, workers=1)[0][:2] == (r.peak_bytes, r.reserved_bytes)
     table = P.format_plan(p)
     assert "reserved" in table.splitlines()[3] and "reserved: the caching allocator's reserved peak" in table
+    assert "reserved above the budget" not in table  # (kilobytes on an 80 GiB GPU)
+    tight = dataclasses.replace(p, budget_bytes=min(r.reserved_bytes for r in replayed) - 1)  # the same rows, less room
+    assert "reserved above the budget: row" in P.format_plan(tight)
     assert "reserved" not in P.format_plan(P.plan(SMALL, "a100-80gb", 1, 24, 4, precisions=("bf16",),
                                                   checkpointing=("none",), offload=(False,), workers=1)).splitlines()[3]
 
