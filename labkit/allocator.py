@@ -30,12 +30,13 @@ ROUND_LARGE_BYTES = 2 << 20  # kRoundLarge
 
 
 def round_size(nbytes: int) -> int:
-    """Return the bytes the allocator hands out for a request of `nbytes` (round_size: a multiple of 512, at least one)."""
+    """Return the bytes the allocator hands out for a request of `nbytes` (round_size: a multiple of 512, at least
+    one)."""
     return MIN_BLOCK_BYTES * max(1, -(-nbytes // MIN_BLOCK_BYTES))
 
 
 def segment_size(nbytes: int) -> int:
-    """Return the size of the segment a rounded request of `nbytes` makes the allocator reserve (get_allocation_size)."""
+    """Return the segment a rounded request of `nbytes` makes the allocator reserve (get_allocation_size)."""
     if nbytes <= SMALL_BYTES:
         return SMALL_SEGMENT_BYTES
     if nbytes < MIN_LARGE_ALLOC_BYTES:
@@ -59,7 +60,7 @@ class CachingAllocator:
     """The CUDA caching allocator's segments and counters for a sequence of mallocs and frees (see the module)."""
 
     def __init__(self, capacity_bytes: int | None = None):
-        self.capacity_bytes = capacity_bytes  # the device's memory: a segment past it releases the cache (None: no limit)
+        self.capacity_bytes = capacity_bytes  # the device's memory: a segment past it releases the cache (None: none)
         self.free_blocks: dict[tuple, list] = {}  # pool -> sorted [(size, address, id)] of its free blocks
         self._blocks: dict[int, Block] = {}  # id -> a free block
         self._top = 0  # the next segment's address
@@ -69,12 +70,13 @@ class CachingAllocator:
         self.retries = 0  # times the cache was released to make room (num_alloc_retries)
 
     def malloc(self, nbytes: int, stream: object = 0) -> Block:
-        """Hand out a block for `nbytes` on `stream`; MemoryError where the device has no room even with the cache freed."""
+        """Hand out a block for `nbytes` on `stream`; MemoryError where the device lacks room even with the cache
+        freed."""
         size = round_size(nbytes)
         pool = (stream, size <= SMALL_BYTES)
         block = self._best_fit(pool, size) or self._new_segment(pool, size)
         remaining = block.size - size
-        if remaining >= MIN_BLOCK_BYTES if pool[1] else remaining > SMALL_BYTES:  # should_split: the front is handed out
+        if remaining >= MIN_BLOCK_BYTES if pool[1] else remaining > SMALL_BYTES:  # should_split: the front handed out
             rest = Block(block.address + size, remaining, pool, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest
@@ -145,7 +147,7 @@ class CachingAllocator:
 
 @contextlib.contextmanager
 def cpu_stream_tags(meter):
-    """Tag what `meter` sees with the stream that torch.cpu.stream(s) selects around it (0: the stream current on entry).
+    """Tag what `meter` sees with the stream torch.cpu.stream(s) selects around it (0: the stream current on entry).
 
     FSDP2 on a CPU fake step enters its all-gather copy-in, all-gather, reduce-scatter and all-reduce streams as it
     would on CUDA (torch.cpu's streams only select, they run nothing); on CUDA each is a pool of its own: a block freed
@@ -185,7 +187,8 @@ def meter_events(meter) -> list[tuple]:
 
 
 def replay(events, capacity_bytes: int | None = None) -> CachingAllocator:
-    """Replay `events` [(key, nbytes, stream)]: nbytes > 0 allocates for key, None frees key's block; return the allocator.
+    """Replay `events` [(key, nbytes, stream)] (nbytes: allocate for key; None: free key's block); return the
+    allocator.
 
     A request of 0 bytes takes no block (CUDA's allocator returns a null pointer); keys never freed stay allocated.
     """

@@ -77,7 +77,7 @@ MIN_GROUPS_PER_WORKER = 4  # fewer groups of fake steps run here: a worker's sta
 PLAN_PRELOAD = ("torch.distributed.fsdp",)  # torch's modules a plan worker imports beyond torch (FSDP2 rows)
 WORKER_TIMEOUT_S = 3600  # a plan worker still running after this is stopped (the 7B plan: ~35 s each, 2 cores)
 DEPTHS = ("fast", "full")  # fast: exact arithmetic over runs at FAST_DEPTHS; full: every block (the reference)
-REPLAY = "replay"  # _fake_steps' depth for full-depth steps whose allocations are replayed (_replay: peak, reserved)
+REPLAY = "replay"  # _fake_steps' depth for full-depth steps whose allocations are replayed (_replay)
 FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "full": (2, 3), "selective": (2, 3), "op": (2, 3)}  # blocks of the
 #                                                                                     small runs, one apart
 SHARDED_DEPTHS = (4, 5)  # the same for FSDP2 (its first two and last blocks stand apart)
@@ -343,8 +343,7 @@ def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: 
 
     trace: a sixth item, the events tagged by block; whole=False: stop where the optimizer step starts; reserved:
     states["peak_reserved"] and states["peak_allocated"], the CUDA caching allocator's reserved and allocated peaks for
-    the step's allocations (labkit.allocator,
-    each stream FSDP2 selects a pool of its own).
+    the step's allocations (labkit.allocator, each stream FSDP2 selects a pool of its own).
     """
     count = functools.partial(_count_fake_run, spec, step, n_layer, trace, whole, reserved)
     if spec.key is None:
@@ -832,9 +831,9 @@ def replayed(model, combinations: list, seq_len: int, workers: int | None = None
     """Return [(peak bytes, reserved peak bytes, allocated peak bytes)] of each combination's step at full depth on
     fake tensors: the peak is the reference a plan's fast depth reproduces by arithmetic (the bytes requested); the
     reserved and allocated peaks are its allocations replayed through the CUDA caching allocator's rules
-    (labkit.allocator: allocated counts each block handed out, rounded); the steps shared among `workers` processes (None: plan_workers()). Exact for
-    a single device or FSDP2 with Adam on the device and at most two micro-batches (else ParameterError: the row holds
-    more than its fake step allocates)."""
+    (labkit.allocator: allocated counts each block handed out, rounded); the steps shared among `workers` processes
+    (None: plan_workers()). Exact for a single device or FSDP2 with Adam on the device and at most two micro-batches
+    (else ParameterError: the row holds more than its fake step allocates)."""
     for comb in combinations:
         if comb.parallel in ("ddp", "zero1") or comb.optimizer != "device" or comb.accum_steps > 2:
             raise ParameterError(f"combination: {comb.parallel}, Adam on the {comb.optimizer}, {comb.accum_steps} "
@@ -906,7 +905,7 @@ def _groups(spec: ModelSpec, steps: list, depth: str) -> list:
 
 def _run_group(spec: ModelSpec, group: list, depth: str) -> list:
     """Return [(step, _extrapolated's figures)] for one group of steps (in this process or a worker's); depth REPLAY:
-    [(step, (peak, reserved peak))] (_replay)."""
+    [(step, (peak, reserved peak, allocated peak))] (_replay)."""
     with one_thread():  # (FSDP2 sharding meta tensors between the fake steps too: a second thread only slows it)
         return [(step, _replay(spec, step) if depth == REPLAY else _extrapolated(spec, step, depth)) for step in group]
 
@@ -1013,10 +1012,10 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s"
             + ("; the logits freed before backward" if any(not r.combination.keep_logits for r in p.rows) else ""))
     width = max([4, *(len(r.combination.precision) for r in p.rows)])
-    replayed = any(r.reserved_bytes is not None for r in p.rows)  # (plan(reserved=True): a column of its own)
+    with_reserved = any(r.reserved_bytes is not None for r in p.rows)  # (plan(reserved=True): a column of its own)
     cols = (f"{'#':>3} {'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>{width}} "
             f"{'offl':>4} "
-            f"{'opt':>6} {'adam':>8} {'peak':>10} " + (f"{'reserved':>10} " if replayed else "") +
+            f"{'opt':>6} {'adam':>8} {'peak':>10} " + (f"{'reserved':>10} " if with_reserved else "") +
             f"{'fits':>4} {'step (ms)':>10} {'comm (ms)':>10} {'host (ms)':>10} {'tokens/s':>10}")
     shown, title = (p.rows, "all combinations:") if all_rows else (
         p.pareto, "Pareto front (memory against predicted step time):")
@@ -1029,8 +1028,8 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
         lines.append(f"{front.get(id(r), ''):>3} {c.ranks:>5} {c.parallel:>13} {c.micro_batch:>5} {c.accum_steps:>5} "
                      f"{c.checkpointing:>9} {c.precision:>{width}} {'on' if c.offload else 'off':>4} {c.optimizer:>6} "
                      f"{c.adam_impl:>8} {format_bytes(r.peak_bytes):>10} "
-                     + (f"{'—' if r.reserved_bytes is None else format_bytes(r.reserved_bytes):>10} " if replayed
-                        else "") + f"{'yes' if r.fits else 'no':>4} {r.step_s * 1e3:>10,.2f} "
+                     + (f"{'—' if r.reserved_bytes is None else format_bytes(r.reserved_bytes):>10} "
+                        if with_reserved else "") + f"{'yes' if r.fits else 'no':>4} {r.step_s * 1e3:>10,.2f} "
                      f"{r.comm_s * 1e3:>10,.2f} {r.host_s * 1e3:>10,.2f} {r.tokens_per_s:>10,.0f}")
     best = p.fastest
     lines += ["", "fastest that fits: " + ("none" if best is None else ", ".join(
@@ -1047,8 +1046,8 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
                                     "replayed through its default rules from an empty cache (labkit.allocator; no "
                                     "expandable_segments; —: not on the Pareto front, or the "
                                     "row holds more than its fake step allocates: DDP's buckets, micro-batches beyond "
-                                    "two, Adam on the host)"
-                                    if replayed else "") + "; step = roofline + comm + host, each in ms per optimizer step; comm: between GPUs "
+                                    "two, Adam on the host)" if with_reserved else "")
+              + "; step = roofline + comm + host, each in ms per optimizer step; comm: between GPUs "
               "(in a server at its GPU-to-GPU rate, beyond it at its network's per GPU: labkit.gpus)",
               "host: over the host link, the offloaded activations and, with opt = host, also Adam's gradients, "
               "parameters and update; offl: activation offload; opt: where Adam's state and update live; adam: its "

@@ -184,7 +184,8 @@ def test_replays_shared_among_worker_processes_give_the_same_figures(monkeypatch
     monkeypatch.setattr(P, "MIN_GROUPS_PER_WORKER", 1)  # (two replays: a worker each, here)
     started = []
     real = P.ChildProcesses.start_forked
-    monkeypatch.setattr(P.ChildProcesses, "start_forked", lambda self, *a, **k: started.append(a) or real(self, *a, **k))
+    monkeypatch.setattr(P.ChildProcesses, "start_forked",
+                        lambda self, *a, **k: started.append(a) or real(self, *a, **k))
     assert P.replayed(SMALL, combs, 24, workers=2) == here
     assert len(started) == 1  # one worker process beside this one
 
