@@ -70,7 +70,7 @@ SEQ_LEN ?= 1024
 BATCH ?= 8
 PLAN_ARGS ?=
 plan: $(STAMP)  ## every technique combination for MODEL on GPUS x GPU (fake-tensor peaks, roofline times), the fastest that fits; e.g. MODEL=llama-7b GPU=a100-80gb GPUS=8 PLAN_ARGS="--json"
-	@$(PY) -m labkit.plan --model $(MODEL) --gpu $(GPU) --gpus $(GPUS) --seq-len $(SEQ_LEN) --batch $(BATCH) $(PLAN_ARGS)
+	@$(PY) -m labkit.planner --model $(MODEL) --gpu $(GPU) --gpus $(GPUS) --seq-len $(SEQ_LEN) --batch $(BATCH) $(PLAN_ARGS)
 
 BENCH_ARGS ?=
 bench: $(STAMP)  ## time this machine: its CPU (bf16/fp32 matmul), each chapter's defaults, the 7B plan, make test's pytest time; e.g. BENCH_ARGS="--only cpu plan" or "--repeats 3" (medians); on AVX-512/AMX set ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 to time as a 2-core AVX2 machine

@@ -1,4 +1,4 @@
-"""labkit.allocator: the CUDA caching allocator's documented rules, one by one, and (on CUDA) its reserved bytes."""
+"""labkit.planner.allocator: the CUDA caching allocator's documented rules, one by one, and (on CUDA) its reserved bytes."""
 
 import dataclasses
 import subprocess
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from labkit import estimate
-from labkit import plan as P
-from labkit.allocator import CachingAllocator, cpu_stream_tags, meter_events, replay, round_size, segment_size
+from labkit.planner import plan as P
+from labkit.planner.allocator import CachingAllocator, cpu_stream_tags, meter_events, replay, round_size, segment_size
 from labkit.meter import MemoryMeter
 from labkit.models import GPTConfig
 from labkit.validate import ParameterError
@@ -228,7 +228,7 @@ def random_events(n, seed):
 
 ON_CUDA = RANDOM_EVENTS + """
 import torch
-from labkit.allocator import replay
+from labkit.planner.allocator import replay
 for seed in range(3):
     events = random_events(400, seed)
     torch.cuda.empty_cache()

@@ -12,7 +12,7 @@ import torch
 import torchgen
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from labkit import plan as P
+from labkit.planner import plan as P
 from labkit.models import GPT, GPTConfig, _cuda_attention
 from labkit.validate import ParameterError
 

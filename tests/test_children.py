@@ -78,7 +78,7 @@ def test_the_fork_servers_imports_query_no_cuda_device():
             "    raise SystemExit('torch.cuda queried while importing')\n"
             "torch.cuda.is_available = torch.cuda.device_count = torch.cuda._lazy_init = asked\n"
             "from labkit.dist.launch import RANK_PRELOAD\n"
-            "from labkit.plan import PLAN_PRELOAD\n"
+            "from labkit.planner.plan import PLAN_PRELOAD\n"
             "for name in RANK_PRELOAD + PLAN_PRELOAD:\n"
             "    importlib.import_module(name)\n"
             "print(len(RANK_PRELOAD + PLAN_PRELOAD))\n")

@@ -283,7 +283,7 @@ def test_a_plan_run_read_from_the_shared_folder_is_the_one_counted(tmp_path, mon
     """The planner's fake run (peak, split, states with the optimizer's moment, work) comes back whole from the
     folder in a process that never counted it."""
     from labkit import estimate as E
-    from labkit import plan as P
+    from labkit.planner import plan as P
     monkeypatch.setenv(E.SHARED_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(E, "_REMEMBERED", {})
     monkeypatch.setattr(P, "_FLOPS", {})
@@ -304,7 +304,7 @@ def test_the_lean_fake_mode_gives_the_plain_modes_figures_and_keys_what_decides_
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from labkit import estimate
-    from labkit import plan as P
+    from labkit.planner import plan as P
     assert type(estimate.fake_mode()) is estimate.LeanFakeTensorMode
     with estimate.fake_mode():  # a transposed input after a contiguous one of the same shape: its own cache entry
         assert (torch.empty(8, 4) * 1).stride() == (4, 1)

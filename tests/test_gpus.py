@@ -9,7 +9,7 @@ import torch
 
 import labkit
 from labkit import gpus
-from labkit.published import flops_per_token, published_runs
+from labkit.planner.published import flops_per_token, published_runs
 from labkit.validate import ParameterError
 from labkit.work import Work
 

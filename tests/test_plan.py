@@ -1,4 +1,4 @@
-"""labkit.plan: fake-tensor peaks against the meter, the fast path against full-depth runs, bad input, the command."""
+"""labkit.planner.plan: fake-tensor peaks against the meter, the fast path against full-depth runs, bad input, the command."""
 
 import dataclasses
 import json
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from labkit import gpus
-from labkit import plan as P
+from labkit.planner import plan as P
 from labkit.estimate import SHARED_DIR_ENV, estimate_training_memory, example_batch
 from labkit.example import running_example
 from labkit.gpus import GPUS, DeviceProfile
@@ -357,7 +357,7 @@ def test_make_plan_passes_the_settings():
     from pathlib import Path
     makefile = (Path(__file__).parents[1] / "Makefile").read_text()
     recipe = makefile.split("\nplan:", 1)[1].split("\n\n", 1)[0]
-    for part in ("-m labkit.plan", "--model $(MODEL)", "--gpu $(GPU)", "--gpus $(GPUS)", "--seq-len $(SEQ_LEN)",
+    for part in ("-m labkit.planner ", "--model $(MODEL)", "--gpu $(GPU)", "--gpus $(GPUS)", "--seq-len $(SEQ_LEN)",
                  "--batch $(BATCH)"):
         assert part in recipe, part
 
@@ -479,7 +479,7 @@ def test_plan_workers_come_from_the_environment(monkeypatch):
 
 
 def test_the_deep_estimate_from_shallow_runs_is_the_full_depth_estimate(monkeypatch):
-    """labkit.plan.deep_estimate (chapter 07's deep models): two shallow runs and arithmetic, the same bytes."""
+    """labkit.planner.plan.deep_estimate (chapter 07's deep models): two shallow runs and arithmetic, the same bytes."""
     monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)  # take the fast path on a small model
     cfg = GPTConfig(n_layer=SHARDED_DEEP, n_embd=64, n_head=2, vocab_size=512, block_size=64)
     for n, stage in ((1, None), (4, 0), (4, 1), (4, 2), (16, 3)):
@@ -540,7 +540,7 @@ MIXED_RANKS = '''
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import labkit.dist as ld
-import labkit.plan as P
+import labkit.planner.plan as P
 from labkit.estimate import example_batch
 from labkit.models import GPTConfig, build_model
 from labkit.train import make_optimizer
@@ -634,13 +634,13 @@ def test_logits_upcast_to_fp32_is_planned_as_measured():
 
 
 def test_the_command_shares_its_fake_steps_with_a_worker():
-    """`python -m labkit.plan` with a worker process: the Steps it hands the worker unpickle there (they are
-    labkit.plan's, not __main__'s, which a worker does not have: make plan failed so once)."""
+    """`python -m labkit.planner.plan` with a worker process: the Steps it hands the worker unpickle there (they are
+    labkit.planner.plan's, not __main__'s, which a worker does not have: make plan failed so once)."""
     import subprocess
     import sys
 
     env = {**os.environ, P.PLAN_WORKERS_ENV: "2"}
-    out = subprocess.run([sys.executable, "-m", "labkit.plan", "--model", "gpt2", "--gpu", "a100-80gb", "--seq-len", "4",
+    out = subprocess.run([sys.executable, "-m", "labkit.planner", "--model", "gpt2", "--gpu", "a100-80gb", "--seq-len", "4",
                           "--batch", "2", "--precision", "fp32"], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     groups = len(P._groups(P.model_spec("gpt2"), [P.Step(mb, 2 // mb, 4, c, "fp32", o) for mb in (1, 2)

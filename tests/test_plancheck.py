@@ -1,4 +1,4 @@
-"""labkit.plancheck and planplot.draw_check (chapter 09): the plan's rows beside the meter's peaks and the timer."""
+"""labkit.planner.check and planplot.draw_check (chapter 09): the plan's rows beside the meter's peaks and the timer."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import pytest
 
 from labkit.gpus import GPUS
-from labkit.plan import Combination, Row
-from labkit.plancheck import PlanCheck, memory_bound, random_order_rho, short_name
+from labkit.planner.plan import Combination, Row
+from labkit.planner.check import PlanCheck, memory_bound, random_order_rho, short_name
 from labkit.throughput import Throughput
 from workbook.figcheck import figure_problems
 
@@ -82,7 +82,7 @@ def test_memory_bound_compares_the_two_roofline_terms():
 
 
 def test_draw_check_plots_every_row_and_the_timed_ones(check):
-    from labkit.planplot import draw_check
+    from labkit.planner.plot import draw_check
 
     fig = draw_check(check, ("fp32",))
     peaks, times = fig.axes[:2]
@@ -94,7 +94,7 @@ def test_draw_check_plots_every_row_and_the_timed_ones(check):
 
 
 def test_draw_check_sets_the_time_panel_y_limits_from_the_predictions(check):
-    from labkit.planplot import draw_check
+    from labkit.planner.plot import draw_check
 
     times = draw_check(check, ("fp32",)).axes[1]
     # predictions of the timed rows: 10, 11, 12, 10 ms (measured 20-40 ms): y spans them, not the measured ones
@@ -107,7 +107,7 @@ def test_draw_check_sets_the_time_panel_y_limits_from_the_predictions(check):
 
 
 def test_the_time_axis_keeps_plain_ticks_apart_where_one_1_2_5_tick_is_in_range():
-    from labkit.planplot import draw_check, log_ticks
+    from labkit.planner.plot import draw_check, log_ticks
 
     assert log_ticks(10, 110) == [10, 20, 50, 100]
     assert log_ticks(55, 105) == [70, 100]  # (CI85: matplotlib's LogLocator labelled 90 and 100 side by side)
@@ -121,8 +121,8 @@ def test_the_time_axis_keeps_plain_ticks_apart_where_one_1_2_5_tick_is_in_range(
 
 
 def test_draw_plan_starts_a_linear_time_axis_at_zero():
-    from labkit.plan import Plan
-    from labkit.planplot import draw_plan
+    from labkit.planner.plan import Plan
+    from labkit.planner.plot import draw_plan
 
     p = Plan("m", "h100", 1, 16, 8, 10**9, 60 * 2**30, 0.1)
     p.rows.extend([_row(40 * 2**30, 0.100), _row(30 * 2**30, 0.110, checkpointing="sqrt"),

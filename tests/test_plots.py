@@ -38,7 +38,7 @@ def test_series_colors_share_none_with_categories_phases_or_gantt():
 
 def _plan_of(rows):
     """Return a Plan of synthetic rows (peak GiB, step ms, precision, checkpointing, fits): nothing run."""
-    from labkit.plan import Combination, Plan, Row
+    from labkit.planner.plan import Combination, Plan, Row
     out = Plan("m", "h100", 1, 16, 8, 10**9, 60 * 2**30, 0.1)
     for i, (gib, ms, precision, ckpt, fits) in enumerate(rows):
         c = Combination(1, "single", 1 + i, 1, ckpt, precision)
@@ -52,7 +52,7 @@ def test_the_plan_figure_keeps_its_labels_apart_clear_of_the_axis_and_its_times_
     legend entry (bf16-mp and bf16-pure too)."""
     from matplotlib.text import Annotation
 
-    from labkit.planplot import draw_plan
+    from labkit.planner.plot import draw_plan
     rows = [(50, 100, "fp32", "none", True), (40, 110, "bf16-mp", "every", True), (30, 120, "bf16-pure", "full", True),
             (20, 130, "bf16", "op", True), (70, 900, "fp32", "selective", False)]  # the front near the slowest's 1/4
     fig = draw_plan(_plan_of(rows))  # 900/100: a linear axis
@@ -84,7 +84,7 @@ def test_plot_fit_draws_the_points_so_far_and_the_fit_over_the_whole_range():
 
 def test_each_use_of_the_host_has_its_own_edge_and_legend_entry():
     """A row with offload and Adam on the host is not drawn as offload alone (chapter 09's figures)."""
-    from labkit.planplot import PLACEMENT_EDGES, draw_plan, edge_of
+    from labkit.planner.plot import PLACEMENT_EDGES, draw_plan, edge_of
     out = _plan_of([(50, 100, "fp32", "none", True)])
     c = out.rows[0].combination
     kinds = {(False, "device"): None, (True, "device"): "offload", (False, "host"): "Adam on the host",

@@ -1,10 +1,10 @@
-"""labkit.published: the planner's figures beside published runs', each within the issue's targets."""
+"""labkit.planner.published: the planner's figures beside published runs', each within the issue's targets."""
 
 from __future__ import annotations
 
 import pytest
 
-from labkit import published
+from labkit.planner import published
 from labkit.validate import ParameterError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -76,7 +76,7 @@ def test_the_plans_fast_depth_gives_the_validated_peak():
     # the validation runs the step at full depth; `make plan` and chapter 09's rows reach it by arithmetic
     from dataclasses import replace
 
-    from labkit.plan import PRESETS, plan
+    from labkit.planner.plan import PRESETS, plan
     run = next(r for r in published.published_runs() if r["id"] == "TT-165-FSDP2-AC-eager")
     a = run["plan"]
     model = replace(PRESETS[a["model"]], logits_fp32=a["logits_fp32"], attn=a["attention"])

@@ -62,7 +62,7 @@ def bench_chapters(out: Path) -> dict:
 
 def bench_plan(out: Path) -> dict:
     """Time `make plan MODEL=llama-7b GPU=a100-80gb GPUS=8` (the whole command, imports included)."""
-    argv = [sys.executable, "-m", "labkit.plan", "--model", "llama-7b", "--gpu", "a100-80gb", "--gpus", "8"]
+    argv = [sys.executable, "-m", "labkit.planner", "--model", "llama-7b", "--gpu", "a100-80gb", "--gpus", "8"]
     wall_s, code, text = _timed(argv, out / "plan.log")
     return {"command": " ".join(argv[1:]), "wall_s": wall_s, "exit_code": code,
             "fastest": next((line for line in text.splitlines() if line.startswith("fastest that fits")), None)}

@@ -1,1 +1,5 @@
-"""Programs a learner runs: gpucheck (a GPU's check), writefiles (rank scripts), search (08's workers), closing (10)."""
+"""labkit's smaller applications, one job each: gpucheck (`make gpu-check`), writefiles (a chapter's rank scripts),
+search (chapter 08's command: workers, trials, Katib), closing (chapter 10's figures from the chapters' records).
+
+The planner is its own subpackage, labkit.planner; the search's library is labkit.search.
+"""

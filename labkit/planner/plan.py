@@ -1,0 +1,1225 @@
+"""Plan training of a model on some GPUs: every technique combination's peak from a fake-tensor step, the fastest fit.
+
+Memory comes from labkit.estimate.fake_step (one step on fake tensors); a step time is a roofline, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import math
+import os
+import pickle
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                          UnsupportedOperatorException)
+
+from labkit.accumulation import split_batch
+from labkit.planner.allocator import cpu_stream_tags, meter_events, replay
+from labkit.autocast_ops import CudaAutocastOps, recompute_context_fn
+from labkit.checkpointing import checkpoint_blocks
+from labkit.children import ChildProcesses, die_with_parent
+from labkit.cpu import one_thread
+from labkit.estimate import MemoryEstimate, data_parallel_rank, example_batch, fake_sharded, fake_step, remembered
+from labkit.work import WorkCounter
+from labkit.gpus import RESERVE_FRACTION, DeviceProfile, device_profile
+from labkit.hosttier import host_tier
+from labkit.meter import CATEGORIES, active_meter, format_bytes
+from labkit.models import ATTENTION, GPTConfig, blocks_of, build_model
+from labkit.offload import OffloadHooks
+from labkit.precision import PRECISIONS, amp_train_step
+from labkit.progress import progress
+from labkit.train import ADAM_IMPLS, create_optimizer_state, make_optimizer, seeded_model
+from labkit.validate import ParameterError, check_choice, check_divides, check_float, check_int, check_int_list
+
+CHECKPOINTING = ("none", "every", "full", "sqrt", "selective", "op")  # every block but the last (kept whole: its
+#   backward comes first); every block, the last too (torchtitan's "full", transformers' gradient checkpointing); sqrt(n)
+#   segments; every block but the last, matmul outputs kept; torchtitan's op-level selective (every block, the last
+#   too: SDPA's outputs and every second matmul's kept, labkit.checkpointing.op_level_policy)
+PLAN_CHECKPOINTING = ("none", "every", "sqrt", "selective")  # a plan's choices unless it names others
+OPTIMIZER_PLACES = ("device", "host")  # Adam's state and step on the device; on the host (ZeRO-Offload style, one device)
+OFFLOAD_MIN_BYTES = 0  # activation offload moves every saved tensor but the parameters: rows stay exact lines
+NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
+    "activation offload with checkpointing": "inside a checkpointed block checkpointing's own saved-tensor hooks "
+                                             "take the tensors, so offload would move only what lies outside the "
+                                             "blocks: planned with checkpointing none only",
+    "activation offload or optimizer on the host with fsdp2": "FSDP2's CPUOffloadPolicy and offload hooks around "
+                                                              "its gathered parameters are not run on the fake step",
+    "optimizer on the host with several ranks": "ZeRO-Offload partitions the host state over the ranks and moves "
+                                                "gradients during backward: planned on one device only",
+    "gradients on the host during backward": "with the optimizer on the host the gradients stay on the device until "
+                                             "the optimizer step (ZeRO-Offload moves them in buckets as they are "
+                                             "reduced, lowering the peak by up to the gradients' bytes)",
+}
+MIXED_POLICY = "bf16-mp"  # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), torchtitan's default:
+#                          fp32 shards, gradients and Adam state; bf16 gathered parameters, compute and activations
+PURE_BF16 = "bf16-pure"  # bf16 weights, gradients and Adam state, no autocast: torchtune's single-device default
+PLAN_PRECISIONS = (*PRECISIONS, MIXED_POLICY, PURE_BF16)  # a plan's precisions: autocast's (bf16, fp16 over fp32
+#                                                           weights), FSDP2's policy, pure bf16
+GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step plus GradScaler's four 4-byte scalars
+COMM_UNITS = {"single": 0, "ddp": 2, "zero1": 3, "fsdp2": 2, "fsdp2-reshard": 3}  # parameter-sized ring passes:
+#   per step for DDP and ZeRO-1 (which all-gathers the updated parameters too), per micro-batch for FSDP2 (chapter 07)
+_FLOPS: dict = {}  # fake run's key -> (fp32 FLOPs, 16-bit FLOPs, bytes accessed, host bytes) per micro-batch, optimizer
+#                   left out (labkit.work.WorkCounter); per micro-batch of n_micro (the second accumulates gradients)
+_FITS: dict = {}  # (model key, Step with micro_batch 0) -> _fit's figures or None
+_RISE: dict = {}  # (model key, shard, Adam's implementation, depth, pure bf16) -> bytes its update adds to what its
+#                   start holds
+_PLANNED: dict = {}  # (model key, Step, depth) -> _extrapolated's figures (from this process or a worker)
+PLAN_WORKERS_ENV = "LABKIT_PLAN_WORKERS"  # processes a plan's fake steps run in (plan_workers)
+MIN_GROUPS_PER_WORKER = 4  # fewer groups of fake steps run here: a worker's start (~3 s to import torch) costs more
+PLAN_PRELOAD = ("torch.distributed.fsdp",)  # torch's modules a plan worker imports beyond torch (FSDP2 rows)
+WORKER_TIMEOUT_S = 3600  # a plan worker still running after this is stopped (the 7B plan: ~35 s each, 2 cores)
+DEPTHS = ("fast", "full")  # fast: exact arithmetic over runs at FAST_DEPTHS; full: every block (the reference)
+REPLAY = "replay"  # _fake_steps' depth for full-depth steps whose allocations are replayed (_replay)
+FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "full": (2, 3), "selective": (2, 3), "op": (2, 3)}  # blocks of the
+#                                                                                     small runs, one apart
+SHARDED_DEPTHS = (4, 5)  # the same for FSDP2 (its first two and last blocks stand apart)
+FULL_MAX_LAYERS = 12  # depth="fast" runs models up to this many blocks at full depth
+
+
+def _gpt2(n_layer: int, n_embd: int, n_head: int) -> GPTConfig:
+    """Return a GPT-2 shape (learned positions up to 1024, tied embeddings)."""
+    return GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=1024, vocab_size=50257)
+
+
+def _llama(n_layer: int, n_embd: int, n_head: int, hidden: int) -> GPTConfig:
+    """Return a Llama-style shape (multi-head attention, RoPE, RMSNorm, SwiGLU, vocabulary 32000, untied)."""
+    return GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=4096, vocab_size=32000, bias=False,
+                     mlp="swiglu", mlp_hidden=hidden, norm="rms", pos="rope", attn="sdpa", fused_qkv=False,
+                     tie_weights=False)
+
+
+PRESETS = {
+    "gpt2": _gpt2(12, 768, 12),  # 124 M
+    "gpt2-medium": _gpt2(24, 1024, 16),  # 355 M
+    "gpt2-large": _gpt2(36, 1280, 20),  # 774 M
+    "gpt2-xl": _gpt2(48, 1600, 25),  # 1.5 B
+    "llama-1b": _llama(22, 2048, 32, 5632),  # TinyLlama's shape with multi-head attention: 1.3 B
+    "llama-7b": _llama(32, 4096, 32, 11008),  # Llama 2 7B: 6.7 B
+    "llama-13b": _llama(40, 5120, 40, 13824),  # Llama 2 13B: 13 B
+    "llama-70b": _llama(80, 8192, 64, 28672),  # Llama 2 70B's shape with multi-head attention: 78 B
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model to plan: build(n_layer or None, rows, seq_len) returns (model, batch) with model(*batch) -> (_, loss)."""
+
+    name: str  # shown in the table
+    build: Callable  # (n_layer, rows, seq_len) -> (nn.Module, tuple of tensors with `rows` rows)
+    n_layer: int | None  # identical blocks: their number (depth="fast" past FULL_MAX_LAYERS); None: always full depth
+    key: str | None  # names the model in the memo of fake runs (estimate.remembered; None: not remembered)
+    max_seq_len: int | None = None  # longest sequence the model takes (a learned position table), None: any
+    checkpointing: tuple = CHECKPOINTING  # the choices it takes (a transformers model: none, full)
+    batch: Callable | None = None  # (rows, seq_len) -> the batch alone, no model built (None: build's batch)
+
+
+def gpt_spec(cfg: GPTConfig, name: str = "GPTConfig") -> ModelSpec:
+    """Return the spec of a labkit GPT."""
+    def build(n_layer, rows, seq_len):
+        c = replace(cfg, n_layer=cfg.n_layer if n_layer is None else n_layer)
+        if c.pos == "rope":
+            c = replace(c, block_size=seq_len)  # rotary positions: no table, any length
+        return build_model(c), example_batch(c, rows, seq_len)
+    return ModelSpec(name, build, cfg.n_layer, repr(cfg), cfg.block_size if cfg.pos == "learned" else None,
+                     batch=lambda rows, seq_len: example_batch(cfg, rows, seq_len))
+
+
+def callable_spec(fn: Callable, name: str = "model") -> ModelSpec:
+    """Return the spec of fn(rows, seq_len) -> (nn.Module, batch): any model, run at full depth."""
+    return ModelSpec(name, lambda n_layer, rows, seq_len: fn(rows, seq_len), None, None, checkpointing=("none",))
+
+
+class _CausalLM(torch.nn.Module):
+    """A transformers causal LM called as model(input_ids, labels) -> (logits, loss)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        out = self.model(input_ids=input_ids, labels=labels)
+        return out.logits, out.loss
+
+
+def hf_spec(config, name: str = "transformers") -> ModelSpec:
+    """Return the spec of a transformers config (a config object or a config.json path), built with from_config."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ParameterError("model: a transformers config needs the optional extra transformers "
+                             "(pip install transformers)") from None
+    if isinstance(config, str):
+        config = AutoConfig.from_pretrained(config)  # a local config.json: no weights, no hub
+
+    def build(n_layer, rows, seq_len):
+        c = config
+        if n_layer is not None:
+            c = config.__class__.from_dict(config.to_dict())
+            c.num_hidden_layers = n_layer
+        x = torch.randint(config.vocab_size, (rows, seq_len))
+        return _CausalLM(AutoModelForCausalLM.from_config(c)), (x, x.clone())
+    return ModelSpec(name, build, config.num_hidden_layers, "transformers:" + config.to_json_string(),
+                     checkpointing=("none", "full"))  # its gradient checkpointing: every layer, the last too
+
+
+def model_spec(model) -> ModelSpec:
+    """Return the spec of a preset name, a GPTConfig, a config.json path, a transformers config or a ModelSpec."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, GPTConfig):  # named by its preset where it is one (its logits upcast or not, its attention)
+        name = next((k for k, v in PRESETS.items() if replace(v, attn=model.attn) == replace(model, logits_fp32=False)),
+                    None)
+        return gpt_spec(model, (name or "GPTConfig") + (", fp32 logits" if model.logits_fp32 else "")
+                        + (f", {model.attn} attention" if name and model.attn != PRESETS[name].attn else ""))
+    if isinstance(model, str) and model in PRESETS:
+        return gpt_spec(PRESETS[model], model)
+    if isinstance(model, str) and model.endswith(".json"):
+        return hf_spec(model, model)
+    if hasattr(model, "to_dict") and hasattr(model, "vocab_size"):
+        return hf_spec(model, type(model).__name__)
+    raise ParameterError(f"model must be one of {tuple(PRESETS)}, a GPTConfig, a config.json path, "
+                         f"a transformers config or a ModelSpec, got {model!r}")
+
+
+@dataclass(frozen=True)
+class Combination:
+    """One way to run the training step."""
+
+    ranks: int  # data-parallel devices
+    parallel: str  # a key of COMM_UNITS; fsdp2-reshard: FSDP2 with reshard_after_forward
+    micro_batch: int  # rows per micro-batch (per rank)
+    accum_steps: int  # micro-batches per optimizer step
+    checkpointing: str  # one of CHECKPOINTING
+    precision: str  # "fp32", "bf16" (autocast), "fp16" (autocast + GradScaler), MIXED_POLICY (FSDP2's policy) or
+    #                 PURE_BF16 (bf16 everywhere)
+    offload: bool = False  # activation offload: every saved tensor but the parameters to the host (OffloadHooks)
+    optimizer: str = "device"  # one of OPTIMIZER_PLACES: Adam's state and step on the device, or on the host
+    adam_impl: str = "for-loop"  # one of labkit.train.ADAM_IMPLS: for-loop, foreach (CUDA's default) or fused
+    keep_logits: bool = True  # the logits held through backward (`logits, loss = model(...)`); False: freed before
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one device runs in a training step, as a fake step takes it: every knob a plan's fake steps vary.
+
+    A Combination (a plan's row) runs the Step with n_micro = min(accum_steps, 2) (micro-batches beyond the second add
+    only their input rows: plan() adds them) and fp16 rows run bf16's Step (plus GradScaler's scalars).
+    """
+
+    micro_batch: int  # rows per micro-batch
+    n_micro: int = 1  # micro-batches run (1, or 2: the second accumulates into the first's gradients)
+    seq_len: int = 1024  # tokens per row
+    checkpointing: str = "none"  # one of CHECKPOINTING
+    precision: str = "fp32"  # "fp32", "bf16" (autocast over fp32 weights), MIXED_POLICY (FSDP2 only) or PURE_BF16
+    offload: bool = False  # activation offload: every saved tensor but the parameters to the host (OffloadHooks)
+    shard: tuple | None = None  # (ranks, reshard_after_forward): rank 0 of FSDP2; None: one process
+    adam_impl: str = "for-loop"  # one of labkit.train.ADAM_IMPLS: what Adam's update allocates (its "rise")
+    keep_logits: bool = True  # the logits held through backward; False: freed before it (torchtitan's `del pred`)
+    autocast_of: str = "cuda"  # whose autocast a 16-bit step's dtypes follow: "cuda" (autocast_ops.CudaAutocastOps on
+    #                            the fake CPU step: a GPU's plan) or "cpu" (a plan of this CPU, checked against its meter)
+
+
+@dataclass
+class Row:
+    """A combination's prediction: per-device peak and its split, verdict, roofline step time."""
+
+    combination: Combination
+    peak_bytes: int  # per-device peak (fake-tensor step, plus exact arithmetic)
+    split: dict  # bytes at the peak by category
+    fits: bool  # peak_bytes <= the plan's budget_bytes
+    flops: int  # FLOPs per optimizer step per device, recomputation included
+    compute_s: float  # roofline on the device: max(FLOPs / peak FLOP/s, bytes accessed / memory bandwidth)
+    comm_s: float  # communicated bytes / the ring's bandwidth (device-to-device in a server, the network beyond)
+    step_s: float  # compute_s + comm_s + host_s: nothing overlapped (compute alone: the roofline, a lower bound)
+    tokens_per_s: float  # global batch tokens / step_s (compute alone: an upper bound)
+    bytes_accessed: int = 0  # bytes the step's operators read and write (each once: no fusion), optimizer included
+    host_s: float = 0.0  # host link transfers (offload; with Adam on the host its traffic and its step)
+    reserved_bytes: int | None = None  # the CUDA caching allocator's reserved peak: the full-depth fake step's
+    #   allocations replayed by labkit.planner.allocator (plan(reserved=True), Pareto-front rows; None: not computed)
+
+    @property
+    def overlapped_s(self) -> float:
+        """Return the step time with communication wholly hidden behind compute (FSDP2's prefetch, DDP's buckets at
+        best): max(compute_s, comm_s) + host_s; step_s, nothing hidden, is the other end of the range."""
+        return max(self.compute_s, self.comm_s) + self.host_s
+
+
+@dataclass
+class Plan:
+    """Every combination's row, what was left out and why, the fastest that fits and the Pareto front."""
+
+    model: str
+    device: str
+    gpus: int
+    seq_len: int
+    batch: int  # global batch (samples per optimizer step)
+    n_params: int
+    budget_bytes: int  # device memory less the reserve
+    reserve_fraction: float
+    rows: list = field(default_factory=list)
+    left_out: dict = field(default_factory=dict)  # what -> why
+    fake_steps: int = 0  # memory-relevant combinations run on fake tensors (each at FAST_DEPTHS or full depth)
+    elapsed_s: float = 0.0
+
+    @property
+    def fastest(self) -> Row | None:
+        """Return the fastest row that fits (None: nothing fits)."""
+        return next(iter(self.pareto), None)
+
+    @property
+    def pareto(self) -> list:
+        """Return the fitting rows no other fitting row beats in both peak and step time, fastest first."""
+        front = []
+        for r in sorted((r for r in self.rows if r.fits), key=lambda r: (r.step_s, r.peak_bytes)):
+            if not front or r.peak_bytes < front[-1].peak_bytes:
+                front.append(r)
+        return front
+
+
+def plan_step(model, optimizer, batch, step: Step, offload: OffloadHooks | None = None):
+    """Run one optimizer step over `batch` in micro-batches of step.micro_batch rows at step.precision, under
+    `offload`'s hooks if given (the model is checkpointed and sharded as `step` says already)."""
+    precision = "fp32" if step.precision in (MIXED_POLICY, PURE_BF16) else step.precision  # (no autocast: the
+    #                                                       policy casts; pure bf16 weights compute in bf16 themselves)
+    with offload if offload is not None else contextlib.nullcontext():
+        return amp_train_step(model, optimizer, split_batch(batch, step.micro_batch), precision=precision,
+                              keep_logits=step.keep_logits)
+
+
+class _AtOptimizer(Exception):
+    """Raised where a traced step's optimizer step starts: what follows is _RISE's, the same in every combination."""
+
+
+def _repeated_blocks(model) -> torch.nn.Module:
+    """Return the model's repeated blocks: a labkit model's, or a transformers model's longest ModuleList of layers."""
+    try:
+        return blocks_of(model)
+    except TypeError:
+        return max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
+
+
+def _tag_blocks(meter, model) -> None:
+    """Make the meter tag each event (micro-batch, position): "pre", the index of the block that runs, or "post"."""
+    blocks = _repeated_blocks(model)
+    micro = [-1]
+
+    def tag(pos):
+        meter.tag = (micro[0], pos)
+
+    def model_pre(module, args):
+        if torch._C._current_graph_task_id() == -1:
+            micro[0] += 1
+            tag("pre")
+
+    def block_pre(i, module, args):
+        if torch._C._current_graph_task_id() == -1:  # (not a checkpoint's recomputation in backward)
+            tag(i)
+            if i == 0 and args[0].requires_grad:
+                args[0].register_hook(lambda grad: tag("pre"))  # backward leaves the blocks
+
+    def block_post(i, module, args, out):
+        if torch._C._current_graph_task_id() == -1:
+            if out.requires_grad:
+                out.register_hook(lambda grad: tag(i))  # backward reaches block i
+            if i == len(blocks) - 1:
+                tag("post")
+    model.register_forward_pre_hook(model_pre)
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(functools.partial(block_pre, i))
+        block.register_forward_hook(functools.partial(block_post, i))
+
+
+def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: bool = True, reserved: bool = False):
+    """Run `step` with `n_layer` blocks on fake tensors (estimate.fake_step); return peak, split, states, n, work per
+    micro-batch (remembered by model, depth and step when the model has a key).
+
+    trace: a sixth item, the events tagged by block; whole=False: stop where the optimizer step starts; reserved:
+    states["peak_reserved"] and states["peak_allocated"], the CUDA caching allocator's reserved and allocated peaks for
+    the step's allocations (labkit.planner.allocator, each stream FSDP2 selects a pool of its own).
+    """
+    count = functools.partial(_count_fake_run, spec, step, n_layer, trace, whole, reserved)
+    if spec.key is None:
+        return count()
+    out = remembered(("plan", spec.key, n_layer, step, trace, whole, reserved), count)
+    if out[4] is not None:  # (counted in another process: its trace needs no count)
+        _FLOPS.setdefault((spec.key, n_layer, step), out[4])
+    return out
+
+
+def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bool, reserved: bool = False):
+    """Return _fake_run's figures, counted now."""
+    flops_key = (spec.key, n_layer, step)
+    count = not reserved and (spec.key is None or flops_key not in _FLOPS)  # (a replay's run counts no work: 2x faster)
+    rows, n_micro, seq_len, shard = step.micro_batch * step.n_micro, step.n_micro, step.seq_len, step.shard
+    at_optimizer = []  # (bytes by category when the optimizer step started, (peak, split) so far)
+    replays = []  # the allocator's replay (reserved=True)
+
+    def build():
+        if shard is None:
+            with _built_in(step):
+                model, batch = spec.build(n_layer, rows, seq_len)
+            _checkpoint(model, step.checkpointing)
+        else:
+            model = meta_model
+            model.to_empty(device="cpu")  # the meta shards become fake cpu ones: FSDP2's meta init
+            batch = tuple(torch.empty_like(t, device="cpu") for t in meta_batch)
+        opt = make_optimizer("adam", model.parameters(), implementation=step.adam_impl)
+        create_optimizer_state(opt)
+        counter = WorkCounter()
+        hooks = OffloadHooks(model, min_bytes=OFFLOAD_MIN_BYTES) if step.offload else None
+
+        def at_optimizer_step(*_):  # keep what the step holds where its optimizer step starts (its bytes: by formula)
+            counter.counting_bytes = False
+            meter = active_meter()
+            at_optimizer[:] = meter.current_split(), (meter.peak_bytes, meter.peak_split())
+            if not whole:
+                raise _AtOptimizer
+        opt.register_step_pre_hook(at_optimizer_step)
+
+        def attach(meter):
+            meter.every_record = meter.every_record or reserved  # (before any allocation: the replay needs them all)
+            meter.track(model, opt, *batch)
+            if trace:
+                _tag_blocks(meter, model)
+
+        def run():
+            with counter if count else contextlib.nullcontext(), contextlib.suppress(_AtOptimizer), \
+                    CudaAutocastOps() if step.autocast_of == "cuda" else contextlib.nullcontext(), \
+                    cpu_stream_tags(active_meter()) if reserved else contextlib.nullcontext(), \
+                    _local_adam() if shard is not None else contextlib.nullcontext():
+                plan_step(model, opt, batch, step, hooks)
+            if reserved:
+                replays.append(replay(meter_events(active_meter())))
+            if count:
+                w = counter.work()
+                half = sum(n for p, n in w.flops.items() if p != "fp32")
+                _FLOPS[flops_key] = (w.flops.get("fp32", 0) / n_micro, half / n_micro, w.bytes_accessed / n_micro,
+                                     w.host_bytes / n_micro)
+        return model, attach, run
+    try:
+        if shard is None:
+            peak, split, states, n, *events = fake_step(build, trace)
+        else:
+            with torch.device("meta"), _built_in(step):  # FSDP2 splits every parameter N ways: cheap on meta
+                meta_model, meta_batch = spec.build(n_layer, rows, seq_len)  # tensors only
+            _checkpoint(meta_model, step.checkpointing)
+            with fake_sharded(meta_model, _repeated_blocks(meta_model), *shard, mp_policy=_policy(step)):
+                peak, split, states, n, *events = fake_step(build, trace)
+    except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as e:
+        raise ParameterError(f"model: {spec.name} cannot run on fake tensors ({type(e).__name__}: {e}); make the "
+                             "operation independent of tensor values or pass a callable that builds a model "
+                             "without it") from None
+    states["at_optimizer"], states["before_optimizer"] = at_optimizer
+    if reserved:
+        states["peak_reserved"] = replays[0].peak_reserved_bytes
+        states["peak_allocated"] = replays[0].peak_allocated_bytes
+    return (peak, split, states, n, _FLOPS.get(flops_key), *events)
+
+
+@contextlib.contextmanager
+def _local_adam():
+    """Run Adam's update on each DTensor's local shard (FSDP2's parameters, gradients and state): what DTensor runs
+    for it, the same allocations, without the sharding propagation DTensor does for every foreach operator over
+    lists of all the parameters (seconds per fake step at 7B)."""
+    from torch.distributed.tensor import DTensor
+    from torch.optim import adam
+    originals = {name: getattr(adam, name) for name in ("_single_tensor_adam", "_multi_tensor_adam", "_fused_adam")}
+
+    def on_shards(update):
+        def run(*lists, **kwargs):
+            return update(*([t.to_local() if isinstance(t, DTensor) else t for t in ts] if isinstance(ts, list)
+                            else ts for ts in lists), **kwargs)
+        return run
+    for name, update in originals.items():
+        setattr(adam, name, on_shards(update))
+    try:
+        yield
+    finally:
+        for name, update in originals.items():
+            setattr(adam, name, update)
+
+
+@contextlib.contextmanager
+def _built_in(step: Step):
+    """Build a step's model in its weights' dtype: bf16 for PURE_BF16 (torch's default dtype while it is built: a
+    fake tensor's dtype cannot be converted in place), else fp32."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if step.precision == PURE_BF16 else torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _policy(step: Step):
+    """Return FSDP2's MixedPrecisionPolicy for a MIXED_POLICY step (bf16 gathered parameters, fp32 reduction), else
+    None."""
+    if step.precision != MIXED_POLICY:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _checkpoint(model, checkpointing: str) -> None:
+    """Checkpoint a labkit model's blocks (checkpoint_blocks) or a transformers model's layers (its own switch)."""
+    if checkpointing == "none":
+        return
+    if isinstance(model, _CausalLM):  # "full", the one choice hf_spec takes
+        kwargs = {"use_reentrant": False, "context_fn": recompute_context_fn()}  # (CUDA's dtypes in the recomputation)
+        if hasattr(model.model, "activation_checkpointing_enable"):  # transformers 5.x's name
+            model.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return
+    n = len(blocks_of(model))
+    if checkpointing == "sqrt":
+        checkpoint_blocks(model, segments=max(1, round(math.sqrt(n))))
+    else:
+        checkpoint_blocks(model, segments=n, checkpoint_last=checkpointing in ("full", "op"),
+                          selective=checkpointing == "selective", op_level=checkpointing == "op")
+
+
+def _extrapolated(spec: ModelSpec, step: Step, depth: str = "fast"):
+    """Return (peak, split, param bytes, opt bytes, n, work per micro-batch, host peak, bytes by category where the
+    optimizer step starts) of `step` at full depth, exact.
+
+    depth="fast" past FULL_MAX_LAYERS blocks: arithmetic over small runs (_fit), else a full-depth run.
+    """
+    full = spec.n_layer
+    base = replace(step, adam_impl=ADAM_IMPLS[0])  # what every Adam implementation shares: all but the update
+    if depth != "full" and full is not None and full > FULL_MAX_LAYERS and step.checkpointing in FAST_DEPTHS:
+        fit_key = (spec.key, replace(base, micro_batch=0))  # one fit serves every micro-batch and implementation
+        if fit_key not in _FITS or _FITS[fit_key] is not None and min(step.micro_batch, 2) not in _FITS[fit_key]:
+            _FITS[fit_key] = _fit(spec, base)
+        if _FITS[fit_key] is not None:
+            rise = _rise(spec, step.shard, step.adam_impl, full, step.precision == PURE_BF16)
+            return _at_rows(_FITS[fit_key], step.micro_batch, rise)
+    reuse = depth != "full" and full is not None and step != base  # the base step's run, the update's rise added
+    peak, split, states, n, work = _fake_run(spec, base if reuse else step, full)
+    at_opt = dict(states["at_optimizer"])
+    if reuse:
+        peak, split = _with_rise(*states["before_optimizer"], at_opt, _rise(spec, step.shard, step.adam_impl, full, step.precision == PURE_BF16))
+    return (peak, split, states["parameters"], states["optimizer_state"], n, work,
+            _host_optimizer(*states["before_optimizer"], at_opt), at_opt)
+
+
+def _with_rise(peak: int, split: dict, at_optimizer: dict, rise: int) -> tuple:
+    """Return the step's (peak, split): the peak before its optimizer step, or where the update's temporaries (`rise`
+    bytes, counted as activations as the meter counts them) top what the optimizer step starts with."""
+    if sum(at_optimizer.values()) + rise > peak:
+        return sum(at_optimizer.values()) + rise, {**at_optimizer, "activations": at_optimizer["activations"] + rise}
+    return peak, dict(split)
+
+
+def _rise(spec: ModelSpec, shard, adam_impl: str, n_layer: int, pure: bool = False) -> int:
+    """Return the bytes Adam's update (`adam_impl`) adds, at its peak, to what the optimizer step starts with, for
+    `n_layer` blocks: a line through two shallow steps (one row, one token), exact.
+
+    for-loop: temporaries of one parameter at a time (the largest's: the same at any depth, one step measures it);
+    foreach: a list of temporaries of every parameter (one block's more per block: two steps); fused: none. The
+    optimizer's Python code is the same on CUDA and on a CPU: what it allocates here it allocates there.
+    """
+    depths = (FAST_DEPTHS["none"] if shard is None else SHARDED_DEPTHS) if spec.n_layer is not None else (None,)
+    depths = depths if adam_impl == "foreach" else depths[:1]
+    at = []
+    for d in depths:
+        key = (spec.key, shard, adam_impl, d, pure)
+        if key not in _RISE or spec.key is None:
+            precision = PURE_BF16 if pure else "fp32"  # (the update's temporaries: its parameters' dtype)
+            run = _fake_run(spec, Step(1, 1, 1, shard=shard, adam_impl=adam_impl, precision=precision), d, trace=True)
+            start = next((k for k, (phase, _, _) in enumerate(run[5]) if phase == "optimizer"), len(run[5]))
+            held = sum(run[2]["at_optimizer"].values())  # (fused: no allocation, no event in the update)
+            _RISE[key] = max((sum(v) for _, _, v in run[5][start:]), default=held) - held
+        at.append(_RISE[key])
+    return at[0] if len(at) == 1 else at[0] + (at[1] - at[0]) * (n_layer - depths[0]) // (depths[1] - depths[0])
+
+
+def _host_optimizer(peak_before: int, split_before: dict, at_optimizer: dict) -> tuple:
+    """Return the device's (peak, split) with the optimizer state and its step in the host tier (ZeRO-Offload style):
+    what the step held before its optimizer step, less the state."""
+    peak, split = max((peak_before, split_before), (sum(at_optimizer.values()), at_optimizer), key=lambda x: x[0])
+    state = split["optimizer_state"]
+    return peak - state, {**split, "optimizer_state": 0}
+
+
+def _keyed(events, n_layer: int, apart: tuple) -> list:
+    """Return [(key, block index or None, bytes by category)]: a traced step's rises, keyed alike at every depth.
+
+    apart: (first, last): the first `first` blocks and (last=True) the last are positions of their own.
+    """
+    out, runs, prev, j, before = [], {}, None, 0, 0
+    for phase, tag, split in events:
+        micro, pos = (None, "start") if tag is None else tag
+        if apart[1] and pos == n_layer - 1:
+            pos = "last"
+        elif isinstance(pos, int) and pos < apart[0]:
+            pos = ("first", pos)
+        elif isinstance(pos, int):
+            pos -= apart[0]
+        here = (micro, phase, pos)
+        if here != prev:
+            runs[here] = runs.get(here, -1) + 1
+            prev, j = here, 0
+        now, before = before, sum(split)
+        if before <= now:
+            continue
+        block = isinstance(pos, int)
+        out.append(((micro, phase, "block" if block else pos, runs[here], j), pos if block else None, split))
+        j += 1
+    return out
+
+
+def _line(lo, hi, steps: int) -> tuple:
+    """Return lo + (hi - lo) * steps, element by element."""
+    return tuple(a + (b - a) * steps for a, b in zip(lo, hi))
+
+
+def _full_depth_events(small, big, n_layer: int, depths, apart: tuple) -> list | None:
+    """Return the full depth's candidate events [(key, bytes by category)] in time order from runs at FAST_DEPTHS
+    (None: the runs do not repeat block by block)."""
+    d0, d1 = depths
+    n0, n1, n = (d - sum(apart) for d in (d0, d1, n_layer))  # blocks keyed as blocks
+    keyed = _keyed(big, d1, apart)
+    at0 = {(k, i): v for k, i, v in _keyed(small, d0, apart)}
+    at1 = {(k, i): v for k, i, v in keyed}
+    blocks = {k for k, i in at1 if i is not None}
+    if ({k for k, i in at0 if i is None} != {k for k, i in at1 if i is None}
+            or blocks != {k for k, i in at0 if i is not None} or len(at0) != len(at1) - len(blocks) * (n1 - n0)
+            or any((k, i) not in at1 for k in blocks for i in range(n1)) or n1 < 2):
+        return None
+    out = []
+    for k, i, v in keyed:
+        if i is None:
+            out.append((k, _line(at0[k, i], v, n_layer - d0)))
+            continue
+        step = tuple(b - a for a, b in zip(at1[k, 0], at1[k, 1]))  # one block further in
+        if any(at[k, b] != tuple(x + s * b for x, s in zip(at[k, 0], step))
+               for at, m in ((at0, n0), (at1, n1)) for b in range(m)):
+            return None
+        first = _line(at0[k, 0], at1[k, 0], n_layer - d0)
+        if i == 0:
+            out.append((k, first))
+        elif i == n1 - 1:
+            out.append((k + ("last",), tuple(x + s * (n - 1) for x, s in zip(first, step))))
+    return out
+
+
+def _fit(spec: ModelSpec, step: Step):
+    """Return full-depth figures of `step` at micro-batches of 1, 2 (and 3) rows from traced runs at FAST_DEPTHS
+    (None: inexact).
+
+    step.micro_batch 1: for 1 row only. Where 1 and 2 rows raise the bytes at other events, the line goes through 2
+    and 3.
+    """
+    L, shard = spec.n_layer, step.shard
+    d0, d1 = depths = FAST_DEPTHS[step.checkpointing] if shard is None else SHARDED_DEPTHS
+    rows = {}
+    for mb in (1,) if step.micro_batch == 1 else (1, 2, 3):
+        if mb == 3 and [k for k, _ in rows[1][0]] == [k for k, _ in rows[2][0]]:
+            break
+        runs = [_fake_run(spec, replace(step, micro_batch=mb), d, trace=True, whole=False) for d in depths]
+        events = next((e for apart in ((0, False), (0, True), (2, True))
+                       if (e := _full_depth_events(runs[0][5], runs[1][5], L, depths, apart)) is not None), None)
+        if events is None:
+            return None
+        at_opt = [tuple(r[2]["at_optimizer"][c] for c in CATEGORIES) for r in runs]
+        rows[mb] = (events, _line(*at_opt, L - d0), _line(runs[0][4], runs[1][4], L - d0),
+                    _line((runs[0][3],), (runs[1][3],), L - d0)[0])
+    if 3 in rows and [k for k, _ in rows[2][0]] != [k for k, _ in rows[3][0]]:
+        return None
+    return rows
+
+
+def _at_rows(rows: dict, micro_batch: int, rise: int):
+    """Return _extrapolated's tuple at `micro_batch` rows from _fit's figures (a line in the rows), the optimizer's
+    update adding `rise` bytes (_rise)."""
+    if micro_batch == 1:
+        one, two, steps = rows[1], rows[1], 0
+    elif 3 in rows:
+        one, two, steps = rows[2], rows[3], micro_batch - 2
+    else:
+        one, two, steps = rows[1], rows[2], micro_batch - 1
+    split = max((_line(a, b, steps) for (_, a), (_, b) in zip(one[0], two[0])), key=sum)
+    peak = sum(split)
+    at_opt = _line(one[1], two[1], steps)
+    at_split = dict(zip(CATEGORIES, at_opt))
+    host = _host_optimizer(peak, dict(zip(CATEGORIES, split)), at_split)
+    peak, split = _with_rise(peak, dict(zip(CATEGORIES, split)), at_split, rise)
+    work = _line(one[2], two[2], steps)  # (fp32 FLOPs, 16-bit FLOPs, bytes accessed, host bytes) per micro-batch
+    return peak, split, at_opt[0], at_opt[2], one[3], work, host, at_split
+
+
+def _divisors(n: int, top: int) -> list:
+    """Return the powers of two up to `top` that divide n, and top."""
+    return sorted({d for d in (2**k for k in range(top.bit_length())) if n % d == 0} | {top})
+
+
+@dataclass
+class _Asked:
+    """A plan's arguments, checked and made tuples (plan's docstring says what each is), and what follows from them."""
+
+    spec: ModelSpec
+    device: DeviceProfile
+    gpus: int
+    seq_len: int
+    batch: int
+    precisions: tuple
+    checkpointing: tuple
+    depth: str
+    offload: tuple
+    optimizers: tuple
+    adam_impls: tuple
+    keep_logits: bool
+    parallels: tuple
+    micro_batches: list | None
+    rate: dict  # precision -> the compute rate it runs at (a key of the device's flops_per_s)
+    autocast_of: str  # "cuda": a GPU's 16-bit steps take CUDA autocast's dtypes; "cpu": this CPU's own
+    deep: bool = False  # past FULL_MAX_LAYERS at the fast depth: what only full depth gives is left out
+
+
+def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: int = 1024, batch: int = 8,
+         precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "fast",
+         offload=(False, True), optimizers=OPTIMIZER_PLACES, workers: int | None = None,
+         adam_impls=ADAM_IMPLS[:1], keep_logits: bool = True, parallels=tuple(COMM_UNITS),
+         micro_batches=None, reserved: bool = False) -> Plan:
+    """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s.
+
+    offload: activation offload off (False) and/or on (True); optimizers: Adam's state on the "device" and/or the
+    "host" (its step too; one device); workers: processes the fake steps run in (None: plan_workers()); adam_impls:
+    Adam's implementations (labkit.train.ADAM_IMPLS), each a row of its own on the device (they differ only in what
+    the update allocates: no fake step more, two small ones for foreach); keep_logits: False frees the logits
+    before backward in every row (torchtitan's step) instead of holding them (the chapters'); parallels: the ways of
+    running on the GPUs to plan (keys of COMM_UNITS; the others' fake steps are not run); micro_batches: the rows per
+    micro-batch to plan (None: every one dividing a GPU's share of the batch); reserved: each Pareto-front row's
+    `reserved_bytes`, from one more fake step at full depth (single-device and FSDP2 rows with Adam on the device and
+    at most two micro-batches: there the fake step allocates all the row does).
+    """
+    ask = _asked(model_spec(model), gpu, gpus, seq_len, batch, precisions, checkpointing, reserve_fraction, depth,
+                 offload, optimizers, adam_impls, keep_logits, parallels, micro_batches)
+    spec, workers = ask.spec, plan_workers() if workers is None else workers
+    left_out = _left_out(ask)
+    t0 = time.perf_counter()
+    out = Plan(spec.name, ask.device.name, gpus, seq_len, batch, 0,
+               int(ask.device.memory_bytes * (1 - reserve_fraction)), reserve_fraction, left_out=left_out)
+    ranks_list = _divisors(batch, gpus)
+    flat_ranks = [r for r in ranks_list  # one process per rank, unsharded: one GPU, DDP, ZeRO-1
+                  if ("single" if r == 1 else "ddp") in ask.parallels or r > 1 and "zero1" in ask.parallels]
+    row_bytes = _row_bytes(spec, seq_len)
+    todo = _steps_needed(ask, ranks_list, flat_ranks)
+    # sqrt(n) segments round to one at n <= 2 blocks: that segment is the last, kept whole (checkpoint_blocks), so the
+    # step is the one without checkpointing, operation for operation: its fake step serves both
+    same = {st: replace(st, checkpointing="none") for st in todo
+            if st.checkpointing == "sqrt" and spec.n_layer is not None and round(math.sqrt(spec.n_layer)) <= 1}
+    if not todo and micro_batches is not None:
+        raise ParameterError(f"micro_batches: none of {ask.micro_batches} divides a GPU's share of the batch "
+                             f"({', '.join(str(batch // r) for r in ranks_list)} rows on "
+                             f"{', '.join(map(str, ranks_list))} GPUs)")
+    if not todo:
+        raise ParameterError(f"parallels: none of {ask.parallels} runs on {gpus} GPU(s) of this model here "
+                             f"({', '.join(left_out) or 'nothing left out'})")
+    run = list(dict.fromkeys(same.get(st, st) for st in todo))
+    fake = _fake_steps(model, spec, run, depth, workers)
+    fake = {st: fake[same.get(st, st)] for st in todo}
+    out.fake_steps = len({replace(st, adam_impl=ADAM_IMPLS[0]) for st in run})  # (Adam's implementations: one)
+    if "foreach" in ask.adam_impls and gpus > 1:
+        left_out["zero1 with foreach Adam"] = ("ZeroRedundancyOptimizer's update lists 1/N of the parameters, not "
+                                               "the whole list a foreach update allocates here: not modelled")
+    replayable = _add_rows(out, ask, fake, flat_ranks, row_bytes)
+    front = [r for r in out.pareto if id(r) in replayable] if reserved else []
+    replays = _fake_steps(model, spec, list(dict.fromkeys(replayable[id(r)] for r in front)), REPLAY,
+                          workers) if front else {}
+    for r in front:
+        r.reserved_bytes = replays[replayable[id(r)]][1]
+    out.elapsed_s = time.perf_counter() - t0
+    return out
+
+
+def _asked(spec: ModelSpec, gpu, gpus, seq_len, batch, precisions, checkpointing, reserve_fraction, depth, offload,
+           optimizers, adam_impls, keep_logits, parallels, micro_batches) -> _Asked:
+    """Return plan()'s arguments checked (a ParameterError names a bad one and its choices, before any work)."""
+    device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
+    precisions = tuple(p for p in PRECISIONS if p in device.flops_per_s) if precisions is None else tuple(precisions)
+    rate = {p: "bf16" if p in (MIXED_POLICY, PURE_BF16) else p for p in precisions}  # each precision's compute rate
+    check_int("gpus", gpus, 1, 1 if device.name == "cpu" else 4096)
+    check_int("seq_len", seq_len, 1, spec.max_seq_len)
+    check_int("batch", batch, 1)
+    check_divides("batch", batch, "gpus", gpus)
+    check_float("reserve_fraction", reserve_fraction, 0.0, 1.0, hi_open=True)
+    for p in precisions:
+        check_choice("precision", p, PLAN_PRECISIONS)
+        if rate[p] not in device.flops_per_s:
+            raise ParameterError(f"precision {p!r}: the {device.name} has no {rate[p]} compute "
+                                 f"(it has {tuple(device.flops_per_s)})")
+    check_choice("depth", depth, DEPTHS)
+    offload, optimizers = tuple(offload), tuple(optimizers)
+    for o in offload:
+        check_choice("offload", o, (False, True))
+    for o in optimizers:
+        check_choice("optimizers", o, OPTIMIZER_PLACES)
+    adam_impls = tuple(adam_impls)
+    if not adam_impls:
+        raise ParameterError(f"adam_impls: give one or more of {ADAM_IMPLS}")
+    for a in adam_impls:
+        check_choice("adam_impls", a, ADAM_IMPLS)
+    check_choice("keep_logits", keep_logits, (True, False))
+    parallels = tuple(parallels)
+    if not parallels:
+        raise ParameterError(f"parallels: give one or more of {tuple(COMM_UNITS)}")
+    for q in parallels:
+        check_choice("parallels", q, tuple(COMM_UNITS))
+    if micro_batches is not None:
+        micro_batches = check_int_list("micro_batches", list(micro_batches), 1, batch)
+    if checkpointing is None:  # a transformers model's "full" is its one way to checkpoint: planned by default
+        checkpointing = tuple(c for c in spec.checkpointing
+                              if c in PLAN_CHECKPOINTING or "every" not in spec.checkpointing)
+    for c in checkpointing:
+        check_choice("checkpointing", c, spec.checkpointing)
+    return _Asked(spec, device, gpus, seq_len, batch, precisions, tuple(checkpointing), depth, offload, optimizers,
+                  adam_impls, keep_logits, parallels, micro_batches, rate,
+                  "cpu" if device.name == "cpu" else "cuda",
+                  depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS)
+
+
+def _left_out(ask: _Asked) -> dict:
+    """Return what the plan leaves out and why (NOT_MODELLED and what this model and depth rule out); sqrt(n) is
+    taken out of `ask.checkpointing` where only a full-depth step gives it."""
+    spec = ask.spec
+    left_out = dict(NOT_MODELLED)
+    if spec.checkpointing != CHECKPOINTING:
+        left_out["checkpointing " + " and ".join(c for c in CHECKPOINTING if c not in spec.checkpointing)] = (
+            "a transformers model checkpoints every layer (its own switch) and nothing finer" if
+            "full" in spec.checkpointing else "a callable model has no blocks known to checkpoint")
+    if spec.n_layer is None:
+        left_out["fsdp2 of a callable model"] = "no repeated blocks known to shard one by one"
+    if ask.deep and "sqrt" in ask.checkpointing:
+        ask.checkpointing = tuple(c for c in ask.checkpointing if c != "sqrt")
+        left_out["checkpointing sqrt"] = (f"{spec.n_layer} blocks: sqrt(n) segments change with depth, so only a "
+                                          "full-depth fake step is exact (--depth full)")
+    if ask.deep and ask.gpus > 2:
+        left_out["fsdp2 below the largest rank count"] = (f"{spec.n_layer} blocks: FSDP2 is planned on {ask.gpus} "
+                                                           "ranks only (--depth full plans every rank count)")
+    if MIXED_POLICY in ask.precisions:
+        left_out[f"{MIXED_POLICY} without fsdp2"] = ("MixedPrecisionPolicy is FSDP2's: one device, DDP and ZeRO-1 "
+                                                     "rows run autocast (bf16)")
+    return left_out
+
+
+def _row_bytes(spec: ModelSpec, seq_len: int) -> int:
+    """Return the bytes of one batch row's input tensors."""
+    with torch.device("meta"):  # (without a model where the spec can: initialising meta weights imports
+        #                          torch._dynamo, 2 s of `make plan` whose fake steps run in workers)
+        row = spec.batch(1, seq_len) if spec.batch else spec.build(1 if spec.n_layer else None, 1, seq_len)[1]
+        return sum(t.numel() * t.element_size() for t in row)
+
+
+def _steps_needed(ask: _Asked, ranks_list: list, flat_ranks: list) -> dict:
+    """Return every Step the plan's rows need (a dict used as an ordered set): each a fake step, once."""
+    spec, batch = ask.spec, ask.batch
+    fake_precisions = sorted({"bf16" if p == "fp16" else p for p in ask.precisions} - {MIXED_POLICY})  # (PURE_BF16
+    #                                                                      too: a fake step of its own, sharded or not)
+    shards = [None] * bool(flat_ranks) + [
+        (r, reshard) for r in ranks_list if r > 1 and spec.n_layer is not None and (not ask.deep or r == ask.gpus)
+        for reshard in (False, True) if ("fsdp2-reshard" if reshard else "fsdp2") in ask.parallels]
+    todo = {}
+    for shard in shards:
+        precisions = fake_precisions + [MIXED_POLICY] * (shard is not None and MIXED_POLICY in ask.precisions)
+        for rows in [batch // r for r in flat_ranks] if shard is None else [batch // shard[0]]:
+            todo.update(dict.fromkeys(Step(mb, min(rows // mb, 2), ask.seq_len, c, p, o, shard, a, ask.keep_logits,
+                                           ask.autocast_of)
+                                      for mb in _divisors(rows, rows) if ask.micro_batches is None
+                                      or mb in ask.micro_batches for c in ask.checkpointing for p in precisions
+                                      for o in (ask.offload if shard is None and c == "none" else (False,))
+                                      for a in ask.adam_impls))
+    return todo
+
+
+def _add_rows(out: Plan, ask: _Asked, fake: dict, flat_ranks: list, row_bytes: int) -> dict:
+    """Add to `out` the rows each fake step gives (every precision, rank count, parallel and optimizer place it
+    serves); return {id(row): its Step} for the rows whose fake step is all the row allocates (no DDP buckets, no
+    micro-batches beyond the two run, Adam on the device): those a reserved plan can replay."""
+    replayable = {}
+    for st, (peak, split, param_bytes, opt_bytes, n, work, host, _) in fake.items():
+        shard, mb, n_micro, c, p, o = st.shard, st.micro_batch, st.n_micro, st.checkpointing, st.precision, st.offload
+        out.n_params = n
+        for prec in [q for q in ask.precisions if q == p or (q, p) == ("fp16", "bf16")]:
+            for ranks in flat_ranks if shard is None else [shard[0]]:
+                rows = ask.batch // ranks
+                if rows % mb or min(rows // mb, 2) != n_micro:
+                    continue
+                # held too: the rows beyond the n_micro micro-batches run; fp16: GradScaler's scalars
+                extra = (rows - mb * n_micro) * row_bytes + (GRADSCALER_BYTES if prec == "fp16" else 0)
+                kinds = [q for q in (("fsdp2-reshard" if shard[1] else "fsdp2",) if shard else ("single",)
+                                     if ranks == 1 else ("ddp", "zero1")) if q in ask.parallels]
+                variants = [(parallel, "device", (peak, split)) for parallel in kinds if "device" in ask.optimizers
+                            and not (parallel == "zero1" and st.adam_impl == "foreach")]
+                if ranks == 1 and "host" in ask.optimizers and st.adam_impl == ask.adam_impls[0] and kinds:  # (the
+                    variants.append(("single", "host", host))  # update on the host: one row, whatever the device's Adam)
+                for parallel, where, (at_peak, at_split) in variants:
+                    buckets = param_bytes if parallel in ("ddp", "zero1") else 0  # DDP's gradient buckets
+                    dropped = opt_bytes - opt_bytes // ranks if parallel == "zero1" else 0  # ZeRO-1 keeps 1/N of Adam
+                    rank_split = {**at_split, "activations": at_split["activations"] + extra + buckets,
+                                  "optimizer_state": at_split["optimizer_state"] - dropped}
+                    comb = Combination(ranks, parallel, mb, rows // mb, c, prec, o, where, st.adam_impl,
+                                       ask.keep_logits)
+                    whole = (2 if prec == PURE_BF16 else 4) * n if shard else param_bytes  # one whole copy's bytes
+                    out.rows.append(_row(out, ask.device, ask.rate[prec], comb, at_peak + extra + buckets - dropped,
+                                         rank_split, work, param_bytes, opt_bytes - dropped, whole))
+                    if rows == mb * n_micro and not buckets and where == "device":  # the fake step: the row's step
+                        replayable[id(out.rows[-1])] = st  # (fp16: bf16's, GradScaler's 16 bytes not replayed)
+    return replayable
+
+
+def combination_fake_step(comb: Combination, seq_len: int, autocast_of: str = "cuda") -> Step:
+    """Return the Step a plan runs on fake tensors for a row's combination (fp16: bf16's; at most two micro-batches)."""
+    shard = (comb.ranks, comb.parallel == "fsdp2-reshard") if comb.parallel.startswith("fsdp2") else None
+    return Step(comb.micro_batch, min(comb.accum_steps, 2), seq_len, comb.checkpointing,
+                "bf16" if comb.precision == "fp16" else comb.precision, comb.offload, shard, comb.adam_impl,
+                comb.keep_logits, autocast_of)
+
+
+def replayed(model, combinations: list, seq_len: int, workers: int | None = None) -> list:
+    """Return [(peak bytes, reserved peak bytes, allocated peak bytes)] of each combination's step at full depth on
+    fake tensors: the peak is the reference a plan's fast depth reproduces by arithmetic (the bytes requested); the
+    reserved and allocated peaks are its allocations replayed through the CUDA caching allocator's rules
+    (labkit.planner.allocator: allocated counts each block handed out, rounded); the steps shared among `workers` processes
+    (None: plan_workers()). Exact for a single device or FSDP2 with Adam on the device and at most two micro-batches
+    (else ParameterError: the row holds more than its fake step allocates)."""
+    for comb in combinations:
+        if comb.parallel in ("ddp", "zero1") or comb.optimizer != "device" or comb.accum_steps > 2:
+            raise ParameterError(f"combination: {comb.parallel}, Adam on the {comb.optimizer}, {comb.accum_steps} "
+                                 "micro-batches: its row holds more than its fake step allocates (DDP's buckets, Adam "
+                                 "on the host, micro-batches beyond two); replayed takes single or fsdp2 rows only")
+    steps = [combination_fake_step(comb, seq_len) for comb in combinations]
+    out = _fake_steps(model, model_spec(model), list(dict.fromkeys(steps)), REPLAY,
+                      plan_workers() if workers is None else workers)
+    return [out[st] for st in steps]
+
+
+def _replay(spec: ModelSpec, step: Step) -> tuple:
+    """Return (peak, reserved peak, allocated peak) of `step` at full depth, its allocations replayed
+    (labkit.planner.allocator)."""
+    peak, _, states, *_ = _fake_run(spec, step, spec.n_layer, reserved=True)
+    return peak, states["peak_reserved"], states["peak_allocated"]
+
+
+def deep_estimate(cfg: GPTConfig, batch_size: int, seq_len: int, world_size: int = 1,
+                  zero_stage: int | None = None) -> MemoryEstimate:
+    """Return what estimate_training_memory(cfg, batch_size, seq_len, world_size, zero_stage) returns, the same bytes,
+    from two shallow fake steps and exact arithmetic (the planner's depth="fast"): seconds for a model of 48 blocks.
+
+    fp32 Adam; stage 2 and 3: rank 0 of FSDP2, resharding after forward at stage 3; 0 and 1: the one-process step with
+    DDP's buckets (and ZeRO-1's 1/N of Adam's state). `states`: the model states where the optimizer step starts
+    (every gradient exists; the step changes no size), and under "other" what else the step holds there (4 bytes
+    more than the estimator's after its step: the planner's step keeps its loss sum).
+    """
+    check_int("world_size", world_size, 1)
+    if zero_stage is not None:
+        check_int("zero_stage", zero_stage, 0, 3)
+        if world_size == 1:
+            raise ValueError("zero_stage needs world_size > 1: one process has nothing to shard")
+    shard = (world_size, zero_stage == 3) if zero_stage in (2, 3) else None
+    peak, split, _, _, n, _, _, at_opt = _extrapolated(gpt_spec(cfg), Step(batch_size, 1, seq_len, shard=shard))
+    states = {k: at_opt[k] for k in ("parameters", "gradients", "optimizer_state")}
+    states["other"] = at_opt["activations"]
+    split = dict(split)
+    if world_size > 1 and shard is None:
+        peak, split, states = data_parallel_rank(peak, split, states, world_size, zero_stage)
+    return MemoryEstimate(peak, split, n, batch_size, seq_len, world_size, zero_stage if world_size > 1 else None,
+                          states)
+
+
+def plan_workers() -> int:
+    """Return the processes a plan's fake steps run in: $LABKIT_PLAN_WORKERS (1: in this process), else this
+    process's CPUs, at most 4 (make test sets 1: its test processes already fill the cores)."""
+    value = os.environ.get(PLAN_WORKERS_ENV, "")
+    if value:
+        if not value.isdigit() or not 1 <= int(value) <= 64:
+            raise ParameterError(f"{PLAN_WORKERS_ENV} must be a whole number from 1 to 64, got {value!r}")
+        return int(value)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cpus))
+
+
+def _groups(spec: ModelSpec, steps: list, depth: str) -> list:
+    """Return the steps in groups that share their fake steps (one fit at fast depth, else one step each), the
+    costliest first (sharded, then checkpointed), each group's largest micro-batch first (its fit serves them all)."""
+    groups = {}
+    for step in steps:
+        fast = (depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS
+                and step.checkpointing in FAST_DEPTHS)
+        base = replace(step, adam_impl=ADAM_IMPLS[0])  # Adam's implementations share the rest of their steps
+        groups.setdefault(replace(base, micro_batch=0) if fast else base, []).append(step)
+    return sorted((sorted(g, key=lambda st: -st.micro_batch) for g in groups.values()),
+                  key=lambda g: (g[0].shard is not None, g[0].checkpointing != "none", len(g)), reverse=True)
+
+
+def _run_group(spec: ModelSpec, group: list, depth: str) -> list:
+    """Return [(step, _extrapolated's figures)] for one group of steps (in this process or a worker's); depth REPLAY:
+    [(step, (peak, reserved peak, allocated peak))] (_replay)."""
+    with one_thread():  # (FSDP2 sharding meta tensors between the fake steps too: a second thread only slows it)
+        return [(step, _replay(spec, step) if depth == REPLAY else _extrapolated(spec, step, depth)) for step in group]
+
+
+def _run_claimed(spec: ModelSpec, groups: list, depth: str, claims: str) -> list:
+    """Run the groups this process claims first, in their order (a file created in the claims folder, or not at all:
+    another process has it); return [(item, _extrapolated's figures)]. Claiming as they go, the processes end within
+    one group of each other whatever each group costs."""
+    out = []
+    for i, g in enumerate(groups):
+        try:
+            os.close(os.open(os.path.join(claims, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        out.extend(_run_group(spec, g, depth))
+    return out
+
+
+def _worker_main(task_path: str, out_path: str) -> None:
+    """Run the plan groups (a pickled (model, groups, depth, claims folder)) this worker claims first (_run_claimed)
+    and pickle their figures to out_path."""
+    die_with_parent()
+    with open(task_path, "rb") as f:
+        model, groups, depth, claims = pickle.load(f)
+    out = _run_claimed(model_spec(model), groups, depth, claims)
+    with open(out_path + ".part", "wb") as f:
+        pickle.dump(out, f)
+    os.replace(out_path + ".part", out_path)
+
+
+def _fake_steps(model, spec: ModelSpec, steps: list, depth: str, workers: int) -> dict:
+    """Return {step: _extrapolated's figures} for every step: from this process's memo, run here, or shared among
+    this process and `workers` - 1 child processes when there are MIN_GROUPS_PER_WORKER groups a worker or more (a
+    preset or GPTConfig model; each child dies with this process, and leaving stops them)."""
+    memo = {} if spec.key is None else {step: (spec.key, step, depth) for step in steps}
+    out = {step: _PLANNED[memo[step]] for step in steps if memo.get(step) in _PLANNED}
+    groups = _groups(spec, [step for step in steps if step not in out], depth)
+    if workers > 1 and len(groups) >= MIN_GROUPS_PER_WORKER * workers and isinstance(model, (str, GPTConfig)):
+        with tempfile.TemporaryDirectory(prefix="labkit-plan-") as tmp, ChildProcesses() as children:
+            task, claims, paths = os.path.join(tmp, "task"), os.path.join(tmp, "claims"), []
+            os.mkdir(claims)
+            with open(task, "wb") as f:  # every group for every worker: each runs those it claims first
+                pickle.dump((model, groups, depth, claims), f)
+            for k in range(workers - 1):  # this process is the last worker
+                result, log = os.path.join(tmp, f"result{k}"), os.path.join(tmp, f"log{k}")
+                open(log, "w").close()  # (there even if the worker fails before it writes)
+                children.start_forked(_worker_main, (task, result), stdout_path=log, preload=PLAN_PRELOAD)
+                paths.append((result, log))
+            with one_thread():  # (the children start meanwhile: the server's imports overlap this one's fake steps)
+                out.update(_run_claimed(spec, groups, depth, claims))
+            codes = children.wait(WORKER_TIMEOUT_S)
+            for code, (result, log) in zip(codes, paths):
+                if code != 0 or not os.path.exists(result):
+                    with open(log) as f:
+                        tail = f.read()[-2000:]
+                    raise RuntimeError(f"a plan worker process ended with exit code {code}:\n{tail}")
+                with open(result, "rb") as f:
+                    out.update(pickle.load(f))
+    else:
+        for g in progress(groups, desc="fake steps"):
+            out.update(_run_group(spec, g, depth))
+    for step, key in memo.items():
+        _PLANNED[key] = out[step]
+    return {step: out[step] for step in steps}  # in the todo's order: the plan's rows keep theirs
+
+
+def _row(p: Plan, device: DeviceProfile, rate: str, comb: Combination, peak: int, split: dict, work: tuple,
+         param_bytes: int, opt_bytes: int, whole_param_bytes: int) -> Row:
+    """Return a combination's row: the roofline time on the device plus communication and host transfers, added;
+    16-bit FLOPs at the device's `rate` (a key of its flops_per_s).
+
+    work: (fp32 FLOPs, 16-bit FLOPs, bytes accessed, host bytes) per micro-batch; each precision's FLOPs at its own
+    rate (autocast leaves the non-matmul ops in fp32). The optimizer step reads the parameters, their gradients and its
+    state and writes the parameters and the state: on the device, or on the host.
+    """
+    fp32_per_micro, half_per_micro, bytes_per_micro, offloaded_per_micro = work
+    flops = int((fp32_per_micro + half_per_micro) * comb.accum_steps)
+    optimizer_bytes = 3 * param_bytes + 2 * opt_bytes
+    on_host = comb.optimizer == "host"
+    accessed = int(bytes_per_micro * comb.accum_steps) + (0 if on_host else optimizer_bytes)
+    compute_s = max(comb.accum_steps * (fp32_per_micro / device.flops_per_s["fp32"] +
+                                        half_per_micro / device.flops_per_s[rate]),
+                    accessed / device.memory_bytes_per_s)
+    ring = (comb.ranks - 1) / comb.ranks
+    passes = COMM_UNITS[comb.parallel] * (comb.accum_steps if comb.parallel.startswith("fsdp2") else 1)
+    sent = passes * whole_param_bytes
+    if comb.precision == MIXED_POLICY:  # its all-gathers (every pass but the reduce-scatter) move bf16: half the bytes
+        sent -= (COMM_UNITS[comb.parallel] - 1) * comb.accum_steps * whole_param_bytes // 2
+    comm_s = ring * sent / device.link_bytes_per_s(comb.ranks)
+    host_s = offloaded_per_micro * comb.accum_steps / device.host_bytes_per_s
+    if on_host:
+        host_s += 2 * param_bytes / device.host_bytes_per_s + optimizer_bytes / device.host_memory_bytes_per_s
+    step_s = compute_s + comm_s + host_s
+    return Row(comb, peak, split, peak <= p.budget_bytes, flops, compute_s, comm_s, step_s,
+               p.seq_len * p.batch / step_s, accessed, host_s)
+
+
+def format_plan(p: Plan, all_rows: bool = False) -> str:
+    """Return the plan as a text table: the Pareto front (every row with all_rows) and the fastest that fits."""
+    n = p.n_params  # "437,760" below a million, else "124.4 M" or "6.74 B"
+    count = f"{n:,}" if n < 10**6 else f"{n / 1e6:.1f} M" if n < 10**9 else f"{n / 1e9:.2f} B"
+    head = (f"{p.model} ({count} parameters) on {p.gpus} × {p.device}, seq_len {p.seq_len}, "
+            f"batch {p.batch}: budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
+            f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s"
+            + ("; the logits freed before backward" if any(not r.combination.keep_logits for r in p.rows) else ""))
+    width = max([4, *(len(r.combination.precision) for r in p.rows)])
+    with_reserved = any(r.reserved_bytes is not None for r in p.rows)  # (plan(reserved=True): a column of its own)
+    cols = (f"{'#':>3} {'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>{width}} "
+            f"{'offl':>4} "
+            f"{'opt':>6} {'adam':>8} {'peak':>10} " + (f"{'reserved':>10} " if with_reserved else "") +
+            f"{'fits':>4} {'step (ms)':>10} {'comm (ms)':>10} {'host (ms)':>10} {'tokens/s':>10}")
+    shown, title = (p.rows, "all combinations:") if all_rows else (
+        p.pareto, "Pareto front (memory against predicted step time):")
+    if not shown:
+        shown, title = sorted(p.rows, key=lambda r: r.peak_bytes)[:5], "nothing fits; the smallest peaks:"
+    lines = [head, "", title, cols]
+    front = {id(r): i for i, r in enumerate(p.pareto, 1)}  # "#": a row's place on the front (a figure's labels)
+    for r in shown:
+        c = r.combination
+        lines.append(f"{front.get(id(r), ''):>3} {c.ranks:>5} {c.parallel:>13} {c.micro_batch:>5} {c.accum_steps:>5} "
+                     f"{c.checkpointing:>9} {c.precision:>{width}} {'on' if c.offload else 'off':>4} {c.optimizer:>6} "
+                     f"{c.adam_impl:>8} {format_bytes(r.peak_bytes):>10} "
+                     + (f"{'—' if r.reserved_bytes is None else format_bytes(r.reserved_bytes):>10} "
+                        if with_reserved else "") + f"{'yes' if r.fits else 'no':>4} {r.step_s * 1e3:>10,.2f} "
+                     f"{r.comm_s * 1e3:>10,.2f} {r.host_s * 1e3:>10,.2f} {r.tokens_per_s:>10,.0f}")
+    best = p.fastest
+    lines += ["", "fastest that fits: " + ("none" if best is None else ", ".join(
+        f"{k} {v}" for k, v in asdict(best.combination).items()) + f" ({format_bytes(best.peak_bytes)}, " + (
+            "" if best.reserved_bytes is None else f"{format_bytes(best.reserved_bytes)} reserved, ") +
+        f"{best.step_s * 1e3:,.2f} ms/step, {best.tokens_per_s:,.0f} tokens/s, " + (
+            "a roofline bound for eager, unfused PyTorch)" if best.comm_s + best.host_s == 0 else
+            "an estimate: roofline + " + " + ".join(f"{t * 1e3:,.2f} ms of {what}" for t, what in (
+                (best.comm_s, "communication"), (best.host_s, "host transfers")) if t > 0) + ", not overlapped"
+            + (f"; {best.overlapped_s * 1e3:,.2f} ms/step with the communication hidden behind compute, as FSDP2's "
+               "prefetch and DDP's buckets at best hide it)" if best.comm_s > 0 else ")"))),
+              "#: the row's place on the Pareto front (1: the fastest; blank: not on it, or a tie of a row on it); "
+              "peak: per device" + ("; reserved: the caching allocator's reserved peak, the step's allocations "
+                                    "replayed through its default rules from an empty cache (labkit.planner.allocator; no "
+                                    "expandable_segments; —: not on the Pareto front, or the "
+                                    "row holds more than its fake step allocates: DDP's buckets, micro-batches beyond "
+                                    "two, Adam on the host)" if with_reserved else "")
+              + "; step = roofline + comm + host, each in ms per optimizer step; comm: between GPUs "
+              "(in a server at its GPU-to-GPU rate, beyond it at its network's per GPU: labkit.gpus)",
+              "host: over the host link, the offloaded activations and, with opt = host, also Adam's gradients, "
+              "parameters and update; offl: activation offload; opt: where Adam's state and update live; adam: its "
+              "implementation (for-loop, foreach, fused: what its update allocates); tokens/s: the global batch's; "
+              "keep_logits: the logits held through backward (False: deleted before it, torchtitan's `del pred`)",
+              "left out: " + "; ".join(f"{k} ({v})" for k, v in p.left_out.items())]
+    over = [front[id(r)] for r in p.pareto if r.reserved_bytes is not None and r.reserved_bytes > p.budget_bytes]
+    if over:  # (the verdict reads the peak of the tensors; these rows' replay reserves more than the budget)
+        lines.append(f"reserved above the budget: row{'s' * (len(over) > 1)} {', '.join(map(str, over))} of the front "
+                     "fit by their tensors, but the replay's allocator reserves more than the budget: on the GPU it "
+                     "would release its cache and retry (slower), or run out of memory; not a verified fit")
+    return "\n".join(lines)
+
+
+def plan_json(p: Plan) -> dict:
+    """Return the plan as JSON-able data."""
+    best = p.fastest
+    return {**{k: v for k, v in asdict(p).items() if k != "rows"}, "rows": [asdict(r) for r in p.rows],
+            "fastest": None if best is None else asdict(best), "pareto": [asdict(r) for r in p.pareto]}
+
+
+def main(argv=None) -> int:
+    """Print the plan of `--model` on `--gpus` x `--gpu` (a table, or JSON with --json)."""
+    ap = argparse.ArgumentParser(prog="python -m labkit.planner", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt2", help=f"a preset {tuple(PRESETS)} or a transformers config.json")
+    ap.add_argument("--gpu", default="a100-80gb", help="a GPU of labkit.gpus.GPUS or cpu (measured)")
+    ap.add_argument("--gpus", type=int, default=1, help="devices (data-parallel ranks at most)")
+    ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sample")
+    ap.add_argument("--batch", type=int, default=8, help="global batch: samples per optimizer step")
+    ap.add_argument("--reserve", type=float, default=RESERVE_FRACTION, help="share of device memory held back")
+    ap.add_argument("--depth", choices=DEPTHS, default="fast",
+                    help="fast: exact arithmetic over a few blocks; full: every block on fake tensors (the reference)")
+    ap.add_argument("--precision", nargs="+", choices=PLAN_PRECISIONS, default=None,
+                    help=f"precisions to plan (default: those the GPU has of {PRECISIONS}); {MIXED_POLICY}: FSDP2's "
+                         "MixedPrecisionPolicy, bf16 parameters gathered and computed, fp32 shards and reduction; "
+                         f"{PURE_BF16}: bf16 weights, gradients and Adam state, no autocast (torchtune's default)")
+    ap.add_argument("--parallel", nargs="+", choices=tuple(COMM_UNITS), default=list(COMM_UNITS),
+                    help="ways of running on the GPUs to plan (default: all); fsdp2-reshard: FSDP2 resharding after "
+                         "forward")
+    ap.add_argument("--checkpointing", nargs="+", choices=CHECKPOINTING, default=None,
+                    help=f"checkpointing choices to plan (default: {', '.join(PLAN_CHECKPOINTING)}; a transformers "
+                         "model: none, full); every: every block but the last; full: the last too (torchtitan's "
+                         "full activation checkpointing); op: torchtitan's op-level selective (SDPA's and every "
+                         "second matmul's outputs kept)")
+    ap.add_argument("--adam-impl", nargs="+", choices=ADAM_IMPLS, default=list(ADAM_IMPLS[:1]),
+                    help="Adam's implementations to plan, each a row of its own (foreach: CUDA's default; fused: "
+                         "torchtitan's)")
+    ap.add_argument("--logits-fp32", action="store_true",
+                    help="a preset's logits upcast to fp32 before the loss (torchtitan's Llama; transformers' loss "
+                         "does it already)")
+    ap.add_argument("--free-logits", action="store_true",
+                    help="free the logits before backward, as torchtitan's step does (default: held, as "
+                         "`logits, loss = model(x, y)` holds them)")
+    ap.add_argument("--attention", choices=ATTENTION, default=None,
+                    help="a preset's attention: manual (T×T scores kept), sdpa (the kernel torch picks on the device), "
+                         "flash or efficient (CUDA's kernels: what each saves for backward)")
+    ap.add_argument("--reserved", action="store_true",
+                    help="each Pareto-front row's reserved peak: its step at full depth on fake tensors, the "
+                         "allocations replayed through the CUDA caching allocator's default rules (no "
+                         "expandable_segments; one fake step more each)")
+    ap.add_argument("--all", action="store_true", help="print every combination, not only the Pareto front")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = ap.parse_args(argv)
+    model = args.model
+    if args.logits_fp32 and model not in PRESETS:
+        ap.error(f"--logits-fp32: a preset's option ({', '.join(PRESETS)}); a transformers model's loss upcasts "
+                 "its logits already")
+    if args.attention and model not in PRESETS:
+        ap.error(f"--attention: a preset's option ({', '.join(PRESETS)}); a transformers config sets its own "
+                 "(attn_implementation)")
+    if model in PRESETS and (args.logits_fp32 or args.attention):
+        model = replace(PRESETS[model], logits_fp32=args.logits_fp32, attn=args.attention or PRESETS[model].attn)
+    try:
+        p = plan(model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
+                 depth=args.depth, adam_impls=args.adam_impl, precisions=args.precision, checkpointing=args.checkpointing,
+                 parallels=args.parallel, keep_logits=not args.free_logits, reserved=args.reserved)
+    except ParameterError as e:
+        ap.error(str(e))
+    print(json.dumps(plan_json(p), indent=1) if args.json else format_plan(p, args.all))
+    return 0
+
+
+def combination_step(cfg: GPTConfig, combination: Combination, seed: int = 0, device="cpu"):
+    """Return (model, optimizer, step_fn) running a one-device combination for real: what the meter checks a row by.
+
+    Measure its step without a warm-up (labkit.measure_step(..., warmup=False)): with the optimizer on the device,
+    Adam's state is created here as a first step leaves it (train.create_optimizer_state, no forward: a warm-up step
+    of bf16 on a CPU without bf16 units costs tens of fp32 steps); on the host, its first step creates the state in
+    the host tier.
+    """
+    model = seeded_model(cfg, seed, device)
+    _checkpoint(model, combination.checkpointing)
+    if combination.precision == PURE_BF16:
+        model.to(torch.bfloat16)
+    optimizer = make_optimizer("adam", model.parameters(), implementation=combination.adam_impl)
+    if combination.optimizer == "device":
+        create_optimizer_state(optimizer)
+    else:
+        device_step = optimizer.step
+
+        def host_step(*args, **kwargs):
+            with host_tier():  # the state and the step's temporaries: host memory
+                return device_step(*args, **kwargs)
+        optimizer.step = host_step
+    hooks = OffloadHooks(model, min_bytes=OFFLOAD_MIN_BYTES) if combination.offload else None
+
+    step = Step(combination.micro_batch, precision=combination.precision, checkpointing=combination.checkpointing,
+                offload=combination.offload, adam_impl=combination.adam_impl, keep_logits=combination.keep_logits)
+
+    def step_fn(model, optimizer, batch):
+        return plan_step(model, optimizer, batch, step, hooks)
+    return model, optimizer, step_fn
+
+
+if __name__ == "__main__":  # (python -m labkit.planner.plan) run as the module labkit.planner.plan: the Steps its
+    from labkit.planner import plan as _module  # workers unpickle are labkit.planner.plan.Step, never __main__.Step
+    raise SystemExit(_module.main())
