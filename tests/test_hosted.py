@@ -134,7 +134,7 @@ def test_readme_shows_the_one_line_install_and_explains_every_gpu_check_row():
 # -- where the chapters write --------------------------------------------------------------------------------
 def test_build_dir_in_the_checkout_the_working_directory_or_the_temp_folder(monkeypatch, tmp_path):
     from labkit import results
-    from labkit.search.study import default_build_dir
+    from labkit.search.storage import default_build_dir
 
     monkeypatch.delenv(BUILD_DIR_ENV, raising=False)
     assert build_dir("search") == ROOT / "build" / "search" == default_build_dir()  # make setup's editable labkit
@@ -333,7 +333,7 @@ def test_a_chapter_runs_from_an_empty_folder_in_a_fresh_environment(tmp_path):
                   if "__pycache__" not in p.parts and (p.suffix == ".py" or p.parent.name == "data" and p.is_file()))
     assert installed.stdout.split() == ours  # pip installed every module of the package and its data (published runs)
     assert "data/published_runs.json" in ours
-    made = subprocess.run([python, "-c", "from labkit.search.study import default_build_dir; print(default_build_dir())"],
+    made = subprocess.run([python, "-c", "from labkit.search.storage import default_build_dir; print(default_build_dir())"],
                           capture_output=True, text=True, check=True, cwd=folder, env=environ).stdout.strip()
     assert made == str(folder / "build" / "search"), made  # the chapters write beside the notebook
     check = subprocess.run([python, "-m", "labkit.tools.gpucheck"], capture_output=True, text=True, cwd=folder, env=environ)

@@ -9,6 +9,7 @@ import optuna
 import labkit
 
 from labkit import search
+from labkit.search import storage as stores
 from labkit.search import study as studies
 
 STEM = "08_memory_aware_search"
@@ -16,7 +17,7 @@ STEM = "08_memory_aware_search"
 
 def test_notebook_08_verdicts_with_another_seed_and_an_earlier_study_in_the_storage(execute_notebook, tmp_path):
     storage_url = f"sqlite:///{tmp_path}/studies.db"
-    storage = studies.make_storage(storage_url)
+    storage = stores.make_storage(storage_url)
     config = search.StudyConfig(budget_bytes=1 << 30, n_layer=2)
     earlier = studies.create_study("nb08-test-20260101-000000-1", storage, config, "speed", sampler="random")
     studies.optimize(earlier, 2)  # a finished earlier run

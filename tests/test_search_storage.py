@@ -1,4 +1,4 @@
-"""labkit.search.study's storage: URLs refused before any work, a silent server timed out, and one process at a
+"""labkit.search.storage: URLs refused before any work, a silent server timed out, and one process at a
 time changing a trial's state (one retry per dead trial, one worker per queued trial), on SQLite as on a server."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 from optuna.trial import TrialState
 
 from labkit import search
+from labkit.search import storage as stores
 from labkit.search import study as studies
 from labkit.validate import ParameterError
 
@@ -37,17 +38,17 @@ FITS = {"technique": "l2l", "lr": 1e-3}
 ])
 def test_a_storage_no_worker_could_share_is_refused(url, words):
     with pytest.raises(ParameterError, match=words) as e:
-        studies.check_storage_url("STORAGE", url)
+        stores.check_storage_url("STORAGE", url)
     assert str(e.value).startswith("STORAGE")
     if "URL" in words:
         assert "sqlite:///path/to/file.db" in str(e.value)  # what is allowed
     with pytest.raises(ParameterError, match=f"^url.*{words}"):
-        studies.make_storage(url)  # the function's own argument, before any connection
+        stores.make_storage(url)  # the function's own argument, before any connection
 
 
 def test_a_sqlite_file_is_accepted_and_not_created(tmp_path):
-    url = studies.storage_url(tmp_path / "s.db")
-    assert studies.check_storage_url("STORAGE", url) == url
+    url = stores.storage_url(tmp_path / "s.db")
+    assert stores.check_storage_url("STORAGE", url) == url
     assert not (tmp_path / "s.db").exists()
 
 
@@ -72,7 +73,7 @@ def _raised_within(seconds: float, call) -> tuple[BaseException | None, float]:
 
 def test_a_server_nobody_listens_on_fails_fast():
     pytest.importorskip("psycopg", reason="psycopg is not installed (the engines extra)")
-    error, seconds = _raised_within(10, lambda: studies.check_storage_url(
+    error, seconds = _raised_within(10, lambda: stores.check_storage_url(
         "STORAGE", "postgresql+psycopg://u@127.0.0.1:1/db", timeout_s=3))
     assert isinstance(error, ParameterError), error
     assert str(error).startswith("STORAGE: could not connect to the database postgresql+psycopg://u@127.0.0.1:1/db")
@@ -86,8 +87,8 @@ def test_a_server_that_never_answers_times_out():
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)  # the kernel completes the handshake; nobody ever answers
         url = f"postgresql+psycopg://u:secret@127.0.0.1:{silent.getsockname()[1]}/db"
-        for call in (lambda: studies.check_storage_url("STORAGE", url, timeout_s=2),
-                     lambda: studies.make_storage(url, connect_timeout_s=2)):
+        for call in (lambda: stores.check_storage_url("STORAGE", url, timeout_s=2),
+                     lambda: stores.make_storage(url, connect_timeout_s=2)):
             error, seconds = _raised_within(20, call)
             assert isinstance(error, ParameterError) and "could not connect to the database" in str(error), error
             assert "within 2 s" in str(error)
@@ -136,8 +137,8 @@ def _interleaved(storages, change):
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
 def test_two_processes_cannot_both_fail_one_trial(tmp_path):
-    url = studies.storage_url(tmp_path / "f.db")
-    a, b = studies.make_storage(url), studies.make_storage(url)  # two workers' handles on one file
+    url = stores.storage_url(tmp_path / "f.db")
+    a, b = stores.make_storage(url), stores.make_storage(url)  # two workers' handles on one file
     study = optuna.create_study(storage=a, study_name="f")
     trial_id = study.ask()._trial_id
     results = _interleaved([a, b], lambda s: s.set_trial_state_values(trial_id, state=TrialState.FAIL))
@@ -145,8 +146,8 @@ def test_two_processes_cannot_both_fail_one_trial(tmp_path):
 
 
 def test_two_processes_cannot_both_pop_one_queued_trial(tmp_path):
-    url = studies.storage_url(tmp_path / "q.db")
-    a, b = studies.make_storage(url), studies.make_storage(url)
+    url = stores.storage_url(tmp_path / "q.db")
+    a, b = stores.make_storage(url), stores.make_storage(url)
     study = optuna.create_study(storage=a, study_name="q")
     study.enqueue_trial({"x": 1.0})
     trial_id = study.get_trials()[0]._trial_id
@@ -157,14 +158,15 @@ def test_two_processes_cannot_both_pop_one_queued_trial(tmp_path):
 def test_racing_workers_queue_one_retry_per_dead_trial(tmp_path):
     """Three worker processes find the same sixteen dead trials at the same moment: each is failed and retried once,
     whether its worker is seen dead by its pid, by its stale heartbeat, or by both."""
-    url = studies.storage_url(tmp_path / "race.db")
-    study = studies.create_study("race", studies.make_storage(url), CONFIG, "loss", sampler="random", pruner="none")
+    url = stores.storage_url(tmp_path / "race.db")
+    study = studies.create_study("race", stores.make_storage(url), CONFIG, "loss", sampler="random", pruner="none")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     dead = textwrap.dedent("""
         import sys
+        from labkit.search import storage as db
         from labkit.search import study as s
         from labkit.search import workers
-        st = s.load_study("race", s.make_storage(sys.argv[1], heartbeat_s=1, grace_s=1))
+        st = s.load_study("race", db.make_storage(sys.argv[1], heartbeat_s=1, grace_s=1))
         for i in range(16):
             t = st.ask()
             workers.mark_worker(t)
@@ -175,10 +177,11 @@ def test_racing_workers_queue_one_retry_per_dead_trial(tmp_path):
     subprocess.run([sys.executable, "-W", "ignore", "-c", dead, url], check=True, env=env)
     racer = textwrap.dedent("""
         import os, sys, time
+        from labkit.search import storage as db
         from labkit.search import study as s
         from labkit.search import workers
         url, me, n, folder = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-        st = s.load_study("race", s.make_storage(url, heartbeat_s=1, grace_s=1))
+        st = s.load_study("race", db.make_storage(url, heartbeat_s=1, grace_s=1))
         open(os.path.join(folder, "ready-" + me), "w").close()
         while sum(os.path.exists(os.path.join(folder, f"ready-{i}")) for i in range(n)) < n:
             time.sleep(0.001)  # all three start together
@@ -197,10 +200,10 @@ def test_racing_workers_queue_one_retry_per_dead_trial(tmp_path):
 # -- a trial another process ended while this worker ran it ----------------------------------------------
 def test_a_trial_finished_elsewhere_is_skipped_not_fatal(tmp_path, monkeypatch):
     """Two workers ran one trial (a worker thought dead, or a storage without row locks): the second one's tell fails."""
-    url = studies.storage_url(tmp_path / "e.db")
-    study = studies.create_study("e", studies.make_storage(url), CONFIG, "loss", sampler="replay", pruner="none",
+    url = stores.storage_url(tmp_path / "e.db")
+    study = studies.create_study("e", stores.make_storage(url), CONFIG, "loss", sampler="replay", pruner="none",
                                  replay=[FITS])
-    other = optuna.load_study(study_name="e", storage=studies.make_storage(url))  # the other worker's handle
+    other = optuna.load_study(study_name="e", storage=stores.make_storage(url))  # the other worker's handle
 
     def objective(study, on_result=None):
         def fn(trial):
@@ -217,8 +220,8 @@ def test_a_trial_finished_elsewhere_is_skipped_not_fatal(tmp_path, monkeypatch):
 
 def test_an_objectives_own_error_still_raises(tmp_path, monkeypatch):
     """The skip above must not swallow a real error: the trial is FAIL (by this worker) and the error is raised."""
-    url = studies.storage_url(tmp_path / "o.db")
-    study = studies.create_study("o", studies.make_storage(url), CONFIG, "loss", sampler="replay", pruner="none",
+    url = stores.storage_url(tmp_path / "o.db")
+    study = studies.create_study("o", stores.make_storage(url), CONFIG, "loss", sampler="replay", pruner="none",
                                  replay=[FITS])
 
     def objective(study, on_result=None):

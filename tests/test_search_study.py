@@ -14,6 +14,7 @@ from optuna.trial import TrialState
 
 from labkit import search
 from labkit.children import machine_id
+from labkit.search import storage as stores
 from labkit.search import study as studies
 from labkit.search import workers
 
@@ -33,7 +34,7 @@ def config():
 
 @pytest.fixture
 def storage(tmp_path):
-    return studies.make_storage(studies.storage_url(tmp_path / "s.db"), heartbeat_s=1, grace_s=2)
+    return stores.make_storage(stores.storage_url(tmp_path / "s.db"), heartbeat_s=1, grace_s=2)
 
 
 def test_a_study_stores_what_a_worker_needs(config, storage):
@@ -179,8 +180,8 @@ def test_optimize_waits_for_a_silent_trial_and_runs_its_retry(config, storage):
 
 def _dead_worker_trials(url: str, name: str, n: int = 1) -> list[int]:
     """Have a worker process start `n` trials (marked, never a heartbeat) and exit; return their numbers."""
-    code = ("import sys; from labkit.search import study as s, workers as w\n"
-            "st = s.load_study(sys.argv[2], s.make_storage(sys.argv[1]))\n"
+    code = ("import sys; from labkit.search import storage as db, study as s, workers as w\n"
+            "st = s.load_study(sys.argv[2], db.make_storage(sys.argv[1]))\n"
             "for _ in range(int(sys.argv[3])):\n"
             "    t = st.ask(); w.mark_worker(t); print(t.number)")
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code, url, name, str(n)], check=True,
@@ -191,8 +192,8 @@ def _dead_worker_trials(url: str, name: str, n: int = 1) -> list[int]:
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
 def test_a_local_workers_death_is_seen_without_a_heartbeat(config, tmp_path, monkeypatch):
     """A worker killed before its heartbeat thread wrote once (seen: that thread crashed) leaves no heartbeat."""
-    url = studies.storage_url(tmp_path / "d.db")
-    study = studies.create_study("p", studies.make_storage(url, heartbeat_s=1, grace_s=2), config, "loss",
+    url = stores.storage_url(tmp_path / "d.db")
+    study = studies.create_study("p", stores.make_storage(url, heartbeat_s=1, grace_s=2), config, "loss",
                                  sampler="replay", pruner="none", replay=[FITS])
     assert studies.optimize(study, 1) == 1
     [silent] = _dead_worker_trials(url, "p")
@@ -208,8 +209,8 @@ def test_a_local_workers_death_is_seen_without_a_heartbeat(config, tmp_path, mon
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
 def test_a_retry_is_not_failed_for_the_dead_worker_it_copied(config, tmp_path):
     """The retry copies the dead trial's user attributes: a third worker must not take them for the retry's worker."""
-    url = studies.storage_url(tmp_path / "r.db")
-    storage = studies.make_storage(url, heartbeat_s=1, grace_s=2)
+    url = stores.storage_url(tmp_path / "r.db")
+    storage = stores.make_storage(url, heartbeat_s=1, grace_s=2)
     study = studies.create_study("r", storage, config, "loss", sampler="replay", pruner="none", replay=[FITS])
     [dead] = _dead_worker_trials(url, "r")
     assert workers.fail_dead_trials(study) == [dead]
@@ -269,9 +270,9 @@ def test_lost_trials_counts_failures_no_retry_completed(config, storage):
 
 
 def test_default_build_dir_is_the_repositorys(tmp_path):
-    d = studies.default_build_dir()
+    d = stores.default_build_dir()
     assert d.is_dir() and d.parts[-2:] == ("build", "search") and (d.parent.parent / "pyproject.toml").exists()
-    assert studies.storage_url(tmp_path / "a" / "b.db").startswith("sqlite:///") and (tmp_path / "a").is_dir()
+    assert stores.storage_url(tmp_path / "a" / "b.db").startswith("sqlite:///") and (tmp_path / "a").is_dir()
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")

@@ -20,6 +20,7 @@ from optuna.trial import TrialState
 
 from labkit import search
 from labkit.children import ChildProcesses
+from labkit.search import storage as stores
 from labkit.search import study as studies
 from labkit.search import workers
 from labkit.search.space import check_params
@@ -55,8 +56,8 @@ def _alive(pid: int) -> bool:
 def test_a_worker_killed_mid_trial_loses_no_trial(tmp_path):
     """run_workers SIGKILLs one of two workers inside a trial: the trial is failed, retried and completed by the other
     (the replacement worker chapter 08 starts is in test_nb08 and its nbval run)."""
-    url = studies.storage_url(tmp_path / "kill.db")
-    storage = studies.make_storage(url, heartbeat_s=1, grace_s=2)
+    url = stores.storage_url(tmp_path / "kill.db")
+    storage = stores.make_storage(url, heartbeat_s=1, grace_s=2)
     config = _config(train_steps=48)  # about half a second per trial: long enough to be caught running
     study = studies.create_study("kill", storage, config, "loss", sampler="random", pruner="none")
     space = [p for p in config.space() if p.name not in (study.user_attrs["settings"].get("fixed") or {})]
@@ -101,8 +102,8 @@ def test_wait_stops_children_after_the_timeout():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_worker_dies_with_the_process_that_started_it(tmp_path):
     """The parent (a notebook kernel, say) is killed outright: its worker ends too."""
-    url = studies.storage_url(tmp_path / "orphan.db")
-    studies.create_study("orphan", studies.make_storage(url), _config(4), "loss", sampler="replay", replay=[FITS],
+    url = stores.storage_url(tmp_path / "orphan.db")
+    studies.create_study("orphan", stores.make_storage(url), _config(4), "loss", sampler="replay", replay=[FITS],
                          pruner="none")
     parent = textwrap.dedent(f"""
         import sys, time
@@ -179,8 +180,8 @@ def test_two_workers_on_a_postgresql_server(postgres_url):
     """The many-machine set-up on one machine: workers share the study through a real database server."""
     config = _config(train_steps=4)
     settings = [dict(FITS, lr=1e-3 * (1 + i)) for i in range(6)]
-    assert studies.check_storage_url("STORAGE", postgres_url) == postgres_url  # it answers
-    storage = studies.make_storage(postgres_url)
+    assert stores.check_storage_url("STORAGE", postgres_url) == postgres_url  # it answers
+    storage = stores.make_storage(postgres_url)
     study = studies.create_study("pg", storage, config, "loss", sampler="replay", pruner="none", replay=settings)
     with ChildProcesses() as kids:
         for i in range(2):

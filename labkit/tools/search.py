@@ -25,13 +25,14 @@ def _worker(args) -> int:
     import optuna
     import torch
 
+    from labkit.search import storage as stores
     from labkit.search import study as studies
     from labkit.validate import ParameterError
 
     torch.set_num_threads(args.threads)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:  # an in-memory, malformed or silent database: said before any trial
-        storage = studies.make_storage(args.storage, connect_timeout_s=args.connect_timeout, name="--storage")
+        storage = stores.make_storage(args.storage, connect_timeout_s=args.connect_timeout, name="--storage")
     except ParameterError as e:
         print(f"python -m labkit.tools.search worker: {e}", file=sys.stderr)
         return 2
