@@ -5,7 +5,7 @@ import pytest
 import labkit
 from labkit.costs import work_from_record
 from labkit.gpus import step_time
-from labkit.pipeline import describe_bubble
+from labkit.pipelinerun import describe_bubble
 
 STEM = "06b_pipeline_parallel"
 

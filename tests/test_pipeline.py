@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from labkit.dist import time_actions
-from labkit.pipeline import (actions_within, bubble_theory, ideal_schedule, measured_bubble, replay, simulate_order,
-                             stage_order, torch_schedule_order)
+from labkit.pipeline import bubble_theory, ideal_schedule, replay, simulate_order, stage_order, torch_schedule_order
+from labkit.pipelinerun import actions_within, measured_bubble
 from labkit.plots import plot_gantt
 
 
@@ -296,7 +296,7 @@ def _ranks_from(plan_by_step, gap_s=0.0, core_s=0.0):
 
 
 def test_pipeline_timings_replay_the_compute_and_split_the_rest():
-    from labkit.pipeline import PipelineTimings
+    from labkit.pipelinerun import PipelineTimings
 
     plan = ideal_schedule("GPipe", 2, 4)
     exact = PipelineTimings(_ranks_from({0: plan, 1: plan}), 2)
@@ -336,7 +336,7 @@ def test_pipeline_timings_replay_the_compute_and_split_the_rest():
 
 
 def test_micro_batches_held_come_out_of_the_bytes():
-    from labkit.pipeline import fit_inverse_m, micro_batches_held
+    from labkit.pipelinerun import fit_inverse_m, micro_batches_held
 
     assert fit_inverse_m([1, 2, 4], [3 + 8 / m for m in (1, 2, 4)]) == pytest.approx((3.0, 8.0))
     K, saved, fixed, working = 2, [100.0, 80.0], [10.0, 20.0], [6.0, 4.0]
@@ -351,7 +351,8 @@ def test_micro_batches_held_come_out_of_the_bytes():
 
 
 def test_forwards_from_zero_and_the_step_from_the_first_forward():
-    from labkit.pipeline import forwards_from_zero, seconds_in, step_from_first_forward
+    from labkit.pipeline import forwards_from_zero
+    from labkit.pipelinerun import seconds_in, step_from_first_forward
 
     assert forwards_from_zero({0: ["F0", "B0"], 1: ["F1", "B0", "F2", "B1"]}) == {0: ["F0", "B0"],
                                                                                   1: ["F0", "B0", "F1", "B1"]}
@@ -367,7 +368,7 @@ def test_forwards_from_zero_and_the_step_from_the_first_forward():
 
 
 def test_level_stretch_takes_the_pairwise_overlapping_points_around_the_lowest():
-    from labkit.pipeline import level_stretch
+    from labkit.pipelinerun import level_stretch
 
     ys = [0.511, 0.383, 0.375, 0.327, 0.370]
     assert level_stretch(ys, [(0.511, 0.512), (0.374, 0.387), (0.359, 0.401), (0.223, 0.333), (0.276, 0.458)]) == (3, 4)
@@ -382,7 +383,7 @@ GPIPE_RANGES = [(0.508, 0.510), (0.353, 0.419), (0.318, 0.373), (0.322, 0.448), 
 
 
 def test_describe_bubble_states_the_rise_between_points_whose_spreads_do_not_overlap():
-    from labkit.pipeline import bubble_shape, describe_bubble
+    from labkit.pipelinerun import bubble_shape, describe_bubble
 
     ms, ys = [1, 2, 4, 8, 16], [0.509, 0.357, 0.323, 0.353, 0.407]
     words = describe_bubble(ms, ys, GPIPE_RANGES)
@@ -402,7 +403,7 @@ def test_describe_bubble_states_the_rise_between_points_whose_spreads_do_not_ove
 
 
 def test_describe_bubble_says_level_only_where_the_spreads_overlap():
-    from labkit.pipeline import bubble_shape, describe_bubble
+    from labkit.pipelinerun import bubble_shape, describe_bubble
 
     ms, ys = [1, 2, 4, 8, 16], [0.511, 0.383, 0.375, 0.327, 0.370]
     ranges = [(0.511, 0.512), (0.374, 0.387), (0.359, 0.401), (0.223, 0.333), (0.276, 0.458)]
@@ -425,7 +426,7 @@ def test_describe_bubble_says_level_only_where_the_spreads_overlap():
 
 
 def test_a_rise_after_the_lowest_m_is_a_finding_only_beyond_the_spread_and_not_mostly_core_waits():
-    from labkit.pipeline import PipelineTimings
+    from labkit.pipelinerun import PipelineTimings
 
     class Fixed(PipelineTimings):  # each M's timed steps' range and its median step's three parts, given
         def __init__(self, ranges, parts):
@@ -460,3 +461,14 @@ def test_time_actions_still_imports_from_pipeline_with_a_warning():
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         labkit.pipeline.nothing
 
+
+
+def test_a_measured_runs_names_still_import_from_pipeline_with_a_warning():
+    import labkit.pipeline
+    import labkit.pipelinerun
+    for name in ("PipelineTimings", "describe_bubble", "measured_bubble", "BUBBLE_LEVEL", "seconds_in"):
+        with pytest.warns(DeprecationWarning, match=f"labkit.pipeline.{name} moved to labkit.pipelinerun.{name}"):
+            assert getattr(labkit.pipeline, name) is getattr(labkit.pipelinerun, name)
+    with pytest.warns(DeprecationWarning):
+        from labkit.pipeline import PipelineTimings  # a from-import of a moved name: the same
+    assert PipelineTimings is labkit.pipelinerun.PipelineTimings
