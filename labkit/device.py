@@ -87,7 +87,7 @@ def synchronize(device: torch.device) -> None:
 class HalfPrecision:
     """The 16-bit format a device trains in, and why."""
 
-    precision: str  # "bf16" | "fp16": the name labkit.precision and the chapters use
+    precision: str  # "bf16" | "fp16": the name labkit.techniques.precision and the chapters use
     dtype: torch.dtype  # torch.bfloat16 | torch.float16: autocast's dtype
     needs_scaler: bool  # fp16 only: a GradScaler keeps small gradients from flushing to zero
     reason: str  # one line: the device and why this format

@@ -1,12 +1,12 @@
 """A measured pipeline run read back (chapters 06 and 06b): the actions inside each rank's timed spans, the bubble
 they leave, the micro-batches each stage holds, the step on a GPU with the bubble, and what the measured bubbles say
-over M in words (the ideal schedules and the replay: labkit.pipeline)."""
+over M in words (the ideal schedules and the replay: labkit.techniques.pipeline)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from labkit.pipeline import ideal_schedule, replay
+from labkit.techniques.pipeline import ideal_schedule, replay
 from labkit.stages import ACTION_KINDS, LOSS_KIND
 
 BUBBLE_LEVEL = 0.005  # two bubble fractions closer than this count as level in a trend sentence (chapters 06b, 10)

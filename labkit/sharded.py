@@ -170,7 +170,7 @@ def formula_errors(rank_values: list[dict], psi: int, n: int, stages: dict[str, 
     `rank_values`: each rank's {point: its result, with "states"}; `stages`: {point: ZeRO stage}; each point is held
     to `held_to_formula`'s stage, fp32 Adam.
     """
-    from labkit.zero import model_state_bytes_per_param
+    from labkit.techniques.zero import model_state_bytes_per_param
 
     out = {}
     for point, stage in stages.items():
@@ -182,7 +182,7 @@ def formula_errors(rank_values: list[dict], psi: int, n: int, stages: dict[str, 
 
 def total_errors(value: dict, psi: int, n: int, stages: dict[str, int]) -> dict[str, float]:
     """Return {point: relative error} of one rank's model-state total against its own stage's formula (chapter 07)."""
-    from labkit.zero import model_state_bytes_per_param
+    from labkit.techniques.zero import model_state_bytes_per_param
 
     out = {}
     for point, stage in stages.items():
@@ -218,7 +218,7 @@ def formula_failures(rank_values: list[dict], psi: int, n: int, stages: dict[str
 
 def print_state_table(value: dict, psi: int, n: int, stages: dict[str, int]) -> None:
     """Print one rank's bytes per parameter by category: at rest beside ZeRO's formula, and at the peak (chapter 07)."""
-    from labkit.zero import model_state_bytes_per_param
+    from labkit.techniques.zero import model_state_bytes_per_param
 
     print(f"N = {n} ranks, rank 0, bytes per parameter")
     print(f"{'':17s}{'at rest: measured (formula held to)':^42s} | {'at the peak':^34s}")

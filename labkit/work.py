@@ -7,7 +7,7 @@ a time on a GPU; the planner counts its fake steps alike. One `WorkCounter` (a d
 - bytes operators read and write, each tensor once per operator (no fusion, no cache), views left out; an in-place
   operator's written tensors once (copy_'s destination is written, not read; a foreach update's list both);
 - kernels: operators that move or compute data (a GPU launches one kernel or more for each) and host copies;
-- bytes over the host link: every copy of `labkit.hosttier` (to_host, to_device) reports itself here;
+- bytes over the host link: every copy of `labkit.techniques.hosttier` (to_host, to_device) reports itself here;
 - bytes handed to collectives and point-to-point sends, by kind, and the bytes a rank sends with ring algorithms.
 """
 
@@ -89,7 +89,7 @@ class Work:
     flops: dict = field(default_factory=dict)  # FLOPs by precision ("fp32", "bf16", "fp16"), torch's formulas
     bytes_accessed: int = 0  # bytes operators read and write (each tensor once per operator: no fusion, no cache)
     kernels: int = 0  # operators that move or compute data (a GPU launches at least one kernel for each), host copies
-    host_bytes: int = 0  # bytes over the host link, both directions (labkit.hosttier's copies)
+    host_bytes: int = 0  # bytes over the host link, both directions (labkit.techniques.hosttier's copies)
     sent_bytes: float = 0.0  # bytes this rank sends to others (ring algorithms; sends)
 
     @property
@@ -119,7 +119,7 @@ _ACTIVE: list = []  # the WorkCounters entered now, innermost last: hosttier's c
 def host_copy(nbytes: int):
     """Count `nbytes` over the host link and one kernel in every active WorkCounter; the copy is not device traffic.
 
-    labkit.hosttier's to_host and to_device run their copy inside it. The copy is one launch (a cudaMemcpyAsync),
+    labkit.techniques.hosttier's to_host and to_device run their copy inside it. The copy is one launch (a cudaMemcpyAsync),
     counted among the kernels while the counter counts them; its bytes count as host bytes, not bytes moved.
     """
     was = [(counter, counter.counting_bytes) for counter in _ACTIVE]

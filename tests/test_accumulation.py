@@ -1,4 +1,4 @@
-"""Gradient accumulation: labkit.accumulation's reference implementation (notebook 01: tests/test_nb01.py)."""
+"""Gradient accumulation: labkit.techniques.accumulation's reference implementation (notebook 01: tests/test_nb01.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import labkit
-from labkit.accumulation import (accumulate_gradients, accumulation_step, make_accumulation_step, split_batch,
+from labkit.techniques.accumulation import (accumulate_gradients, accumulation_step, make_accumulation_step, split_batch,
                                  split_sizes)
 from labkit.compare import grads, max_rel_diff, max_param_diff
 from labkit.data import TeacherTask
@@ -156,7 +156,7 @@ def test_peak_falls_with_k_at_constant_batch_and_is_flat_at_constant_micro_batch
 
 
 def test_a_sweep_of_accumulation_steps_is_checked_before_any_work():
-    from labkit.accumulation import check_accum_steps
+    from labkit.techniques.accumulation import check_accum_steps
     from labkit.validate import ParameterError
     assert check_accum_steps("KS", [1, 2, 4, 8], batch=16) == [1, 2, 4, 8]
     assert check_accum_steps("KS", [1, 3, 6], batch=12) == [1, 3, 6]

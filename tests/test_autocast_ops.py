@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit.autocast_ops import CudaAutocastOps, recompute_context_fn
-from labkit.checkpointing import checkpoint_blocks
+from labkit.techniques.checkpointing import checkpoint_blocks
 from labkit.models import GPT, GPTConfig
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "cuda_autocast_ops_h200.json").read_text())
@@ -85,7 +85,7 @@ def test_chapter_03s_bf16_step_on_fake_tensors_holds_what_the_h200_measured():
 
     import labkit
     from labkit.gpus import GPU_RUN_PATH
-    from labkit.precision import amp_step_fn
+    from labkit.techniques.precision import amp_step_fn
 
     measured = json.loads(GPU_RUN_PATH.read_text())["notebooks"]["03_mixed_precision"]["measurements"]
     ex = labkit.running_example()

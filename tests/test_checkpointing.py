@@ -1,4 +1,4 @@
-"""labkit.checkpointing: segment layouts, checkpointed stacks equal to the plain model, memory and FLOPs.
+"""labkit.techniques.checkpointing: segment layouts, checkpointed stacks equal to the plain model, memory and FLOPs.
 
 Notebook 02 runs in tests/test_nb02.py.
 """
@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from labkit.checkpointing import (CheckpointedSequential, backward_moments_bytes, checkpoint_blocks, op_level_policy,
+from labkit.techniques.checkpointing import (CheckpointedSequential, backward_moments_bytes, checkpoint_blocks, op_level_policy,
                                   predicted_activation_bytes, segment_sizes, torch_segment_sizes)
 from labkit.compare import max_grad_diff
 from labkit.work import count_work

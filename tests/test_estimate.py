@@ -156,7 +156,7 @@ def test_example_batch_shapes(tiny_config):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_sharded_estimate_states_follow_zero(stage, tiny_config):
     """At rest each rank holds ZeRO's fp32-Adam bytes per parameter (FSDP2 keeps parameters sharded at stage 2)."""
-    from labkit import zero
+    from labkit.techniques import zero
     n = 4
     est = estimate_training_memory(tiny_config, 2, 16, world_size=n, zero_stage=stage)
     want = zero.model_state_bytes_per_param(3 if stage == 2 else stage, n)

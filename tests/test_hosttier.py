@@ -1,4 +1,4 @@
-"""labkit.hosttier: host buffers (pinned, memory, disk), the one pair of copies, and their accounting on the meter."""
+"""labkit.techniques.hosttier: host buffers (pinned, memory, disk), the one pair of copies, and their accounting on the meter."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import labkit
-from labkit.hosttier import HostPool, dense_stride, host_tier, mark_host_state, pin, to_device, to_host
+from labkit.techniques.hosttier import HostPool, dense_stride, host_tier, mark_host_state, pin, to_device, to_host
 
 CPU = torch.device("cpu")
 

@@ -119,13 +119,13 @@ def test_the_readme_lists_the_core():
 
 
 WRONG_WAY = {  # (importer, imported): imports that would point up or sideways (issue 38)
-    ("labkit.pipeline", "labkit.dist"),  # schedule arithmetic needs no rank runtime (time_actions lives in labkit.dist)
-    ("labkit.l2l", "labkit.pipeline"),  # a model's stages are labkit.stages, not the pipeline's
+    ("labkit.techniques.pipeline", "labkit.dist"),  # schedule arithmetic needs no rank runtime (time_actions lives in labkit.dist)
+    ("labkit.techniques.l2l", "labkit.techniques.pipeline"),  # a model's stages are labkit.stages, not the pipeline's
     ("labkit.tools.closing", "labkit.planner"),  # the closing page reads figures, not the planner (RESERVE_FRACTION: gpus)
-    ("labkit.tools.closing", "labkit.pipeline"),
+    ("labkit.tools.closing", "labkit.techniques.pipeline"),
     ("labkit.tools.closing", "labkit.pipelinerun"),
-    ("labkit.pipeline", "labkit.pipelinerun"),  # the schedules know nothing of a measured run (it reads them)
-    ("labkit.pipeline", "labkit.planner"),
+    ("labkit.techniques.pipeline", "labkit.pipelinerun"),  # the schedules know nothing of a measured run (it reads them)
+    ("labkit.techniques.pipeline", "labkit.planner"),
     ("labkit.planner", "labkit.search"),  # two applications, each on the core and the chapters' references
     ("labkit.search", "labkit.planner"),
 }
@@ -144,10 +144,12 @@ def test_the_library_does_not_import_the_repositorys_tooling_and_nothing_points_
 
 MOVED = {"labkit.plan": "labkit.planner.plan", "labkit.planplot": "labkit.planner.plot",
          "labkit.plancheck": "labkit.planner.check", "labkit.published": "labkit.planner.published",
-         "labkit.allocator": "labkit.planner.allocator"}  # the planner's old names (issue 38): kept for old imports
+         "labkit.allocator": "labkit.planner.allocator",  # the planner's old names (issue 38): kept for old imports
+         **{f"labkit.{m}": f"labkit.techniques.{m}" for m in ("accumulation", "checkpointing", "precision", "offload",
+                                                              "hosttier", "l2l", "pipeline", "zero")}}  # the techniques'
 
 
-def test_the_planners_old_names_warn_and_are_its_modules():
+def test_the_old_module_names_warn_and_are_the_moved_modules():
     import subprocess
     import sys
     code = ("import importlib, json, warnings\n"
@@ -168,13 +170,14 @@ def test_the_planners_old_names_warn_and_are_its_modules():
     assert helped.returncode == 0 and "--model" in helped.stdout  # `python -m labkit.plan` still runs the command
 
 
-def test_nothing_in_the_repository_uses_the_planners_old_names():
+def test_nothing_in_the_repository_uses_an_old_module_name():
     import re
     edges = graph()
     assert {m: sorted(set(i) & set(MOVED)) for m, i in edges.items() if m not in MOVED and set(i) & set(MOVED)} == {}
     old = re.compile(r"\blabkit\.(" + "|".join(m.split(".")[1] for m in MOVED) + r")\b(?!\.py)")
     texts = [p for p in ROOT.glob("notebooks/*.ipynb")] + [ROOT / "README.md", ROOT / "Makefile", ROOT / "CONTRIBUTING.md"]
     texts += [p for p in (ROOT / "tests").glob("*.py") if p.name != "test_imports.py"]
+    texts += [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if module_name(p) not in MOVED]
     assert {p.name: old.findall(p.read_text()) for p in texts if old.search(p.read_text())} == {}
 
 

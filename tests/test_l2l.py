@@ -1,4 +1,4 @@
-"""labkit.l2l trains layer to layer exactly like plain training, with a device peak constant in depth.
+"""labkit.techniques.l2l trains layer to layer exactly like plain training, with a device peak constant in depth.
 
 Notebook 05 runs in tests/test_nb05.py.
 """
@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import labkit
-from labkit import compare, l2l
+from labkit import compare
+from labkit.techniques import l2l
 from labkit.compare import max_param_diff
 from labkit.data import TeacherTask
 from labkit.work import count_work
-from labkit.l2l import L2LTrainer, measure_l2l_step
+from labkit.techniques.l2l import L2LTrainer, measure_l2l_step
 from labkit.stages import split_stages
 
 CPU = torch.device("cpu")

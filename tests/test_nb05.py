@@ -5,7 +5,7 @@ import pytest
 import labkit
 import labkit.costs
 from labkit.data import MarkovTokens
-from labkit.l2l import L2LTrainer
+from labkit.techniques.l2l import L2LTrainer
 from labkit.work import count_work
 
 STEM = "05_layer_to_layer"

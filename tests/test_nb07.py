@@ -8,7 +8,7 @@ import pytest
 
 import labkit
 import labkit.dist as ld
-from labkit import zero
+from labkit.techniques import zero
 from labkit.dist.launch import rank_placement
 from labkit.dist.rank import DEVICE_ENV
 from labkit.tools.writefiles import written_files

@@ -1,4 +1,4 @@
-"""labkit.offload: the activation-offload hooks on the host tier (notebook 04: tests/test_nb04.py)."""
+"""labkit.techniques.offload: the activation-offload hooks on the host tier (notebook 04: tests/test_nb04.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import labkit
-from labkit.hosttier import HostPool
+from labkit.techniques.hosttier import HostPool
 from labkit.compare import max_abs_diff
-from labkit.offload import OffloadHooks
+from labkit.techniques.offload import OffloadHooks
 
 
 @pytest.fixture

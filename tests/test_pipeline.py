@@ -1,4 +1,4 @@
-"""labkit.pipeline: the ideal GPipe and 1F1B schedules, their bubble, and bubbles measured from spans."""
+"""labkit.techniques.pipeline: the ideal GPipe and 1F1B schedules, their bubble, and bubbles measured from spans."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from labkit.dist import time_actions
-from labkit.pipeline import bubble_theory, ideal_schedule, replay, simulate_order, stage_order, torch_schedule_order
+from labkit.techniques.pipeline import bubble_theory, ideal_schedule, replay, simulate_order, stage_order, torch_schedule_order
 from labkit.pipelinerun import actions_within, measured_bubble
 from labkit.plots import plot_gantt
 
@@ -248,7 +248,7 @@ def test_plot_gantt_colours_waiting_and_communication_apart_and_labels_only_what
 
 def test_partition_shares_out_the_blocks_and_refuses_more_pieces_than_blocks(tiny_gpt):
     import labkit
-    from labkit.pipeline import partition
+    from labkit.techniques.pipeline import partition
 
     model = tiny_gpt()  # 2 blocks
     pieces = partition(model, 2)
@@ -351,7 +351,7 @@ def test_micro_batches_held_come_out_of_the_bytes():
 
 
 def test_forwards_from_zero_and_the_step_from_the_first_forward():
-    from labkit.pipeline import forwards_from_zero
+    from labkit.techniques.pipeline import forwards_from_zero
     from labkit.pipelinerun import seconds_in, step_from_first_forward
 
     assert forwards_from_zero({0: ["F0", "B0"], 1: ["F1", "B0", "F2", "B1"]}) == {0: ["F0", "B0"],
@@ -455,20 +455,20 @@ def test_a_rise_after_the_lowest_m_is_a_finding_only_beyond_the_spread_and_not_m
 
 
 def test_time_actions_still_imports_from_pipeline_with_a_warning():
-    import labkit.pipeline
-    with pytest.warns(DeprecationWarning, match="labkit.pipeline.time_actions moved to labkit.dist.time_actions"):
-        assert labkit.pipeline.time_actions is time_actions
+    import labkit.techniques.pipeline
+    with pytest.warns(DeprecationWarning, match="labkit.techniques.pipeline.time_actions moved to labkit.dist.time_actions"):
+        assert labkit.techniques.pipeline.time_actions is time_actions
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        labkit.pipeline.nothing
+        labkit.techniques.pipeline.nothing
 
 
 
 def test_a_measured_runs_names_still_import_from_pipeline_with_a_warning():
-    import labkit.pipeline
+    import labkit.techniques.pipeline
     import labkit.pipelinerun
     for name in ("PipelineTimings", "describe_bubble", "measured_bubble", "BUBBLE_LEVEL", "seconds_in"):
-        with pytest.warns(DeprecationWarning, match=f"labkit.pipeline.{name} moved to labkit.pipelinerun.{name}"):
-            assert getattr(labkit.pipeline, name) is getattr(labkit.pipelinerun, name)
+        with pytest.warns(DeprecationWarning, match=f"labkit.techniques.pipeline.{name} moved to labkit.pipelinerun.{name}"):
+            assert getattr(labkit.techniques.pipeline, name) is getattr(labkit.pipelinerun, name)
     with pytest.warns(DeprecationWarning):
-        from labkit.pipeline import PipelineTimings  # a from-import of a moved name: the same
+        from labkit.techniques.pipeline import PipelineTimings  # a from-import of a moved name: the same
     assert PipelineTimings is labkit.pipelinerun.PipelineTimings

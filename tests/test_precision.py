@@ -1,4 +1,4 @@
-"""labkit.precision: the autocast step with GradScaler, accumulation and clipping; fp16 range statistics.
+"""labkit.techniques.precision: the autocast step with GradScaler, accumulation and clipping; fp16 range statistics.
 
 Notebook 03 runs in tests/test_nb03.py.
 """
@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import labkit
-from labkit import precision as P
+from labkit.techniques import precision as P
 from labkit.compare import flat, rel_diff
 from labkit.data import MarkovTokens
 from labkit.validate import ParameterError

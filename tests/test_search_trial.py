@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from labkit import search
-from labkit.accumulation import split_batch
+from labkit.techniques.accumulation import split_batch
 from labkit.estimate import example_batch
 from labkit.gpus import step_time
 from labkit.meter import live_tensor_bytes

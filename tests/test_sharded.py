@@ -137,7 +137,7 @@ def test_full_tensor_and_grad_diffs_on_plain_tensors():
 
 def _rank_value(psi, n, stages, bucket_bytes=None, activations=1000):
     """A made-up rank result that holds each point to its formula exactly."""
-    from labkit.zero import model_state_bytes_per_param
+    from labkit.techniques.zero import model_state_bytes_per_param
 
     value = {}
     for point, stage in stages.items():

@@ -1,10 +1,10 @@
-"""labkit.zero: ZeRO's per-rank formulas, its communication volumes, and DeepSpeed configs that DeepSpeed accepts."""
+"""labkit.techniques.zero: ZeRO's per-rank formulas, its communication volumes, and DeepSpeed configs that DeepSpeed accepts."""
 
 from __future__ import annotations
 
 import pytest
 
-from labkit import zero
+from labkit.techniques import zero
 from labkit.validate import ParameterError
 
 

@@ -21,20 +21,20 @@ import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                           UnsupportedOperatorException)
 
-from labkit.accumulation import split_batch
+from labkit.techniques.accumulation import split_batch
 from labkit.planner.allocator import cpu_stream_tags, meter_events, replay
 from labkit.autocast_ops import CudaAutocastOps, recompute_context_fn
-from labkit.checkpointing import checkpoint_blocks
+from labkit.techniques.checkpointing import checkpoint_blocks
 from labkit.children import ChildProcesses, die_with_parent
 from labkit.cpu import one_thread
 from labkit.estimate import MemoryEstimate, data_parallel_rank, example_batch, fake_sharded, fake_step, remembered
 from labkit.work import WorkCounter
 from labkit.gpus import RESERVE_FRACTION, DeviceProfile, device_profile
-from labkit.hosttier import host_tier
+from labkit.techniques.hosttier import host_tier
 from labkit.meter import CATEGORIES, active_meter, format_bytes
 from labkit.models import ATTENTION, GPTConfig, blocks_of, build_model
-from labkit.offload import OffloadHooks
-from labkit.precision import PRECISIONS, amp_train_step
+from labkit.techniques.offload import OffloadHooks
+from labkit.techniques.precision import PRECISIONS, amp_train_step
 from labkit.progress import progress
 from labkit.train import ADAM_IMPLS, create_optimizer_state, make_optimizer, seeded_model
 from labkit.validate import ParameterError, check_choice, check_divides, check_float, check_int, check_int_list
@@ -42,7 +42,7 @@ from labkit.validate import ParameterError, check_choice, check_divides, check_f
 CHECKPOINTING = ("none", "every", "full", "sqrt", "selective", "op")  # every block but the last (kept whole: its
 #   backward comes first); every block, the last too (torchtitan's "full", transformers' gradient checkpointing); sqrt(n)
 #   segments; every block but the last, matmul outputs kept; torchtitan's op-level selective (every block, the last
-#   too: SDPA's outputs and every second matmul's kept, labkit.checkpointing.op_level_policy)
+#   too: SDPA's outputs and every second matmul's kept, labkit.techniques.checkpointing.op_level_policy)
 PLAN_CHECKPOINTING = ("none", "every", "sqrt", "selective")  # a plan's choices unless it names others
 OPTIMIZER_PLACES = ("device", "host")  # Adam's state and step on the device; on the host (ZeRO-Offload style, one device)
 OFFLOAD_MIN_BYTES = 0  # activation offload moves every saved tensor but the parameters: rows stay exact lines

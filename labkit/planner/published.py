@@ -73,7 +73,7 @@ def run_config(run: dict):
 def flops_per_token(run: dict) -> float:
     """Return labkit.work's FLOPs per token of a published run's step: a bf16 step of one row of seq_len tokens on fake
     tensors at depths 1 and 2, each further block adding the same (the optimizer's elementwise ops count none)."""
-    from labkit.checkpointing import checkpoint_blocks
+    from labkit.techniques.checkpointing import checkpoint_blocks
     from labkit.estimate import fake_mode
     from labkit.models import build_model
     from labkit.work import count_work

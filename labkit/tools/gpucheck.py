@@ -24,14 +24,14 @@ from pathlib import Path
 
 import torch
 
-from labkit.checkpointing import checkpoint_blocks
+from labkit.techniques.checkpointing import checkpoint_blocks
 from labkit.data import MarkovTokens
 from labkit.device import as_device, half_precision, hardware_report, synchronize
-from labkit.l2l import L2LTrainer, measure_l2l_step
+from labkit.techniques.l2l import L2LTrainer, measure_l2l_step
 from labkit.meter import OutOfMemory, format_bytes, try_fit
 from labkit.models import GPT, GPTConfig, count_params
-from labkit.offload import OffloadHooks
-from labkit.precision import amp_train_step, forward_activation_bytes
+from labkit.techniques.offload import OffloadHooks
+from labkit.techniques.precision import amp_train_step, forward_activation_bytes
 from labkit.results import build_dir, checkout_root
 from labkit.hostlink import copy_bandwidth
 from labkit.throughput import measure_throughputs
