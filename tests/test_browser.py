@@ -96,7 +96,7 @@ def test_optuna_dashboard_shows_a_study_of_the_chapters_storage(browser, tmp_pat
     from labkit.search import storage as stores
     from labkit.search import study as studies
 
-    url = stores.storage_url(tmp_path / "studies.db")
+    url = stores.sqlite_url(tmp_path / "studies.db")
     config = search.StudyConfig(budget_bytes=1 << 30, n_layer=2, n_embd=32, n_head=2, vocab_size=64, batch=4,
                                 seq_len=16, timed_steps=1)
     study = studies.create_study("dashboard-check", stores.make_storage(url), config, "speed", sampler="random")

@@ -47,7 +47,7 @@ def test_a_storage_no_worker_could_share_is_refused(url, words):
 
 
 def test_a_sqlite_file_is_accepted_and_not_created(tmp_path):
-    url = stores.storage_url(tmp_path / "s.db")
+    url = stores.sqlite_url(tmp_path / "s.db")
     assert stores.check_storage_url("STORAGE", url) == url
     assert not (tmp_path / "s.db").exists()
 
@@ -137,7 +137,7 @@ def _interleaved(storages, change):
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
 def test_two_processes_cannot_both_fail_one_trial(tmp_path):
-    url = stores.storage_url(tmp_path / "f.db")
+    url = stores.sqlite_url(tmp_path / "f.db")
     a, b = stores.make_storage(url), stores.make_storage(url)  # two workers' handles on one file
     study = optuna.create_study(storage=a, study_name="f")
     trial_id = study.ask()._trial_id
@@ -146,7 +146,7 @@ def test_two_processes_cannot_both_fail_one_trial(tmp_path):
 
 
 def test_two_processes_cannot_both_pop_one_queued_trial(tmp_path):
-    url = stores.storage_url(tmp_path / "q.db")
+    url = stores.sqlite_url(tmp_path / "q.db")
     a, b = stores.make_storage(url), stores.make_storage(url)
     study = optuna.create_study(storage=a, study_name="q")
     study.enqueue_trial({"x": 1.0})
@@ -158,7 +158,7 @@ def test_two_processes_cannot_both_pop_one_queued_trial(tmp_path):
 def test_racing_workers_queue_one_retry_per_dead_trial(tmp_path):
     """Three worker processes find the same sixteen dead trials at the same moment: each is failed and retried once,
     whether its worker is seen dead by its pid, by its stale heartbeat, or by both."""
-    url = stores.storage_url(tmp_path / "race.db")
+    url = stores.sqlite_url(tmp_path / "race.db")
     study = studies.create_study("race", stores.make_storage(url), CONFIG, "loss", sampler="random", pruner="none")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     dead = textwrap.dedent("""
@@ -200,7 +200,7 @@ def test_racing_workers_queue_one_retry_per_dead_trial(tmp_path):
 # -- a trial another process ended while this worker ran it ----------------------------------------------
 def test_a_trial_finished_elsewhere_is_skipped_not_fatal(tmp_path, monkeypatch):
     """Two workers ran one trial (a worker thought dead, or a storage without row locks): the second one's tell fails."""
-    url = stores.storage_url(tmp_path / "e.db")
+    url = stores.sqlite_url(tmp_path / "e.db")
     study = studies.create_study("e", stores.make_storage(url), CONFIG, "loss", sampler="replay", pruner="none",
                                  replay=[FITS])
     other = optuna.load_study(study_name="e", storage=stores.make_storage(url))  # the other worker's handle
@@ -220,7 +220,7 @@ def test_a_trial_finished_elsewhere_is_skipped_not_fatal(tmp_path, monkeypatch):
 
 def test_an_objectives_own_error_still_raises(tmp_path, monkeypatch):
     """The skip above must not swallow a real error: the trial is FAIL (by this worker) and the error is raised."""
-    url = stores.storage_url(tmp_path / "o.db")
+    url = stores.sqlite_url(tmp_path / "o.db")
     study = studies.create_study("o", stores.make_storage(url), CONFIG, "loss", sampler="replay", pruner="none",
                                  replay=[FITS])
 

@@ -34,7 +34,7 @@ def config():
 
 @pytest.fixture
 def storage(tmp_path):
-    return stores.make_storage(stores.storage_url(tmp_path / "s.db"), heartbeat_s=1, grace_s=2)
+    return stores.make_storage(stores.sqlite_url(tmp_path / "s.db"), heartbeat_s=1, grace_s=2)
 
 
 def test_a_study_stores_what_a_worker_needs(config, storage):
@@ -192,7 +192,7 @@ def _dead_worker_trials(url: str, name: str, n: int = 1) -> list[int]:
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
 def test_a_local_workers_death_is_seen_without_a_heartbeat(config, tmp_path, monkeypatch):
     """A worker killed before its heartbeat thread wrote once (seen: that thread crashed) leaves no heartbeat."""
-    url = stores.storage_url(tmp_path / "d.db")
+    url = stores.sqlite_url(tmp_path / "d.db")
     study = studies.create_study("p", stores.make_storage(url, heartbeat_s=1, grace_s=2), config, "loss",
                                  sampler="replay", pruner="none", replay=[FITS])
     assert studies.optimize(study, 1) == 1
@@ -209,7 +209,7 @@ def test_a_local_workers_death_is_seen_without_a_heartbeat(config, tmp_path, mon
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
 def test_a_retry_is_not_failed_for_the_dead_worker_it_copied(config, tmp_path):
     """The retry copies the dead trial's user attributes: a third worker must not take them for the retry's worker."""
-    url = stores.storage_url(tmp_path / "r.db")
+    url = stores.sqlite_url(tmp_path / "r.db")
     storage = stores.make_storage(url, heartbeat_s=1, grace_s=2)
     study = studies.create_study("r", storage, config, "loss", sampler="replay", pruner="none", replay=[FITS])
     [dead] = _dead_worker_trials(url, "r")
@@ -272,7 +272,7 @@ def test_lost_trials_counts_failures_no_retry_completed(config, storage):
 def test_default_build_dir_is_the_repositorys(tmp_path):
     d = stores.default_build_dir()
     assert d.is_dir() and d.parts[-2:] == ("build", "search") and (d.parent.parent / "pyproject.toml").exists()
-    assert stores.storage_url(tmp_path / "a" / "b.db").startswith("sqlite:///") and (tmp_path / "a").is_dir()
+    assert stores.sqlite_url(tmp_path / "a" / "b.db").startswith("sqlite:///") and (tmp_path / "a").is_dir()
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")

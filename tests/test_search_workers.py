@@ -56,7 +56,7 @@ def _alive(pid: int) -> bool:
 def test_a_worker_killed_mid_trial_loses_no_trial(tmp_path):
     """run_workers SIGKILLs one of two workers inside a trial: the trial is failed, retried and completed by the other
     (the replacement worker chapter 08 starts is in test_nb08 and its nbval run)."""
-    url = stores.storage_url(tmp_path / "kill.db")
+    url = stores.sqlite_url(tmp_path / "kill.db")
     storage = stores.make_storage(url, heartbeat_s=1, grace_s=2)
     config = _config(train_steps=48)  # about half a second per trial: long enough to be caught running
     study = studies.create_study("kill", storage, config, "loss", sampler="random", pruner="none")
@@ -102,7 +102,7 @@ def test_wait_stops_children_after_the_timeout():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_worker_dies_with_the_process_that_started_it(tmp_path):
     """The parent (a notebook kernel, say) is killed outright: its worker ends too."""
-    url = stores.storage_url(tmp_path / "orphan.db")
+    url = stores.sqlite_url(tmp_path / "orphan.db")
     studies.create_study("orphan", stores.make_storage(url), _config(4), "loss", sampler="replay", replay=[FITS],
                          pruner="none")
     parent = textwrap.dedent(f"""

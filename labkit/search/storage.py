@@ -15,7 +15,7 @@ from labkit.results import build_dir
 from labkit.validate import ParameterError
 
 
-def storage_url(path: str | Path) -> str:
+def sqlite_url(path: str | Path) -> str:
     """Return the SQLite URL of a study file (its folder is created)."""
     path = Path(path).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
