@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from labkit.techniques.pipeline import ideal_schedule, replay
 from labkit.stages import ACTION_KINDS, LOSS_KIND
+from labkit.techniques.pipeline import ideal_schedule, replay
 
 BUBBLE_LEVEL = 0.005  # two bubble fractions closer than this count as level in a trend sentence (chapters 06b, 10)
 

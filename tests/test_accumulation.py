@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import labkit
-from labkit.techniques.accumulation import (accumulate_gradients, accumulation_step, make_accumulation_step, split_batch,
-                                 split_sizes)
 from labkit.compare import grads, max_rel_diff, max_param_diff
 from labkit.data import TeacherTask
 from labkit.models import count_tokens
+from labkit.techniques.accumulation import (accumulate_gradients, accumulation_step, make_accumulation_step, split_batch,
+                                 split_sizes)
 
 TOL = 1e-5
 

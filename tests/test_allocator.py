@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from labkit import estimate
-from labkit.planner import plan as P
-from labkit.planner.allocator import CachingAllocator, cpu_stream_tags, meter_events, replay, round_size, segment_size
 from labkit.meter import MemoryMeter
 from labkit.models import GPTConfig
+from labkit.planner import plan as P
+from labkit.planner.allocator import CachingAllocator, cpu_stream_tags, meter_events, replay, round_size, segment_size
 from labkit.validate import ParameterError
 
 MiB = 2**20

@@ -12,8 +12,8 @@ import torch
 import torchgen
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from labkit.planner import plan as P
 from labkit.models import GPT, GPTConfig, _cuda_attention
+from labkit.planner import plan as P
 from labkit.validate import ParameterError
 
 DERIVATIVES = Path(torchgen.__file__).parent / "packaged" / "autograd" / "derivatives.yaml"  # torch's own formulas

@@ -11,8 +11,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit.autocast_ops import CudaAutocastOps, recompute_context_fn
-from labkit.techniques.checkpointing import checkpoint_blocks
 from labkit.models import GPT, GPTConfig
+from labkit.techniques.checkpointing import checkpoint_blocks
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "cuda_autocast_ops_h200.json").read_text())
 KEPT = ("_softmax.", "_log_softmax.", "_to_copy.", "nll_loss", "_softmax_backward", "_log_softmax_backward")

@@ -13,12 +13,12 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint_sequential
 
+from labkit.compare import max_grad_diff
+from labkit.models import MLP, MLPConfig
 from labkit.techniques.checkpointing import (CheckpointedSequential, backward_moments_bytes, checkpoint_blocks, op_level_policy,
                                   predicted_activation_bytes, segment_sizes, torch_segment_sizes)
-from labkit.compare import max_grad_diff
-from labkit.work import count_work
-from labkit.models import MLP, MLPConfig
 from labkit.train import make_optimizer, measure_step, train_step
+from labkit.work import count_work
 
 N_LAYER = 6  # the tiny GPT made 6 blocks deep (4 heads): enough blocks to checkpoint in segments
 

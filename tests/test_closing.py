@@ -1,12 +1,9 @@
 """The closing page (notebook 10) and labkit.tools.closing: figures read from results.json, the order computed from them.
 
 The page's figures in the tests come from tests/data/closing_results.json: a real `make run`'s results.json cut to
-the records the page reads (`closing.fixture_from`; its `note` says so and the page prints it). No chapter runs
+the records the page reads (`workbook.closingfixture`; its `note` says so and the page prints it). No chapter runs
 for these tests. `make test` points nbval's run of the page at the same file ($LABKIT_RESULTS, Makefile).
-To renew it after a `make run`:
-
-    .venv/bin/python -c "import json; from labkit.tools import closing; r = json.load(open('build/results.json')); \\
-        json.dump(closing.fixture_from(r, closing.FIXTURE_NOTE), open('tests/data/closing_results.json', 'w'), indent=1)"
+To renew it after a `make run`: `.venv/bin/python -m workbook.closingfixture build/results.json`.
 """
 
 from __future__ import annotations
@@ -36,6 +33,18 @@ def results() -> dict:
 def test_the_fixture_is_complete_and_says_where_it_comes_from(results):
     assert closing.missing(results) == {}
     assert "make run" in results["note"] and results["generated_utc"] and results["hardware"]
+
+
+def test_the_fixture_is_what_its_renewal_writes(results, tmp_path):
+    """workbook.closingfixture cuts a results.json to the page's records: the committed fixture is its own cut."""
+    from workbook import closingfixture
+    full = copy.deepcopy(results)
+    full["notebooks"]["00_where_the_memory_goes"]["measurements"]["not_read_by_the_page"] = 1
+    full["notebooks"]["99_not_a_chapter"] = {"status": "ok", "measurements": {"x": 1}}
+    src, out = tmp_path / "results.json", tmp_path / "fixture.json"
+    src.write_text(json.dumps(full))
+    assert closingfixture.main([str(src), "--out", str(out)]) == 0
+    assert out.read_text() == FIXTURE.read_text()  # byte for byte: what the page does not read is cut
 
 
 def test_every_record_the_page_reads_is_recorded_by_its_chapter():

@@ -14,9 +14,9 @@ import torch
 
 from labkit.compare import max_rel_diff
 from labkit.device import as_device, resolve_device
-from labkit.techniques.l2l import L2LTrainer
 from labkit.meter import MemoryMeter
 from labkit.models import GPT, GPTConfig
+from labkit.techniques.l2l import L2LTrainer
 from labkit.techniques.offload import OffloadHooks
 from labkit.tools import gpucheck
 

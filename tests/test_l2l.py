@@ -15,12 +15,12 @@ import torch
 
 import labkit
 from labkit import compare
-from labkit.techniques import l2l
 from labkit.compare import max_param_diff
 from labkit.data import TeacherTask
-from labkit.work import count_work
-from labkit.techniques.l2l import L2LTrainer, measure_l2l_step
 from labkit.stages import split_stages
+from labkit.techniques import l2l
+from labkit.techniques.l2l import L2LTrainer, measure_l2l_step
+from labkit.work import count_work
 
 CPU = torch.device("cpu")
 

@@ -8,9 +8,9 @@ import pytest
 
 import labkit
 import labkit.dist as ld
-from labkit.techniques import zero
 from labkit.dist.launch import rank_placement
 from labkit.dist.rank import DEVICE_ENV
+from labkit.techniques import zero
 from labkit.tools.writefiles import written_files
 
 STEM = "07_sharded_data_parallel"

@@ -10,8 +10,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import labkit
-from labkit.techniques.hosttier import HostPool
 from labkit.compare import max_abs_diff
+from labkit.techniques.hosttier import HostPool
 from labkit.techniques.offload import OffloadHooks
 
 

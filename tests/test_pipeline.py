@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from labkit.dist import time_actions
-from labkit.techniques.pipeline import bubble_theory, ideal_schedule, replay, simulate_order, stage_order, torch_schedule_order
 from labkit.pipelinerun import actions_within, measured_bubble
 from labkit.plots import plot_gantt
+from labkit.techniques.pipeline import bubble_theory, ideal_schedule, replay, simulate_order, stage_order, torch_schedule_order
 
 
 def test_stage_orders_of_gpipe_and_1f1b():

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from labkit import gpus
-from labkit.planner import plan as P
 from labkit.estimate import SHARED_DIR_ENV, estimate_training_memory, example_batch
 from labkit.example import running_example
 from labkit.gpus import GPUS, DeviceProfile
 from labkit.models import GPT, GPTConfig
+from labkit.planner import plan as P
 from labkit.train import ADAM_IMPLS, make_optimizer, measure_step
 from labkit.validate import ParameterError
 
@@ -540,9 +540,9 @@ MIXED_RANKS = '''
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import labkit.dist as ld
-import labkit.planner.plan as P
 from labkit.estimate import example_batch
 from labkit.models import GPTConfig, build_model
+import labkit.planner.plan as P
 from labkit.train import make_optimizer
 
 def main(config="", reshard=True):  # one rank: FSDP2 under the bf16 policy, a warm-up step, a metered step

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from labkit.gpus import GPUS
-from labkit.planner.plan import Combination, Row
 from labkit.planner.check import PlanCheck, memory_bound, random_order_rho, short_name
+from labkit.planner.plan import Combination, Row
 from labkit.throughput import Throughput
 from workbook.figcheck import figure_problems
 

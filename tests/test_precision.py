@@ -15,9 +15,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import labkit
-from labkit.techniques import precision as P
 from labkit.compare import flat, rel_diff
 from labkit.data import MarkovTokens
+from labkit.techniques import precision as P
 from labkit.validate import ParameterError
 
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from labkit import search
-from labkit.techniques.accumulation import split_batch
 from labkit.estimate import example_batch
 from labkit.gpus import step_time
 from labkit.meter import live_tensor_bytes
 from labkit.models import token_weights
 from labkit.search.trial import SettingStep
+from labkit.techniques.accumulation import split_batch
 from labkit.work import Work, count_work
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,10 +11,10 @@ from torch.utils.checkpoint import checkpoint
 
 import labkit
 from labkit import gpus
-from labkit.techniques.checkpointing import segment_sizes
 from labkit.plots import new_figure
 from labkit.segsweep import (SegmentSweep, SweepCurves, SweepPoint, draw_against_plain, draw_segment_sweep,
                              launch_clause)
+from labkit.techniques.checkpointing import segment_sizes
 from labkit.throughput import PairedRatio
 from labkit.work import Work
 

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import labkit
-from labkit.techniques import hosttier
 from labkit.models import Block, GPTConfig
+from labkit.techniques import hosttier
 from labkit.train import create_optimizer_state
 from labkit.work import Work, WorkCounter, count_work
 

@@ -21,23 +21,23 @@ import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                           UnsupportedOperatorException)
 
-from labkit.techniques.accumulation import split_batch
-from labkit.planner.allocator import cpu_stream_tags, meter_events, replay
 from labkit.autocast_ops import CudaAutocastOps, recompute_context_fn
-from labkit.techniques.checkpointing import checkpoint_blocks
 from labkit.children import ChildProcesses, die_with_parent
 from labkit.cpu import one_thread
 from labkit.estimate import MemoryEstimate, data_parallel_rank, example_batch, fake_sharded, fake_step, remembered
-from labkit.work import WorkCounter
 from labkit.gpus import RESERVE_FRACTION, DeviceProfile, device_profile
-from labkit.techniques.hosttier import host_tier
 from labkit.meter import CATEGORIES, active_meter, format_bytes
 from labkit.models import ATTENTION, GPTConfig, blocks_of, build_model
+from labkit.planner.allocator import cpu_stream_tags, meter_events, replay
+from labkit.progress import progress
+from labkit.techniques.accumulation import split_batch
+from labkit.techniques.checkpointing import checkpoint_blocks
+from labkit.techniques.hosttier import host_tier
 from labkit.techniques.offload import OffloadHooks
 from labkit.techniques.precision import PRECISIONS, amp_train_step
-from labkit.progress import progress
 from labkit.train import ADAM_IMPLS, create_optimizer_state, make_optimizer, seeded_model
 from labkit.validate import ParameterError, check_choice, check_divides, check_float, check_int, check_int_list
+from labkit.work import WorkCounter
 
 CHECKPOINTING = ("none", "every", "full", "sqrt", "selective", "op")  # every block but the last (kept whole: its
 #   backward comes first); every block, the last too (torchtitan's "full", transformers' gradient checkpointing); sqrt(n)

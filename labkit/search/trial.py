@@ -11,21 +11,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from labkit.techniques.accumulation import split_batch
 from labkit.autocast_ops import CudaAutocastOps
-from labkit.techniques.checkpointing import checkpoint_blocks
 from labkit.cpu import bf16_native
 from labkit.data import MarkovTokens
 from labkit.device import as_device, resolve_device
 from labkit.estimate import example_batch, fake_step, remembered
 from labkit.gpus import step_time
-from labkit.techniques.l2l import L2LTrainer
 from labkit.meter import MemoryMeter, OutOfMemory
 from labkit.models import GPT
-from labkit.techniques.offload import OffloadHooks
-from labkit.techniques.precision import amp_train_step, check_precision
 from labkit.search.config import StudyConfig
 from labkit.search.space import check_params
+from labkit.techniques.accumulation import split_batch
+from labkit.techniques.checkpointing import checkpoint_blocks
+from labkit.techniques.l2l import L2LTrainer
+from labkit.techniques.offload import OffloadHooks
+from labkit.techniques.precision import amp_train_step, check_precision
 from labkit.throughput import Throughput, measure_throughputs, timed_call
 from labkit.train import create_optimizer_state, make_optimizer
 from labkit.validate import check_int

@@ -14,10 +14,10 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from labkit.device import as_device
-from labkit.techniques.hosttier import host_tier, mark_host_state, pin, to_device, to_host
 from labkit.meter import MemoryMeter, active_meter
 from labkit.models import token_weights
 from labkit.stages import split_stages, stage_name
+from labkit.techniques.hosttier import host_tier, mark_host_state, pin, to_device, to_host
 from labkit.validate import check_int
 
 __all__ = ["L2LTrainer", "measure_l2l_step"]

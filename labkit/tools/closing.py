@@ -12,9 +12,6 @@ from labkit.meter import format_bytes
 from labkit.results import results_path  # noqa: F401  (the closing page reads it here)
 
 MiB = 2**20
-FIXTURE_NOTE = ("these figures are a real `make run`'s results.json, cut to the records this page reads "
-                "(tests/data/closing_results.json, the tests' copy): run `make run` for your own")
-
 # chapter stem -> the records this page reads from it
 SOURCES = {
     "00_where_the_memory_goes": ("measured_peak_bytes", "budget_bytes", "step_s"),
@@ -89,19 +86,6 @@ def skip_line(gaps: dict[str, str]) -> str:
     """Return the short line a section prints when it skips: the chapters it needs (named in full above)."""
     chapters = dict.fromkeys(chapter(stem) for stem in gaps)  # "06", "06b", ...
     return f"skipped: needs the figures of chapter {', '.join(chapters)} (see above)"
-
-
-def fixture_from(results: dict, note: str) -> dict:
-    """Return results.json cut to what this page reads (its metadata, each chapter's status and SOURCES records)."""
-    out = {k: results[k] for k in ("generated_utc", "hardware", "torch", "parameters") if k in results}
-    out["note"] = note
-    out["notebooks"] = {}
-    for stem, keys in SOURCES.items():
-        entry = results.get("notebooks", {}).get(stem)
-        if entry is not None:
-            m = entry.get("measurements", {})
-            out["notebooks"][stem] = {"status": entry.get("status"), "measurements": {k: m[k] for k in keys if k in m}}
-    return out
 
 
 def _m(results: dict, stem: str) -> dict:

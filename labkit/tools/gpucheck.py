@@ -24,16 +24,16 @@ from pathlib import Path
 
 import torch
 
-from labkit.techniques.checkpointing import checkpoint_blocks
 from labkit.data import MarkovTokens
 from labkit.device import as_device, half_precision, hardware_report, synchronize
-from labkit.techniques.l2l import L2LTrainer, measure_l2l_step
+from labkit.hostlink import copy_bandwidth
 from labkit.meter import OutOfMemory, format_bytes, try_fit
 from labkit.models import GPT, GPTConfig, count_params
+from labkit.results import build_dir, checkout_root
+from labkit.techniques.checkpointing import checkpoint_blocks
+from labkit.techniques.l2l import L2LTrainer, measure_l2l_step
 from labkit.techniques.offload import OffloadHooks
 from labkit.techniques.precision import amp_train_step, forward_activation_bytes
-from labkit.results import build_dir, checkout_root
-from labkit.hostlink import copy_bandwidth
 from labkit.throughput import measure_throughputs
 from labkit.train import make_optimizer, measure_step, seeded_model, train_step
 
