@@ -61,7 +61,7 @@ grade: $(STAMP)  ## autograde SUBMISSIONS=dir (<student>/<chapter>.ipynb); score
 
 GPU_CHECK_ARGS ?=
 gpu-check: $(STAMP)  ## every CUDA path at GPT-2 small: a table, and build/gpu-check.json (needs CUDA; exit 2 without)
-	@$(PY) -m labkit.tools.gpucheck --out build $(GPU_CHECK_ARGS)
+	@$(PY) -m workbook.gpucheck --out build $(GPU_CHECK_ARGS)
 
 MODEL ?= gpt2
 GPU ?= a100-80gb

@@ -1,4 +1,5 @@
-"""`make gpu-check`: one line and status 2 without CUDA; its checks' code rehearsed on the CPU at a tiny size."""
+"""`make gpu-check` (workbook.gpucheck over labkit.tools.gpucheck): one line and status 2 without CUDA; its checks' code
+rehearsed on the CPU at a tiny size."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from labkit.tools import gpucheck
+from workbook import gpucheck as repo_check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the real checks run instead")
@@ -19,10 +21,10 @@ def test_without_cuda_says_so_in_one_line_and_exits_2(capsys, tmp_path):
 
 
 def test_rehearsal_on_cpu_runs_every_check(tmp_path, one_thread):
-    assert gpucheck.main(["--rehearse-on-cpu", "--out", str(tmp_path)]) == 0
+    assert repo_check.main(["--rehearse-on-cpu", "--out", str(tmp_path)]) == 0  # make gpu-check's command
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     rows = {r["check"]: r for r in report["rows"]}
-    assert list(rows) == list(gpucheck.CHECKS)
+    assert list(rows) == list(gpucheck.CHECKS) + list(repo_check.REPO_CHECKS)  # labkit's rows, then the repository's
     assert report["rehearsal"] is True and report["complete"] is True
     assert rows["budget"]["ok"] is True and rows["budget"]["figures"]["next_step_ran"] is True
     offload = rows["offload"]["figures"]
@@ -62,10 +64,19 @@ def test_a_run_stopped_part_way_leaves_the_rows_it_finished(monkeypatch, tmp_pat
 
 
 def test_chapters_chooses_the_notebooks_row_s_chapters_and_names_an_unknown_one(capsys):
-    repo = gpucheck.checkout_root()
-    chosen = gpucheck.chapter_notebooks(repo, ["10", "04", "06b"])
+    chosen = repo_check.chapter_notebooks(["10", "04", "06b"])
     assert [nb.name.split("_")[0] for nb in chosen] == ["04", "06b", "10"]  # the chapters' order, not the argument's
-    assert len(gpucheck.chapter_notebooks(repo)) == len(list((repo / "notebooks").glob("[0-9][0-9]*_*.ipynb")))
+    notebooks = repo_check.ROOT / "notebooks"
+    assert len(repo_check.chapter_notebooks()) == len(list(notebooks.glob("[0-9][0-9]*_*.ipynb")))
     with pytest.raises(SystemExit) as exit_:  # before any work, CUDA or not
-        gpucheck.main(["--chapters", "04", "4b"])
+        repo_check.main(["--chapters", "04", "4b"])
     assert exit_.value.code == 2 and "--chapters: no chapter 4b" in capsys.readouterr().err
+
+
+def test_an_installed_labkit_runs_its_own_rows_only(tmp_path, one_thread):
+    """python -m labkit.tools.gpucheck (a hosted notebook, no repository): labkit's rows, none of the repository's."""
+    assert gpucheck.main(["--rehearse-on-cpu", "--out", str(tmp_path), "--skip", "plan"]) == 0
+    rows = [r["check"] for r in json.loads((tmp_path / "gpu-check.json").read_text())["rows"]]
+    assert rows == [c for c in gpucheck.CHECKS if c != "plan"]
+    with pytest.raises(SystemExit):
+        gpucheck.main(["--chapters", "04"])  # the notebooks row and its option are the repository's

@@ -219,7 +219,7 @@ def test_makefile_has_the_three_commands():
     assert "workbook.lab" in " ".join(targets["lab"])
     assert "workbook.classroom student" in " ".join(targets["student"])
     assert "workbook.classroom grade" in " ".join(targets["grade"])
-    assert "labkit.tools.gpucheck" in " ".join(targets["gpu-check"])
+    assert "workbook.gpucheck" in " ".join(targets["gpu-check"])
 
 
 def test_pip_installs_labkit_alone_and_the_library_imports_no_tooling():

@@ -1,12 +1,13 @@
 """Run every CUDA path of the workbook at a GPU-sized model, print a table, write build/gpu-check.json.
 
-    make gpu-check                                            # GPT-2 small, batch 4 x 1024 tokens
+    make gpu-check                                            # GPT-2 small, batch 4 x 1024 tokens (workbook.gpucheck)
     python -m labkit.tools.gpucheck --n-layer 6 --batch 2     # a hosted notebook (labkit installed, no repository)
 
 One row per check (`CHECKS`): what was measured, what it is held against, ok or not. The rows live here
-once: tests/test_cuda.py runs them at a small size, and the `tests` row runs the other `cuda` tests.
-The `tests` and `notebooks` rows need the repository. Without CUDA it says so and exits with status 2;
-`--rehearse-on-cpu` runs the same code on the CPU at a tiny size (the tests'), with no CUDA figure.
+once: tests/test_cuda.py runs them at a small size. From the repository, `make gpu-check` runs them through
+workbook.gpucheck, which adds two rows of its own: the other `cuda` tests and the chapters on CUDA. Without CUDA it
+says so and exits with status 2; `--rehearse-on-cpu` runs the same code on the CPU at a tiny size (the tests'), with
+no CUDA figure.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import argparse
 import copy
 import functools
 import json
-import subprocess
 import sys
 import time
 import traceback
@@ -29,7 +29,7 @@ from labkit.device import as_device, half_precision, hardware_report, synchroniz
 from labkit.hostlink import copy_bandwidth
 from labkit.meter import OutOfMemory, format_bytes, try_fit
 from labkit.models import GPT, GPTConfig, count_params
-from labkit.results import build_dir, checkout_root
+from labkit.results import build_dir
 from labkit.techniques.checkpointing import checkpoint_blocks
 from labkit.techniques.l2l import L2LTrainer, measure_l2l_step
 from labkit.techniques.offload import OffloadHooks
@@ -37,7 +37,7 @@ from labkit.techniques.precision import amp_train_step, forward_activation_bytes
 from labkit.throughput import measure_throughputs
 from labkit.train import make_optimizer, measure_step, seeded_model, train_step
 
-CHECKS = ("meter", "budget", "offload", "l2l", "precision", "checkpoint", "roofline", "plan", "tests", "notebooks")
+CHECKS = ("meter", "budget", "offload", "l2l", "precision", "checkpoint", "roofline", "plan")
 METER_TOLERANCE = 0.05  # the meter's peak within 5% of max_memory_allocated
 PLAN_TOLERANCE = 0.03  # labkit.planner.plan's predicted peak within 3% of max_memory_allocated (issue 24's target) ...
 WORKSPACE_ALLOWANCE_BYTES = 128 * 2**20  # ... or below it by no more than this: cuBLAS's workspaces, which the allocator
@@ -366,85 +366,16 @@ def _names(combinations) -> list[str]:
     return [f"mb {c.micro_batch} x {c.accum_steps}, {c.checkpointing}, {c.precision}" for c in combinations]
 
 
-NO_CHECKOUT = "labkit is installed without its repository (a hosted notebook): the repository's {} are not here"
-ROWS_TEST = "tests/test_cuda.py::test_gpu_check_rows_hold"  # this tool's own rows: run above, not again
-
-
-def _not_run(check: str, expected: str, setup: Setup, repo: Path | None) -> Row | None:
-    """Return the row of a check that needs CUDA and the repository where either is missing, else None."""
-    why = "rehearsal on cpu" if not _cuda(setup) else NO_CHECKOUT.format(check) if repo is None else None
-    return Row(check, "not run", expected, None, why) if why else None
-
-
-def check_tests(setup: Setup, repo: Path | None) -> Row:
-    """Run the tests marked `cuda` but this tool's own rows (repo None: no repository, not run, said so)."""
-    if row := _not_run("tests", "pytest -m cuda passes", setup, repo):
-        return row
-    proc = subprocess.run([sys.executable, "-m", "pytest", "tests", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-                           "--deselect", ROWS_TEST], cwd=repo, capture_output=True, text=True)
-    last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
-    return Row("tests", last, "pytest -m cuda passes", proc.returncode == 0,
-               "" if proc.returncode == 0 else proc.stdout[-2000:], {"returncode": proc.returncode})
-
-
-def chapter_notebooks(repo: Path, chapters=None) -> list[Path]:
-    """Return the chapters' notebooks in order: all, or those whose number is in `chapters` ("04", "06b")."""
-    found = sorted((repo / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
-    if not chapters:
-        return found
-    numbers = {nb.name.split("_")[0]: nb for nb in found}
-    unknown = sorted(set(chapters) - set(numbers))
-    if unknown:
-        raise ValueError(f"--chapters: no chapter {', '.join(unknown)}; choose among {', '.join(numbers)}")
-    return [nb for number, nb in numbers.items() if number in chapters]
-
-
-def check_notebooks(setup: Setup, repo: Path | None, out: Path, chapters=None) -> Row:
-    """Execute the chapters' notebooks with DEVICE="cuda" (the multi-rank chapters: "auto" with fewer GPUs than ranks).
-
-    `chapters`: the chapter numbers to run ("04", "06b"); None runs every chapter."""
-    if row := _not_run("notebooks", "every notebook ok with DEVICE='cuda'", setup, repo):
-        return row
-    import papermill
-
-    gpus = torch.cuda.device_count()
-    status, seconds, own_default = {}, {}, []
-    for nb in chapter_notebooks(repo, chapters):
-        multi_rank = nb.name[:2] in ("06", "07")
-        device = "cuda" if not multi_rank or gpus >= 2 else "auto"
-        declared = papermill.inspect_notebook(str(nb)).get("DEVICE")
-        if declared is None or "cuda" not in declared["help"]:  # no DEVICE, or a CPU-only one (09's check)
-            own_default.append(nb.stem[:2])
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "workbook.runner", "--notebooks", str(repo / "notebooks"),
-                               "--out", str(out), "--only", nb.name,
-                               *(() if nb.stem[:2] in own_default else ("-p", "DEVICE", device))],
-                              cwd=repo, capture_output=True, text=True)
-        seconds[nb.stem] = time.perf_counter() - t0
-        status[nb.stem] = "ok" if proc.returncode == 0 else f"failed: {(proc.stdout + proc.stderr)[-600:]}"
-        print(f"  notebooks: {nb.stem} {status[nb.stem][:6].rstrip(':')} in {seconds[nb.stem]:.0f} s", flush=True)
-    failed = [k for k, v in status.items() if v != "ok"]
-    return Row("notebooks", f"{len(status) - len(failed)}/{len(status)} ok" + (f"; failed {failed}" if failed else ""),
-               "every notebook ok with DEVICE='cuda'", not failed and bool(status),
-               "; ".join(([] if gpus >= 2 else ["06 and 07 need one GPU per rank: with one GPU they ran with "
-                                               "DEVICE='auto' (cpu)"])
-                         + ([f"{', '.join(own_default)} ran with their own DEVICE (no 'cuda' among its choices)"]
-                            if own_default else [])),
-               {"status": status, "seconds": seconds, "gpus": gpus, "own_device": own_default})
-
-
 # -- running and reporting -----------------------------------------------------------------------
-def run_checks(setup: Setup, only=CHECKS, repo: Path | None = Path("."), out: Path = Path("build"),
-               on_row=None, chapters=None) -> list[Row]:
+def run_checks(setup: Setup, only=CHECKS, on_row=None, extra: dict | None = None, out: Path = Path("build")) -> list[Row]:
     """Run the chosen checks in order; a check that raises becomes a failed row with its error.
 
     `on_row(rows)`: called with the rows so far after each one (main writes the report, so a run stopped
-    part-way leaves the rows it finished)."""
+    part-way leaves the rows it finished). `extra`: more checks by name, each called as fn(setup, out) (the
+    repository's rows, workbook.gpucheck)."""
     funcs = {"meter": check_meter, "budget": check_budget, "offload": check_offload, "l2l": check_l2l,
              "precision": check_precision, "checkpoint": check_checkpoint, "roofline": check_roofline,
-             "plan": check_plan,
-             "tests": lambda s: check_tests(s, repo),
-             "notebooks": lambda s: check_notebooks(s, repo, out / "gpu-check-notebooks", chapters)}
+             "plan": check_plan, **{name: functools.partial(fn, out=out) for name, fn in (extra or {}).items()}}
     rows = []
     for name in only:
         t0 = time.perf_counter()
@@ -475,9 +406,9 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    """Run the GPU checks (see the module docstring); return the exit status."""
-    p = argparse.ArgumentParser(prog="python -m labkit.tools.gpucheck", description=__doc__.split("\n")[0])
+def parser(prog: str = "python -m labkit.tools.gpucheck", extra_checks: tuple = ()) -> argparse.ArgumentParser:
+    """Return the command's argument parser (`extra_checks`: more rows `--skip` may name)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--n-layer", type=int, default=12, help="transformer blocks (default 12: GPT-2 small)")
     p.add_argument("--n-embd", type=int, default=768, help="width (default 768)")
     p.add_argument("--n-head", type=int, default=12, help="attention heads (default 12)")
@@ -486,19 +417,23 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default 1024)")
     p.add_argument("--steps", type=int, default=5, help="timed rounds per comparison (default 5)")
     p.add_argument("--train-steps", type=int, default=40, help="fp16 GradScaler optimizer steps (default 40)")
-    p.add_argument("--skip", action="append", default=[], choices=CHECKS, help="leave a check out (repeatable)")
-    p.add_argument("--chapters", nargs="+", default=None, metavar="NN",
-                   help="the notebooks row runs only these chapters, e.g. 04 08 (default: every chapter)")
+    p.add_argument("--skip", action="append", default=[], choices=CHECKS + tuple(extra_checks),
+                   help="leave a check out (repeatable)")
     p.add_argument("--out", default=None, help="folder for gpu-check.json (default: build/ of the checkout, else of the "
                                                "working directory)")
     p.add_argument("--rehearse-on-cpu", action="store_true",
                    help="run the checks' code on the CPU at a tiny size (labkit's own tests); no GPU figures")
-    args = p.parse_args(argv)
-    if args.chapters and checkout_root() is not None:
-        try:
-            chapter_notebooks(checkout_root(), args.chapters)
-        except ValueError as e:
-            p.error(str(e))
+    return p
+
+
+def main(argv=None) -> int:
+    """Run the GPU checks (see the module docstring); return the exit status."""
+    return run(parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace, extra: dict | None = None) -> int:
+    """Run the checks `args` asks for, then the `extra` ones (name -> fn(setup, out)); print the table, write the
+    report; return the exit status (2 without CUDA, 1 when a check failed)."""
     if not torch.cuda.is_available() and not args.rehearse_on_cpu:
         print(f"make gpu-check needs CUDA: torch {torch.__version__} sees no CUDA device "
               f"(CUDA build: {torch.version.cuda or 'no, a CPU build'}); see README 'Using a GPU'")
@@ -514,12 +449,11 @@ def main(argv=None) -> int:
     setup = Setup(device, cfg, args.batch, args.seq_len, args.steps, args.train_steps,
                   min_offload_bytes=0 if args.rehearse_on_cpu else 65536)
     out = Path(args.out) if args.out else build_dir()
-    repo = checkout_root()
     header = (f"{hardware_report(device)}\nmodel: {count_params(GPT(cfg)) / 1e6:.1f}M parameters "
               f"({cfg.n_layer} layers, width {cfg.n_embd}), batch {args.batch} x {args.seq_len} tokens")
     print(header, flush=True)
     path = out / "gpu-check.json"
-    wanted = [c for c in CHECKS if c not in args.skip]
+    wanted = [c for c in CHECKS + tuple(extra or {}) if c not in args.skip]
 
     def write_report(rows: list[Row]) -> None:
         out.mkdir(parents=True, exist_ok=True)
@@ -528,7 +462,7 @@ def main(argv=None) -> int:
                   "complete": len(rows) == len(wanted), "rows": [asdict(r) for r in rows]}
         path.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
-    rows = run_checks(setup, wanted, repo=repo, out=out, on_row=write_report, chapters=args.chapters)
+    rows = run_checks(setup, wanted, on_row=write_report, extra=extra, out=out)
     write_report(rows)  # also when every check was skipped
     print("\n" + header + "\n" + table(rows))
     failed = [r.check for r in rows if r.ok is False]
