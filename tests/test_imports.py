@@ -174,7 +174,8 @@ def test_nothing_in_the_repository_uses_an_old_module_name():
     import re
     edges = graph()
     assert {m: sorted(set(i) & set(MOVED)) for m, i in edges.items() if m not in MOVED and set(i) & set(MOVED)} == {}
-    old = re.compile(r"\blabkit\.(" + "|".join(m.split(".")[1] for m in MOVED) + r")\b(?!\.py)")
+    names = "|".join(m.split(".")[1] for m in MOVED)
+    old = re.compile(r"\blabkit\.(" + names + r")\b(?!\.py)|\blabkit/(" + names + r")\.py")  # a name, or its file
     texts = [p for p in ROOT.glob("notebooks/*.ipynb")] + [ROOT / "README.md", ROOT / "Makefile", ROOT / "CONTRIBUTING.md"]
     texts += [p for p in (ROOT / "tests").glob("*.py") if p.name != "test_imports.py"]
     texts += [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if module_name(p) not in MOVED]

@@ -1,4 +1,5 @@
-"""labkit.techniques.pipeline: the ideal GPipe and 1F1B schedules, their bubble, and bubbles measured from spans."""
+"""labkit.techniques.pipeline: the ideal GPipe and 1F1B schedules and their bubble; labkit.pipelinerun: bubbles measured
+from spans."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The techniques as the chapters teach them: tested references a chapter checks its visible code against and later
-chapters and applications reuse. Each module's first line names its chapter:
+chapters and applications reuse. Each module's docstring names its chapter:
 
 | module | chapter |
 |---|---|
