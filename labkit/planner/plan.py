@@ -673,7 +673,6 @@ class _Asked:
     batch: int
     precisions: tuple
     checkpointing: tuple
-    depth: str
     offload: tuple
     optimizers: tuple
     adam_impls: tuple
@@ -782,7 +781,7 @@ def _asked(spec: ModelSpec, gpu, gpus, seq_len, batch, precisions, checkpointing
                               if c in PLAN_CHECKPOINTING or "every" not in spec.checkpointing)
     for c in checkpointing:
         check_choice("checkpointing", c, spec.checkpointing)
-    return _Asked(spec, device, gpus, seq_len, batch, precisions, tuple(checkpointing), depth, offload, optimizers,
+    return _Asked(spec, device, gpus, seq_len, batch, precisions, tuple(checkpointing), offload, optimizers,
                   adam_impls, keep_logits, parallels, micro_batches, rate,
                   "cpu" if device.name == "cpu" else "cuda",
                   depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS)

@@ -129,8 +129,8 @@ def memory_checks(runs: list[dict]) -> list[Check]:
         if "peak_reserved_gib" in run["memory"]:
             out.append(Check(run["id"], "peak reserved", _range(run["memory"]["peak_reserved_gib"]), reserved / GiB,
                              basis + "; its allocations replayed through the CUDA caching allocator's default rules "
-                             "(labkit.planner.allocator: segments, best fit, splits; each of FSDP2's streams a pool of its "
-                             f"own; FSDP2 as torch {torch.__version__.split('+')[0]} runs it, the run's was March "
+                             "(labkit.planner.allocator: segments, best fit, splits; each of FSDP2's streams a pool "
+                             f"of its own; FSDP2 as torch {torch.__version__.split('+')[0]} runs it, the run's was March "
                              "2024's)"))
     return out
 
