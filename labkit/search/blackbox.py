@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from labkit.results import checkout_root
 from labkit.search.space import Param, suggest
 
 
@@ -17,7 +18,8 @@ def notebook_objective(notebook: str | Path, space: list[Param], value: str, out
     from labkit.execute import run_notebook  # the same papermill run as `make run`'s
 
     notebook = Path(notebook)
-    workbook = Path(__file__).resolve().parents[2] / "notebooks" / notebook
+    root = checkout_root()  # None where labkit is installed without the workbook
+    workbook = root / "notebooks" / notebook if root else notebook
     if not notebook.is_absolute() and workbook.exists():
         notebook = workbook  # a chapter's name means the workbook's own chapter, wherever this kernel runs
     if not notebook.exists():
