@@ -195,3 +195,20 @@ def test_no_function_runs_past_80_lines_without_saying_why():
                     if lines > FUNCTION_MAX_LINES and "on purpose" not in (ast.get_docstring(node) or ""):
                         long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
     assert long == []
+
+
+def test_each_notebooks_labkit_imports_are_in_module_order():
+    """CONTRIBUTING's import order in the chapters too: a run of `from labkit...` lines sorted by module."""
+    import json
+    unsorted = []
+    for path in sorted(ROOT.glob("notebooks/*.ipynb")):
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            run = []
+            for line in "".join(cell["source"]).splitlines() + [""]:
+                if line.startswith("from labkit"):
+                    run.append(line.split()[1])
+                    continue
+                if run != sorted(run):
+                    unsorted.append(f"{path.name} cell {i}: {run}")
+                run = []
+    assert unsorted == []
