@@ -86,3 +86,20 @@ def test_the_plans_fast_depth_gives_the_validated_peak():
     (row,) = p.rows
     check = next(c for c in published.memory_checks([run]) if c.figure == "peak active")
     assert row.peak_bytes / published.GiB == check.predicted
+
+
+def test_runs_of_one_model_replay_in_one_call(monkeypatch):
+    """The two TT-165 runs (one model, full and op checkpointing) go to `replayed` together, so that the plan's
+    workers share them; each check gets its own run's figures."""
+    from labkit.planner import plan as P
+    calls = []
+
+    def fake_replayed(model, combinations, seq_len):
+        calls.append([c.checkpointing for c in combinations])
+        return [(i * 2**30, (i + 10) * 2**30, 0) for i, _ in enumerate(combinations, 1)]
+    monkeypatch.setattr(P, "replayed", fake_replayed)
+    runs = [r for r in published.published_runs() if "plan" in r and "memory" in r]
+    checks = published.memory_checks(runs)
+    assert calls == [["full", "op"]]
+    by = {(c.run, c.figure): c.predicted for c in checks}
+    assert by["TT-165-FSDP2-AC-eager", "peak active"] == 1 and by["TT-165-FSDP2-SAC-eager", "peak reserved"] == 12

@@ -74,6 +74,7 @@ _RISE: dict = {}  # (model key, shard, Adam's implementation, depth, pure bf16) 
 _PLANNED: dict = {}  # (model key, Step, depth) -> _extrapolated's figures (from this process or a worker)
 PLAN_WORKERS_ENV = "LABKIT_PLAN_WORKERS"  # processes a plan's fake steps run in (plan_workers)
 MIN_GROUPS_PER_WORKER = 4  # fewer groups of fake steps run here: a worker's start (~3 s to import torch) costs more
+#                            (a REPLAY group is one step at full depth, seconds at 7B: one is worth a worker)
 PLAN_PRELOAD = ("torch.distributed.fsdp",)  # torch's modules a plan worker imports beyond torch (FSDP2 rows)
 WORKER_TIMEOUT_S = 3600  # a plan worker still running after this is stopped (the 7B plan: ~35 s each, 2 cores)
 DEPTHS = ("fast", "full")  # fast: exact arithmetic over runs at FAST_DEPTHS; full: every block (the reference)
@@ -996,11 +997,12 @@ def _worker_main(task_path: str, out_path: str) -> None:
 def _fake_steps(model, spec: ModelSpec, steps: list, depth: str, workers: int) -> dict:
     """Return {step: _extrapolated's figures} for every step: from this process's memo, run here, or shared among
     this process and `workers` - 1 child processes when there are MIN_GROUPS_PER_WORKER groups a worker or more (a
-    preset or GPTConfig model; each child dies with this process, and leaving stops them)."""
+    REPLAY's: one; a preset or GPTConfig model; each child dies with this process, and leaving stops them)."""
     memo = {} if spec.key is None else {step: (spec.key, step, depth) for step in steps}
     out = {step: _PLANNED[memo[step]] for step in steps if memo.get(step) in _PLANNED}
     groups = _groups(spec, [step for step in steps if step not in out], depth)
-    if workers > 1 and len(groups) >= MIN_GROUPS_PER_WORKER * workers and isinstance(model, (str, GPTConfig)):
+    per_worker = 1 if depth == REPLAY else MIN_GROUPS_PER_WORKER
+    if workers > 1 and len(groups) >= per_worker * workers and isinstance(model, (str, GPTConfig)):
         with tempfile.TemporaryDirectory(prefix="labkit-plan-") as tmp, ChildProcesses() as children:
             task, claims, paths = os.path.join(tmp, "task"), os.path.join(tmp, "claims"), []
             os.mkdir(claims)

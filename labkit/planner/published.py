@@ -116,10 +116,16 @@ def memory_checks(runs: list[dict]) -> list[Check]:
     plan's step at full depth on fake tensors (the figure a plan's fast depth reaches by arithmetic) and its reserved
     peak, the step's allocations replayed through the CUDA caching allocator's rules (labkit.planner.plan.replayed)."""
     from labkit.planner.plan import replayed
+    plans = [run_plan(run) for run in runs]
+    alike = {}  # (the model's repr, seq_len) -> (model, its runs' combinations): replayed in one call, shared among
+    for (model, c), run in zip(plans, runs):  # the plan's workers
+        alike.setdefault((repr(model), run["plan"]["seq_len"]), (model, []))[1].append(c)
+    figures = {(key, c): figure for key, (model, combs) in alike.items()
+               for c, figure in zip(combs, replayed(model, combs, key[1]))}
     out = []
-    for run in runs:
-        a, (model, c) = run["plan"], run_plan(run)
-        ((peak, reserved, _),) = replayed(model, [c], a["seq_len"])
+    for run, (model, c) in zip(runs, plans):
+        a = run["plan"]
+        peak, reserved, _ = figures[(repr(model), a["seq_len"]), c]
         basis = (f"the plan's step for {c.ranks} × {c.parallel}, micro-batch {c.micro_batch} × {c.accum_steps}, "
                  f"{a['attention']} attention, {c.checkpointing} checkpointing, {c.precision}, {c.adam_impl} Adam, "
                  f"logits {'held through' if c.keep_logits else 'freed before'} backward, every block on fake tensors")
