@@ -215,18 +215,16 @@ class PipelineTimings:
         low = bubbles.index(min(bubbles))
         words = describe_bubble(ms, bubbles, [self.bubble_range(schedule, m) for m in ms])
         if low == len(ms) - 1 or bubbles[-1] <= bubbles[low] + BUBBLE_LEVEL:
-            return BubbleVerdict(words, None, None, "")
+            return BubbleVerdict(words, None, None, {}, None)
         (r0, c0, b0), (r1, c1, b1) = (self.bubble_parts(schedule, m) for m in (ms[low], ms[-1]))
-        shares = {"replay": r1 - r0, "core waits": c1 - c0, "between": b1 - b0}  # what the rise is made of
+        parts = {"replay": (r0, r1), "core waits": (c0, c1), "between actions": (b0, b1)}  # what the rise is made of
+        shares = {k: b - a for k, (a, b) in parts.items()}
         why_not = ("within the steps' spread" if not self.rise_told(schedule, ms[low], ms[-1]) else
                    "mostly core waits" if max(shares, key=shares.get) == "core waits" else None)
         told = why_not is None
         words = (words if told else words.split(", then rises")[0]) + (
             f" (M = {ms[low]} -> {ms[-1]}, {bubbles[low]:.3f} -> {bubbles[-1]:.3f}: {'a rise' if told else why_not})")
-        return BubbleVerdict(words, told, why_not, f"; between the median timed steps of those two M, in shares of "
-                             f"the step: {r1 - r0:+.3f} in those two steps' replays ({r0:.3f} -> {r1:.3f}; the table's replay "
-                             f"column is the median of every timed step's), {c1 - c0:+.3f} from core waits, "
-                             f"{b1 - b0:+.3f} between actions")
+        return BubbleVerdict(words, told, why_not, parts, (ms[low], ms[-1]))
 
 
 @dataclasses.dataclass
@@ -236,7 +234,10 @@ class BubbleVerdict:
     words: str  # the trend, level where the timed steps' spreads overlap, and the verdict on a rise
     rise_told: bool | None  # None: no rise after the lowest M; True: the rise is a finding
     why_not: str | None  # why a rise is no finding: "within the steps' spread" or "mostly core waits"
-    parts: str  # "; between the median timed steps ...": the rise in three parts ("" without a rise)
+    # the rise in the median timed step's three shares of the step (bubble_parts), each at the two M of `rise_ms`:
+    # {"replay": (from, to), "core waits": (from, to), "between actions": (from, to)}; {} without a rise
+    parts: dict[str, tuple[float, float]]
+    rise_ms: tuple[int, int] | None  # the lowest median's M and the last M (None without a rise)
 
 
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
@@ -270,6 +271,11 @@ def _beside(ranges: list[tuple[float, float]], first: int, last: int) -> tuple[l
             [k for k in range(first, last + 1) if nxt[1] < ranges[k][0]])
 
 
+def _spreads(ms: list[int], ranges: list[tuple[float, float]], indices: list[int]) -> str:
+    """Return "M = 4's (0.245-0.284) and M = 8's (0.198-0.267)": the points' timed steps' ranges, named."""
+    return " and ".join(f"M = {ms[j]}'s ({ranges[j][0]:.3f}-{ranges[j][1]:.3f})" for j in indices)
+
+
 def _pairwise(ranges: list[tuple[float, float]]) -> bool:
     return all(_overlap(a, b) for a in ranges for b in ranges)
 
@@ -293,15 +299,15 @@ def describe_bubble(ms: list[int], bubbles: list[float], ranges: list[tuple[floa
     if k is None:  # the next point overlaps part of the stretch and lies below the rest: no trend told from it
         over, below = _beside(ranges, first, last)
         words += (f"; M = {ms[r]}'s steps ({ranges[r][0]:.3f}-{ranges[r][1]:.3f}) "
-                  + (f"overlap M = {' and '.join(str(ms[j]) for j in over)}'s and " if over else "")
-                  + f"lie below M = {' and '.join(str(ms[j]) for j in below)}'s")
+                  + (f"overlap {_spreads(ms, ranges, over)}, and " if over else "")
+                  + f"lie below {_spreads(ms, ranges, below)}")
         if r == len(ms) - 1:
             return words
         return words + f"; after M = {ms[r]} the median " + describe_trend(ms[r:], bubbles[r:], x_name="M", tol=tol)
     over = _beside(ranges, first, last)[0]  # stretch points the risen one still overlaps
     words += (f", then rises to {bubbles[r]:.3f} at M = {ms[r]}, its steps ({ranges[r][0]:.3f}-{ranges[r][1]:.3f}) "
-              f"above M = {ms[k]}'s ({ranges[k][0]:.3f}-{ranges[k][1]:.3f})"
-              + (f", within M = {' and '.join(str(ms[j]) for j in over)}'s" if over else ""))
+              f"above {_spreads(ms, ranges, [k])}"
+              + (f", within {_spreads(ms, ranges, over)}" if over else ""))
     if r == len(ms) - 1:
         return words
     if _pairwise(ranges[r:]):

@@ -390,7 +390,7 @@ def test_describe_bubble_states_the_rise_between_points_whose_spreads_do_not_ove
     words = describe_bubble(ms, ys, GPIPE_RANGES)
     assert words == ("falls from 0.509 at M = 1 to level within the timed steps' spread (0.318-0.448) from M = 2 to "
                      "M = 8, then rises to 0.407 at M = 16, its steps (0.397-0.436) above M = 4's (0.318-0.373), "
-                     "within M = 2 and 8's")
+                     "within M = 2's (0.353-0.419) and M = 8's (0.322-0.448)")
     assert "level from M = 8" not in words
     assert bubble_shape(ms, ys, GPIPE_RANGES) == "falls, level M = 2-8, rises at M = 16 (above M = 4 only)"
     # a rise before the last point, the rest within the risen point's spread
@@ -398,8 +398,8 @@ def test_describe_bubble_states_the_rise_between_points_whose_spreads_do_not_ove
     ys = [0.509, 0.378, 0.376, 0.449, 0.438]
     assert describe_bubble(ms, ys, noisy) == (
         "falls from 0.509 at M = 1 to level within the timed steps' spread (0.323-0.456) from M = 2 to M = 4, then "
-        "rises to 0.449 at M = 8, its steps (0.424-0.468) above M = 4's (0.323-0.420), within M = 2's, and stays within "
-        "its spread to M = 16")
+        "rises to 0.449 at M = 8, its steps (0.424-0.468) above M = 4's (0.323-0.420), within M = 2's (0.330-0.456), "
+        "and stays within its spread to M = 16")
     assert bubble_shape(ms, ys, noisy) == "falls, level M = 2-4, rises at M = 8 (above M = 4 only)"
 
 
@@ -422,7 +422,7 @@ def test_describe_bubble_says_level_only_where_the_spreads_overlap():
     ranges = [(0.300, 0.330), (0.279, 0.304), (0.200, 0.285), (0.216, 0.274)]
     assert describe_bubble(ms, ys, ranges) == (
         "falls from 0.311 at M = 2 to level within the timed steps' spread (0.200-0.304) from M = 4 to M = 8; M = 16's "
-        "steps (0.216-0.274) overlap M = 8's and lie below M = 4's")
+        "steps (0.216-0.274) overlap M = 8's (0.200-0.285), and lie below M = 4's (0.279-0.304)")  # each spread named
     assert bubble_shape(ms, ys, ranges) == "falls, level M = 4-8, M = 16 within M = 8's spread"
 
 
@@ -444,15 +444,16 @@ def test_a_rise_after_the_lowest_m_is_a_finding_only_beyond_the_spread_and_not_m
     apart = {1: (0.49, 0.51), 4: (0.29, 0.31), 16: (0.39, 0.41)}  # M = 16's steps all above M = 4's
     between = Fixed(apart, {1: (0.5, 0, 0), 4: (0.2, 0.05, 0.05), 16: (0.2, 0.06, 0.14)}).verdict("GPipe", ms, ys)
     assert between.rise_told is True and between.why_not is None and between.words.endswith("0.300 -> 0.400: a rise)")
-    assert "+0.010 from core waits, +0.090 between actions" in between.parts
-    assert "+0.000 in those two steps' replays (0.200 -> 0.200;" in between.parts  # (not the table's median replay)
+    # the rise in the median step's three shares, at M = 4 and M = 16 (that step's own replay, not the table's median)
+    assert between.rise_ms == (4, 16)
+    assert between.parts == {"replay": (0.2, 0.2), "core waits": (0.05, 0.06), "between actions": (0.05, 0.14)}
     cores = Fixed(apart, {1: (0.5, 0, 0), 4: (0.2, 0.05, 0.05), 16: (0.2, 0.14, 0.06)}).verdict("GPipe", ms, ys)
     assert cores.rise_told is False and cores.why_not == "mostly core waits" and ", then rises" not in cores.words
     spread = {1: (0.49, 0.51), 4: (0.25, 0.42), 16: (0.35, 0.45)}  # M = 16's steps overlap M = 4's
     within = Fixed(spread, {1: (0.5, 0, 0), 4: (0.2, 0.05, 0.05), 16: (0.2, 0.06, 0.14)}).verdict("GPipe", ms, ys)
     assert within.rise_told is False and within.why_not == "within the steps' spread"
     flat = Fixed(apart, {}).verdict("GPipe", ms, [0.5, 0.3, 0.302])  # no rise beyond BUBBLE_LEVEL: no verdict on one
-    assert flat.rise_told is None and flat.parts == ""
+    assert flat.rise_told is None and flat.parts == {} and flat.rise_ms is None
 
 
 def test_time_actions_still_imports_from_pipeline_with_a_warning():

@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 
 from labkit.costs import work_from_record
-from labkit.gpus import CUDA_NAMES, GPU_AUTO, GPU_RUN_PATH, RESERVE_FRACTION, DeviceProfile, device_profile, step_time
+from labkit.gpus import (CUDA_NAMES, EAGER_OPERATOR_S, GPU_AUTO, GPU_RUN_PATH, RESERVE_FRACTION, DeviceProfile,
+                         device_profile, step_time)
 from labkit.meter import format_bytes
 from labkit.results import results_path  # noqa: F401  (the closing page reads it here)
 
@@ -265,7 +266,8 @@ def order_sentence(order: list[dict], tolerance: float = TIME_TOLERANCE, launch_
         return text
     lead = launch_order[0]
     with_ = ties(launch_order, tolerance)[lead["technique"]]
-    return (text + f" The host's launches set every row's pace at this size; counted with them, {lead['technique']} "
+    return (text + f" By the projection ({EAGER_OPERATOR_S * 1e6:.1f} µs per launch, an H200 host's rate) the host's "
+            f"launches set every row's pace at this size; counted with them, {lead['technique']} "
             f"comes first ({lead['time_ratio_launches']:.2f}x the plain step's time"
             + (f", tied with {', '.join(launch_order[p - 1]['technique'] for p in with_)}" if with_ else "")
             + "); the measured GPU run below shows, for the techniques it timed, how far either prediction held.")
