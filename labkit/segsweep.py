@@ -20,6 +20,7 @@ MiB = 2**20
 LAYOUTS = ("balanced", "torch", "all", "selective", "selective-linear")
 """The sweep's layouts: s balanced segments, torch's checkpoint_sequential, every block, two selective policies."""
 BALANCED, TORCH, TIME, MEASURED = "#4c72b0", "#dd8452", "#8c8c8c", "#c44e52"  # one colour per meaning, both panels
+DODGE = 0.2  # the right panel draws the FLOPs this far left of each s, the times this far right
 
 
 @dataclass(frozen=True)
@@ -161,27 +162,29 @@ def draw_segment_sweep(fig, axes, c: SweepCurves) -> None:
     ax0.set_title(f"{c.n_layer}-block GPT, the last segment plain: activations lowest at s = {c.s[best]} "
                   f"({c.balanced_bytes[best] / c.balanced_bytes[0]:.0%} of s = 1)", fontsize=9)
     ax0.legend(fontsize=7)
-    # hollow diamonds: the time's marks, often at the same height, stay visible inside them
-    ax1.plot(c.s, c.flop_ratio, "D", ms=7, mfc="none", color=BALANCED, label="FLOPs / plain (counted)")
+    # the FLOPs just left of each s, the times just right: the two often lie within a few hundredths of each other
+    flops_x, time_x = [s - DODGE for s in c.s], [s + DODGE for s in c.s]
+    ax1.plot(flops_x, c.flop_ratio, "D", ms=5, mfc="none", color=BALANCED, label="FLOPs / plain (counted)")
     if c.flop_model:
-        ax1.plot(c.s, c.flop_model, ":", color="black", label="FLOPs / plain (one block's count)")
-    ax1.plot(c.s, c.gpu_ratio, "^-", ms=4, lw=1, color=TIME, zorder=3, label=f"time on the {c.gpu_name} / plain")
+        ax1.plot(flops_x, c.flop_model, ":", color="black", label="FLOPs / plain (one block's count)")
+    ax1.plot(time_x, c.gpu_ratio, "^-", ms=4, lw=1, color=TIME, zorder=3, label=f"time on the {c.gpu_name} / plain")
     if c.launch_bound:
-        ax1.plot(c.s, c.launch_ratio, "x--", ms=4, lw=1, color=TIME, label="the same, launches counted")
+        ax1.plot(time_x, c.launch_ratio, "x--", ms=4, lw=1, color=TIME, label="the same, launches counted")
     medians = [m.median if m is not None else float("nan") for m in c.measured]
     if any(m is not None for m in c.measured):
-        ax1.plot(c.s, medians, "v", mfc="none", color=MEASURED, label="measured here / plain (median)")
+        ax1.plot(time_x, medians, "v", mfc="none", color=MEASURED, label="measured here / plain (median)")
     ax1.axhline(4 / 3, color="black", ls="--", lw=1, label="one extra forward (4/3): a bound on FLOPs")
     ax1.set_xlabel("segments s")
     ax1.set_ylabel("cost relative to s = 1")
-    top = max([4 / 3, *c.flop_ratio, *c.gpu_ratio, *c.launch_ratio, *(m for m in medians if not math.isnan(m))])
-    ax1.set_ylim(0, 1.3 * top)  # from 0, every point inside
+    ratios = [4 / 3, 1.0, *c.flop_ratio, *c.gpu_ratio, *c.launch_ratio, *(m for m in medians if not math.isnan(m))]
+    top, low = max(ratios), min(ratios)
+    ax1.set_ylim(low - (top - low), top + 0.15 * (top - low))  # the ratios in the upper half, the legend below them
     ax1.set_title(f"Recomputation, s ≥ 2: FLOPs × {min(c.flop_ratio[1:] or [1]):.2f}–{max(c.flop_ratio):.2f};"
                   f"\non the {c.gpu_name} × {min(c.gpu_ratio[1:] or [1]):.2f}–{max(c.gpu_ratio):.2f} the plain "
                   "step's time"
                   + (f"\n(× {min(c.launch_ratio[1:] or [1]):.2f}–{max(c.launch_ratio):.2f} counting launches)"
                      if c.launch_bound else ""), fontsize=9)
-    ax1.legend(fontsize=6, ncol=2, loc="lower right")  # below the lowest ratio (1): no data there
+    ax1.legend(fontsize=6, ncol=2, loc="lower right")  # below the lowest ratio: no data there
 
 
 def draw_against_plain(axes, plain: SweepPoint, point: SweepPoint, name: str, gpu_name: str,
