@@ -88,7 +88,9 @@ PCIE5 = 64 * GB  # PCIe 5.0 x16, one direction
 DGX_A100_NIC = 200 / 8 * GB  # NVIDIA DGX A100 user guide: one 200 Gb/s HDR InfiniBand NIC per GPU (8 per server)
 DGX_H100_NIC = 400 / 8 * GB  # NVIDIA DGX H100 user guide: one 400 Gb/s NDR InfiniBand NIC per GPU (8 per server)
 
-# Dense (no sparsity) tensor-core figures with fp32 accumulation; fp32 is the non-tensor (no TF32) rate.
+# Dense (no sparsity) tensor-core figures with fp32 accumulation; fp32 is the non-tensor (no TF32) rate. Memory: the
+# datasheet's "GB" read as GiB, every card alike: a little more than torch reports (the H200 of data/gpu_run_h200.json:
+# 139.8 GiB of its 141), a gap the planner's reserve covers.
 GPUS = {
     # NVIDIA T4 datasheet: 16 GB GDDR6 (15,360 MiB usable: nvidia-smi's total, ECC on), 320 GB/s, fp32 8.1 TFLOPS,
     # fp16 tensor 65 TFLOPS; no bf16; PCIe 3.0
@@ -118,7 +120,7 @@ GPUS = {
     "h100": DeviceProfile("h100", 80 * GiB, {"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
                           3350 * GB, PCIE5, 450 * GB, efficiency=H100_EFFICIENCY, node_bytes_per_s=DGX_H100_NIC),
     # NVIDIA H200 datasheet (SXM): 141 GB HBM3e 4.8 TB/s; compute and links as the H100 SXM
-    "h200": DeviceProfile("h200", 141 * GB, {"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
+    "h200": DeviceProfile("h200", 141 * GiB, {"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
                           4800 * GB, PCIE5, 450 * GB, node_bytes_per_s=DGX_H100_NIC),
 }
 

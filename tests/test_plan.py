@@ -366,7 +366,7 @@ def test_fsdp2_rows_run_the_sharded_step_with_autocast_and_checkpointing():
     from labkit.estimate import estimate_training_memory
     cfg = dataclasses.replace(SMALL, n_layer=2)
     p = P.plan(cfg, "h100", gpus=2, seq_len=16, batch=2, checkpointing=("none", "every"), offload=(False,),
-               optimizers=("device",))
+               optimizers=("device",), precisions=("fp32", "bf16", "fp16"))  # (asked: autocast under FSDP2 too)
     fsdp = {(c.parallel, c.checkpointing, c.precision): r for r in p.rows
             if (c := r.combination).parallel.startswith("fsdp2")}
     assert set(fsdp) == {(k, ck, pr) for k in ("fsdp2", "fsdp2-reshard") for ck in ("none", "every")
@@ -410,7 +410,7 @@ def test_fsdp2_rows_of_a_transformers_config():
     p = P.plan(cfg, "a100-80gb", 2, 16, 2, offload=(False,), optimizers=("device",))
     fsdp = {(r.combination.parallel, r.combination.precision): r for r in p.rows
             if r.combination.parallel.startswith("fsdp2")}
-    assert set(fsdp) == {(k, pr) for k in ("fsdp2", "fsdp2-reshard") for pr in ("fp32", "bf16", "fp16")}
+    assert set(fsdp) == {(k, pr) for k in ("fsdp2", "fsdp2-reshard") for pr in ("fp32", P.MIXED_POLICY)}  # (default)
     single = next(r for r in p.rows if r.combination.ranks == 1 and r.combination.precision == "fp32"
                   and r.combination.accum_steps == 1)
     assert fsdp["fsdp2-reshard", "fp32"].split["parameters"] < single.split["parameters"]  # sharded weights
@@ -741,3 +741,21 @@ def test_pure_bf16_at_the_fast_depth_and_sharded_equals_a_full_depth_run(monkeyp
     for step in (P.Step(3, 2, 16, "full", P.PURE_BF16, adam_impl="foreach"),
                  P.Step(3, 2, 16, "none", P.PURE_BF16, shard=(2, True), adam_impl="foreach")):
         assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full")
+
+
+def test_fsdp2s_default_16_bits_are_its_mixed_precision_policy():
+    """By default (torchtitan's) FSDP2's 16-bit rows are MixedPrecisionPolicy, the others' autocast; asked for, autocast
+    runs under FSDP2 too; a GPU without bf16 keeps fp16 autocast everywhere."""
+    cfg = dataclasses.replace(DEEP_LLAMA, n_layer=2)
+    kwargs = dict(offload=(False,), optimizers=("device",), checkpointing=("none",), workers=1)
+    p = P.plan(cfg, "a100-80gb", 2, 16, 2, **kwargs)
+    by = {}
+    for r in p.rows:
+        by.setdefault(r.combination.parallel.startswith("fsdp2"), set()).add(r.combination.precision)
+    assert by == {True: {"fp32", P.MIXED_POLICY}, False: {"fp32", "bf16", "fp16"}}
+    assert "autocast (bf16) with fsdp2" in p.left_out and f"{P.MIXED_POLICY} without fsdp2" in p.left_out
+    asked = P.plan(cfg, "a100-80gb", 2, 16, 2, precisions=("fp32", "bf16"), **kwargs)
+    assert {r.combination.precision for r in asked.rows if r.combination.parallel == "fsdp2"} == {"fp32", "bf16"}
+    assert "autocast (bf16) with fsdp2" not in asked.left_out
+    t4 = P.plan(cfg, "t4", 2, 16, 2, **kwargs)
+    assert {r.combination.precision for r in t4.rows if r.combination.parallel == "fsdp2"} == {"fp32", "fp16"}

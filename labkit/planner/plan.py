@@ -683,6 +683,8 @@ class _Asked:
     rate: dict  # precision -> the compute rate it runs at (a key of the device's flops_per_s)
     autocast_of: str  # "cuda": a GPU's 16-bit steps take CUDA autocast's dtypes; "cpu": this CPU's own
     deep: bool = False  # past FULL_MAX_LAYERS at the fast depth: what only full depth gives is left out
+    autocast_sharded: bool = True  # FSDP2 rows run autocast's 16 bits too (False: by default, where MIXED_POLICY is
+    #                                their 16-bit row, as torchtitan's)
 
 
 def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: int = 1024, batch: int = 8,
@@ -692,15 +694,16 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
          micro_batches=None, reserved: bool = False) -> Plan:
     """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s.
 
-    offload: activation offload off (False) and/or on (True); optimizers: Adam's state on the "device" and/or the
-    "host" (its step too; one device); workers: processes the fake steps run in (None: plan_workers()); adam_impls:
-    Adam's implementations (labkit.train.ADAM_IMPLS), each a row of its own on the device (they differ only in what
-    the update allocates: no fake step more, two small ones for foreach); keep_logits: False frees the logits
-    before backward in every row (torchtitan's step) instead of holding them (the chapters'); parallels: the ways of
-    running on the GPUs to plan (keys of COMM_UNITS; the others' fake steps are not run); micro_batches: the rows per
-    micro-batch to plan (None: every one dividing a GPU's share of the batch); reserved: each Pareto-front row's
-    `reserved_bytes`, from one more fake step at full depth (single-device and FSDP2 rows with Adam on the device and
-    at most two micro-batches: there the fake step allocates all the row does).
+    precisions: of PLAN_PRECISIONS (None: the GPU's of PRECISIONS, FSDP2's 16-bit rows MIXED_POLICY instead of autocast
+    where it has bf16, torchtitan's default); offload: activation offload off (False) and/or on (True); optimizers:
+    Adam's state on the "device" and/or the "host" (its step too; one device); workers: processes the fake steps run in
+    (None: plan_workers()); adam_impls: Adam's implementations (labkit.train.ADAM_IMPLS), each a row of its own on the
+    device (they differ only in what the update allocates: no fake step more, two small ones for foreach); keep_logits:
+    False frees the logits before backward in every row (torchtitan's step) instead of holding them (the chapters');
+    parallels: the ways of running on the GPUs to plan (keys of COMM_UNITS; the others' fake steps are not run);
+    micro_batches: the rows per micro-batch to plan (None: every one dividing a GPU's share of the batch); reserved:
+    each Pareto-front row's `reserved_bytes`, from one more fake step at full depth (single-device and FSDP2 rows with
+    Adam on the device and at most two micro-batches: there the fake step allocates all the row does).
     """
     ask = _asked(model_spec(model), gpu, gpus, seq_len, batch, precisions, checkpointing, reserve_fraction, depth,
                  offload, optimizers, adam_impls, keep_logits, parallels, micro_batches)
@@ -746,7 +749,10 @@ def _asked(spec: ModelSpec, gpu, gpus, seq_len, batch, precisions, checkpointing
            optimizers, adam_impls, keep_logits, parallels, micro_batches) -> _Asked:
     """Return plan()'s arguments checked (a ParameterError names a bad one and its choices, before any work)."""
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
-    precisions = tuple(p for p in PRECISIONS if p in device.flops_per_s) if precisions is None else tuple(precisions)
+    autocast_sharded = precisions is not None or "bf16" not in device.flops_per_s or device.name == "cpu"
+    if precisions is None:  # the GPU's formats; FSDP2's 16 bits: its MixedPrecisionPolicy where the GPU has bf16
+        precisions = tuple(p for p in PRECISIONS if p in device.flops_per_s) + (MIXED_POLICY,) * (not autocast_sharded)
+    precisions = tuple(precisions)
     rate = {p: "bf16" if p in (MIXED_POLICY, PURE_BF16) else p for p in precisions}  # each precision's compute rate
     check_int("gpus", gpus, 1, 1 if device.name == "cpu" else 4096)
     check_int("seq_len", seq_len, 1, spec.max_seq_len)
@@ -785,7 +791,7 @@ def _asked(spec: ModelSpec, gpu, gpus, seq_len, batch, precisions, checkpointing
     return _Asked(spec, device, gpus, seq_len, batch, precisions, tuple(checkpointing), offload, optimizers,
                   adam_impls, keep_logits, parallels, micro_batches, rate,
                   "cpu" if device.name == "cpu" else "cuda",
-                  depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS)
+                  depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS, autocast_sharded)
 
 
 def _left_out(ask: _Asked) -> dict:
@@ -809,6 +815,10 @@ def _left_out(ask: _Asked) -> dict:
     if MIXED_POLICY in ask.precisions:
         left_out[f"{MIXED_POLICY} without fsdp2"] = ("MixedPrecisionPolicy is FSDP2's: one device, DDP and ZeRO-1 "
                                                      "rows run autocast (bf16)")
+    if not ask.autocast_sharded:
+        left_out["autocast (bf16) with fsdp2"] = (f"FSDP2's 16-bit rows are its MixedPrecisionPolicy ({MIXED_POLICY}, "
+                                                  "torchtitan's default); --precision fp32 bf16 bf16-mp plans autocast "
+                                                  "over fp32 shards too")
     return left_out
 
 
@@ -830,7 +840,8 @@ def _steps_needed(ask: _Asked, ranks_list: list, flat_ranks: list) -> dict:
         for reshard in (False, True) if ("fsdp2-reshard" if reshard else "fsdp2") in ask.parallels]
     todo = {}
     for shard in shards:
-        precisions = fake_precisions + [MIXED_POLICY] * (shard is not None and MIXED_POLICY in ask.precisions)
+        precisions = [p for p in fake_precisions if shard is None or ask.autocast_sharded or p != "bf16"]
+        precisions += [MIXED_POLICY] * (shard is not None and MIXED_POLICY in ask.precisions)
         for rows in [batch // r for r in flat_ranks] if shard is None else [batch // shard[0]]:
             todo.update(dict.fromkeys(Step(mb, min(rows // mb, 2), ask.seq_len, c, p, o, shard, a, ask.keep_logits,
                                            ask.autocast_of)
@@ -1066,8 +1077,8 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
     """Return the plan as a text table: the Pareto front (every row with all_rows) and the fastest that fits."""
     n = p.n_params  # "437,760" below a million, else "124.4 M" or "6.74 B"
     count = f"{n:,}" if n < 10**6 else f"{n / 1e6:.1f} M" if n < 10**9 else f"{n / 1e9:.2f} B"
-    head = (f"{p.model} ({count} parameters) on {p.gpus} × {p.device}, seq_len {p.seq_len}, "
-            f"batch {p.batch}: budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
+    head = (f"{p.model} ({count} parameters) on {p.gpus} × {p.device}, seq_len {p.seq_len}, global batch {p.batch}: "
+            f"budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s"
             + ("; the logits freed before backward" if any(not r.combination.keep_logits for r in p.rows) else ""))
     width = max([4, *(len(r.combination.precision) for r in p.rows)])
@@ -1140,7 +1151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", choices=DEPTHS, default="fast",
                     help="fast: exact arithmetic over a few blocks; full: every block on fake tensors (the reference)")
     ap.add_argument("--precision", nargs="+", choices=PLAN_PRECISIONS, default=None,
-                    help=f"precisions to plan (default: those the GPU has of {PRECISIONS}); {MIXED_POLICY}: FSDP2's "
+                    help=f"precisions to plan (default: those the GPU has of {PRECISIONS}, FSDP2's 16-bit rows "
+                         f"{MIXED_POLICY} where it has bf16, as torchtitan's); {MIXED_POLICY}: FSDP2's "
                          "MixedPrecisionPolicy, bf16 parameters gathered and computed, fp32 shards and reduction; "
                          f"{PURE_BF16}: bf16 weights, gradients and Adam state, no autocast (torchtune's default)")
     ap.add_argument("--parallel", nargs="+", choices=tuple(COMM_UNITS), default=list(COMM_UNITS),
