@@ -226,6 +226,24 @@ class PipelineTimings:
             f" (M = {ms[low]} -> {ms[-1]}, {bubbles[low]:.3f} -> {bubbles[-1]:.3f}: {'a rise' if told else why_not})")
         return BubbleVerdict(words, told, why_not, parts, (ms[low], ms[-1]))
 
+    def schedules_compared(self, ms: list[int], measured: dict) -> str:
+        """Return at how many of `ms` (both schedules timed there) 1F1B's timed steps lie below or above GPipe's, how
+        far their replays are apart, and each one's median time between actions (chapter 06b); `measured`: {schedule:
+        {M: median bubble}}."""
+        import statistics
+
+        lower, higher = (sum(self.bubble_range(a, m)[1] < self.bubble_range(b, m)[0] for m in ms)
+                         for a, b in (("1F1B", "GPipe"), ("GPipe", "1F1B")))  # M where the steps' ranges lie apart
+        between_ms = {name: statistics.median(self.per_action_s(name, m)[2] * 1e3 for m in ms)
+                      for name in ("GPipe", "1F1B")}
+        rep_gap = max(abs(self.replayed_bubble("1F1B", m) - self.replayed_bubble("GPipe", m)) for m in ms)
+        beyond = lower == len(ms) and min(measured["GPipe"][m] - measured["1F1B"][m] for m in ms) > rep_gap
+        return (f"ranges apart, 1F1B's measured bubble is below GPipe's at {lower} of {len(ms)} M, above at {higher}; "
+                f"their replays at most {rep_gap:.3f} apart"
+                + (": the difference lies outside compute" if beyond else "")
+                + f" (time between actions, median per action: GPipe {between_ms['GPipe']:.2f} ms, "
+                f"1F1B {between_ms['1F1B']:.2f})")
+
 
 @dataclasses.dataclass
 class BubbleVerdict:
@@ -238,6 +256,23 @@ class BubbleVerdict:
     # {"replay": (from, to), "core waits": (from, to), "between actions": (from, to)}; {} without a rise
     parts: dict[str, tuple[float, float]]
     rise_ms: tuple[int, int] | None  # the lowest median's M and the last M (None without a rise)
+
+    def parts_rows(self) -> list[tuple]:
+        """Return the rise's three shares as table rows (labkit.print_rows): a header, each share at the two M and its
+        change, their sum (the median timed step's bubble); [] without a rise."""
+        if not self.parts:
+            return []
+        (m0, m1), parts = self.rise_ms, self.parts
+        return ([("", f"M = {m0}", f"M = {m1}", "change")]
+                + [(part, f"{a:.3f}", f"{b:.3f}", f"{b - a:+.3f}") for part, (a, b) in parts.items()]
+                + [("the bubble (their sum)", *(f"{sum(p[i] for p in parts.values()):.3f}" for i in (0, 1)),
+                    f"{sum(b - a for a, b in parts.values()):+.3f}")])
+
+
+RISE_PARTS = ("the median timed step's bubble in three shares of the step: its own replay (not the table's median of "
+              "every step's), core waits (the replay with each action's whole span less the replay with compute alone, "
+              "below 0 where a wait fills what would be idle), the time between actions")
+"""What BubbleVerdict.parts_rows' table holds, in words (chapter 06b prints it above the tables)."""
 
 
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
@@ -352,3 +387,48 @@ def step_from_first_forward(spans_by_rank: dict[int, list], window: str = "step"
 def seconds_in(spans: list, *labels: str) -> float:
     """Return the seconds a rank's spans with these labels last in all (chapter 06)."""
     return sum(b - a for label, a, b in spans if label in labels)
+
+
+
+def bubble_shapes(timings: PipelineTimings, points: dict, measured: dict, verdicts: dict, m_last: int) -> dict:
+    """Return each schedule's measured bubble over M in words (bubble_shape; shape_words with one timed step), a rise
+    only as its verdict says (chapter 06b's figure and summary); `points`: {schedule: its M}; `measured`: {schedule:
+    {M: median bubble}}; `verdicts`: {schedule: BubbleVerdict}; `m_last`: the sweep's largest M."""
+    from labkit.trend import shape_words
+    shapes = {name: bubble_shape(ms, [measured[name][m] for m in ms], [timings.bubble_range(name, m) for m in ms])
+              if timings.steps >= 2 else shape_words([measured[name][m] for m in ms], BUBBLE_LEVEL)
+              for name, ms in points.items()}
+    return shapes | {name: shapes[name].split(", rises")[0] + f", rise to M = {m_last}: "
+                     + {"mostly core waits": "core waits"}.get(verdicts[name].why_not, "in spread")
+                     for name in points if verdicts[name].rise_told is False and ", rises" in shapes[name]}
+
+
+def draw_bubbles(timings: PipelineTimings, points: dict, ms_all: list[int], theory: dict, measured: dict,
+                 replayed: dict, shapes: dict, colors: dict):
+    """Return chapter 06b's figure: each schedule's measured bubble over M (bar: its timed steps' range) and its
+    compute-only replay beside the formula (K-1)/(M+K-1), the two schedules drawn a little apart on M, the title
+    giving each one's shape (`shapes`, bubble_shapes'); `points`: {schedule: its M}; `theory`: {M: formula};
+    `measured`, `replayed`: {schedule: {M: bubble}}; `colors`: {schedule: colour}."""
+    import textwrap
+
+    from labkit import plots
+    fig, ax = plots.new_figure(1, 1, width_in=6.0, height_in=3.4)
+    m_last = ms_all[-1]
+    plots.plot_series(ax, ms_all, {}, "micro-batches M (the two schedules drawn a little apart)",
+                      "bubble fraction (idle share of the step)",
+                      f"K = {len(timings.ranks)}, M = {m_last}: formula {theory[m_last]:.3f}, replay "
+                      + ", ".join(f"{name} {replayed[name][m_last]:.3f}" for name in points) + "\n"
+                      + "\n".join(textwrap.fill(f"{name} measured: {shapes[name]}", 60) for name in points), logx=True)
+    ax.plot(ms_all, [theory[m] for m in ms_all], color="grey", lw=3, alpha=0.5, zorder=0,
+            label="formula (K-1)/(M+K-1)")
+    for name, marker, shift in (("GPipe", "o", 0.94), ("1F1B", "s", 1.06)):  # apart: one's bars not under the other's
+        xs = [m * shift for m in points[name]]
+        ys, spread = [measured[name][m] for m in points[name]], [timings.bubble_range(name, m) for m in points[name]]
+        ax.errorbar(xs, ys, [[y - lo for y, (lo, _) in zip(ys, spread)], [hi - y for y, (_, hi) in zip(ys, spread)]],
+                    marker=marker, color=colors[name], capsize=3, label=f"{name} measured (bar: its steps' range)")
+        ax.plot(xs, [replayed[name][m] for m in points[name]], marker=marker, ls="--", mfc="none", color=colors[name],
+                label=f"{name} replayed (compute only)")
+    ax.set_ylim(0, 1.6 * max(max(theory.values()), *(max(v.values()) for v in replayed.values()),
+                             *(timings.bubble_range(name, m)[1] for name, ms in points.items() for m in ms)))
+    ax.legend(fontsize=7, ncols=2, loc="upper right")
+    return fig

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from labkit.dist import time_actions
-from labkit.pipelinerun import actions_within, measured_bubble
+from labkit.pipelinerun import BubbleVerdict, actions_within, measured_bubble
 from labkit.plots import plot_gantt
 from labkit.techniques.pipeline import bubble_theory, ideal_schedule, replay, simulate_order, stage_order, torch_schedule_order
 
@@ -447,13 +447,17 @@ def test_a_rise_after_the_lowest_m_is_a_finding_only_beyond_the_spread_and_not_m
     # the rise in the median step's three shares, at M = 4 and M = 16 (that step's own replay, not the table's median)
     assert between.rise_ms == (4, 16)
     assert between.parts == {"replay": (0.2, 0.2), "core waits": (0.05, 0.06), "between actions": (0.05, 0.14)}
+    assert between.parts_rows() == [("", "M = 4", "M = 16", "change"), ("replay", "0.200", "0.200", "+0.000"),
+                                    ("core waits", "0.050", "0.060", "+0.010"),
+                                    ("between actions", "0.050", "0.140", "+0.090"),
+                                    ("the bubble (their sum)", "0.300", "0.400", "+0.100")]  # the measured bubbles
     cores = Fixed(apart, {1: (0.5, 0, 0), 4: (0.2, 0.05, 0.05), 16: (0.2, 0.14, 0.06)}).verdict("GPipe", ms, ys)
     assert cores.rise_told is False and cores.why_not == "mostly core waits" and ", then rises" not in cores.words
     spread = {1: (0.49, 0.51), 4: (0.25, 0.42), 16: (0.35, 0.45)}  # M = 16's steps overlap M = 4's
     within = Fixed(spread, {1: (0.5, 0, 0), 4: (0.2, 0.05, 0.05), 16: (0.2, 0.06, 0.14)}).verdict("GPipe", ms, ys)
     assert within.rise_told is False and within.why_not == "within the steps' spread"
     flat = Fixed(apart, {}).verdict("GPipe", ms, [0.5, 0.3, 0.302])  # no rise beyond BUBBLE_LEVEL: no verdict on one
-    assert flat.rise_told is None and flat.parts == {} and flat.rise_ms is None
+    assert flat.rise_told is None and flat.parts == {} and flat.rise_ms is None and flat.parts_rows() == []
 
 
 def test_time_actions_still_imports_from_pipeline_with_a_warning():
@@ -474,3 +478,29 @@ def test_a_measured_runs_names_still_import_from_pipeline_with_a_warning():
     with pytest.warns(DeprecationWarning):
         from labkit.techniques.pipeline import PipelineTimings  # a from-import of a moved name: the same
     assert PipelineTimings is labkit.pipelinerun.PipelineTimings
+
+
+def test_chapter_06bs_figure_and_shapes_come_from_the_timings():
+    """bubble_shapes says each schedule's trend in words (a rise only as its verdict says) and draw_bubbles draws
+    both schedules' measured bubbles (bars: their steps' range) and replays beside the formula, apart on M."""
+    from labkit.pipelinerun import bubble_shapes, draw_bubbles
+
+    class Timed:  # two timed steps per point, their ranges around the medians
+        ranks, steps = [0, 1], 2
+
+        def bubble_range(self, schedule, m):
+            return measured[schedule][m] - 0.01, measured[schedule][m] + 0.01
+    points = {"GPipe": [1, 2, 4], "1F1B": [2, 4]}
+    measured = {"GPipe": {1: 0.5, 2: 0.35, 4: 0.25}, "1F1B": {2: 0.33, 4: 0.2}}
+    replayed = {"GPipe": {1: 0.5, 2: 0.33, 4: 0.2}, "1F1B": {2: 0.33, 4: 0.2}}
+    verdicts = {name: BubbleVerdict("", None, None, {}, None) for name in points}
+    shapes = bubble_shapes(Timed(), points, measured, verdicts, 4)
+    assert set(shapes) == {"GPipe", "1F1B"} and all("falls" in words for words in shapes.values())
+    theory = {m: bubble_theory(2, m) for m in (1, 2, 4)}
+    fig = draw_bubbles(Timed(), points, [1, 2, 4], theory, measured, replayed, shapes, {"GPipe": "k", "1F1B": "b"})
+    ax = fig.axes[0]
+    labels = ax.get_legend_handles_labels()[1]
+    assert labels[0] == "formula (K-1)/(M+K-1)" and "GPipe measured (bar: its steps' range)" in labels
+    xs = {line.get_label(): list(line.get_xdata()) for line in ax.lines}
+    assert xs["GPipe replayed (compute only)"] == pytest.approx([0.94, 1.88, 3.76])  # drawn a little apart on M
+    assert "K = 2, M = 4: formula 0.200" in ax.get_title()
