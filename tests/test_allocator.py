@@ -10,6 +10,7 @@ import torch
 from labkit import estimate
 from labkit.meter import MemoryMeter
 from labkit.models import GPTConfig
+from labkit.planner import overheads
 from labkit.planner import plan as P
 from labkit.planner.allocator import CachingAllocator, cpu_stream_tags, meter_events, replay, round_size, segment_size
 from labkit.validate import ParameterError
@@ -204,6 +205,12 @@ def test_a_plan_replays_its_front_rows_at_full_depth():
     assert "reserved above the budget" not in table  # (kilobytes on an 80 GiB GPU)
     tight = dataclasses.replace(p, budget_bytes=min(r.reserved_bytes for r in replayed) - 1)  # the same rows, less room
     assert "reserved above the budget: row" in P.format_plan(tight)
+    for r in replayed:  # what nvidia-smi would show: the replay's reserve, the CUDA context and NCCL's buffers
+        outside = overheads.non_tensor_bytes("a100-80gb", r.combination.ranks, r.combination.parallel)
+        assert r.used_bytes == (r.reserved_bytes + outside.total[0], r.reserved_bytes + outside.total[1])
+    assert "used (nvidia-smi): " in table and "used may exceed" not in table
+    small = dataclasses.replace(p, memory_bytes=max(r.used_bytes[1] for r in replayed) - 1)
+    assert "used may exceed the GPU's memory: row" in P.format_plan(small)
     assert "reserved" not in P.format_plan(P.plan(SMALL, "a100-80gb", 1, 24, 4, precisions=("bf16",),
                                                   checkpointing=("none",), offload=(False,), workers=1)).splitlines()[3]
 

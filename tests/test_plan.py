@@ -759,3 +759,7 @@ def test_fsdp2s_default_16_bits_are_its_mixed_precision_policy():
     assert "autocast (bf16) with fsdp2" not in asked.left_out
     t4 = P.plan(cfg, "t4", 2, 16, 2, **kwargs)
     assert {r.combination.precision for r in t4.rows if r.combination.parallel == "fsdp2"} == {"fp32", "fp16"}
+    for gpus, parallels in ((1, ("single", "fsdp2")), (2, ("single", "ddp"))):  # no FSDP2 row: no policy to name
+        alone = P.plan(cfg, "a100-80gb", gpus, 16, 2, parallels=parallels, **kwargs)
+        assert P.MIXED_POLICY not in {r.combination.precision for r in alone.rows} and not {
+            "autocast (bf16) with fsdp2", f"{P.MIXED_POLICY} without fsdp2"} & set(alone.left_out)

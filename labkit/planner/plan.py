@@ -29,6 +29,7 @@ from labkit.gpus import RESERVE_FRACTION, DeviceProfile, device_profile
 from labkit.meter import CATEGORIES, active_meter, format_bytes
 from labkit.models import ATTENTION, GPTConfig, blocks_of, build_model
 from labkit.planner.allocator import cpu_stream_tags, meter_events, replay
+from labkit.planner.overheads import non_tensor_bytes
 from labkit.progress import progress
 from labkit.techniques.accumulation import split_batch
 from labkit.techniques.checkpointing import checkpoint_blocks
@@ -245,6 +246,8 @@ class Row:
     host_s: float = 0.0  # host link transfers (offload; with Adam on the host its traffic and its step)
     reserved_bytes: int | None = None  # the CUDA caching allocator's reserved peak: the full-depth fake step's
     #   allocations replayed by labkit.planner.allocator (plan(reserved=True), Pareto-front rows; None: not computed)
+    used_bytes: tuple | None = None  # (low, high) of what the GPU would show used (nvidia-smi): reserved_bytes plus
+    #   the CUDA context and NCCL's buffers (labkit.planner.overheads; None: no reserved peak, or past one server)
 
     @property
     def overlapped_s(self) -> float:
@@ -265,6 +268,7 @@ class Plan:
     n_params: int
     budget_bytes: int  # device memory less the reserve
     reserve_fraction: float
+    memory_bytes: int = 0  # the device's memory (its profile's)
     rows: list = field(default_factory=list)
     left_out: dict = field(default_factory=dict)  # what -> why
     fake_steps: int = 0  # memory-relevant combinations run on fake tensors (each at FAST_DEPTHS or full depth)
@@ -711,7 +715,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     left_out = _left_out(ask)
     t0 = time.perf_counter()
     out = Plan(spec.name, ask.device.name, gpus, seq_len, batch, 0,
-               int(ask.device.memory_bytes * (1 - reserve_fraction)), reserve_fraction, left_out=left_out)
+               int(ask.device.memory_bytes * (1 - reserve_fraction)), reserve_fraction, ask.device.memory_bytes,
+               left_out=left_out)
     ranks_list = _divisors(batch, gpus)
     flat_ranks = [r for r in ranks_list  # one process per rank, unsharded: one GPU, DDP, ZeRO-1
                   if ("single" if r == 1 else "ddp") in ask.parallels or r > 1 and "zero1" in ask.parallels]
@@ -741,6 +746,9 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
                           workers) if front else {}
     for r in front:
         r.reserved_bytes = replays[replayable[id(r)]][1]
+        outside = non_tensor_bytes(ask.device.name, r.combination.ranks, r.combination.parallel,
+                                   ask.device.gpus_per_node)
+        r.used_bytes = None if outside is None else tuple(r.reserved_bytes + b for b in outside.total)
     out.elapsed_s = time.perf_counter() - t0
     return out
 
@@ -749,12 +757,19 @@ def _asked(spec: ModelSpec, gpu, gpus, seq_len, batch, precisions, checkpointing
            optimizers, adam_impls, keep_logits, parallels, micro_batches) -> _Asked:
     """Return plan()'s arguments checked (a ParameterError names a bad one and its choices, before any work)."""
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
-    autocast_sharded = precisions is not None or "bf16" not in device.flops_per_s or device.name == "cpu"
+    check_int("gpus", gpus, 1, 1 if device.name == "cpu" else 4096)
+    parallels = tuple(parallels)
+    if not parallels:
+        raise ParameterError(f"parallels: give one or more of {tuple(COMM_UNITS)}")
+    for q in parallels:
+        check_choice("parallels", q, tuple(COMM_UNITS))
+    sharded = gpus > 1 and spec.n_layer is not None and any(q.startswith("fsdp2") for q in parallels)
+    autocast_sharded = precisions is not None or "bf16" not in device.flops_per_s or not sharded  # (no FSDP2 row:
+    #                                                       nothing for its policy; a CPU plans one device only)
     if precisions is None:  # the GPU's formats; FSDP2's 16 bits: its MixedPrecisionPolicy where the GPU has bf16
         precisions = tuple(p for p in PRECISIONS if p in device.flops_per_s) + (MIXED_POLICY,) * (not autocast_sharded)
     precisions = tuple(precisions)
     rate = {p: "bf16" if p in (MIXED_POLICY, PURE_BF16) else p for p in precisions}  # each precision's compute rate
-    check_int("gpus", gpus, 1, 1 if device.name == "cpu" else 4096)
     check_int("seq_len", seq_len, 1, spec.max_seq_len)
     check_int("batch", batch, 1)
     check_divides("batch", batch, "gpus", gpus)
@@ -776,11 +791,6 @@ def _asked(spec: ModelSpec, gpu, gpus, seq_len, batch, precisions, checkpointing
     for a in adam_impls:
         check_choice("adam_impls", a, ADAM_IMPLS)
     check_choice("keep_logits", keep_logits, (True, False))
-    parallels = tuple(parallels)
-    if not parallels:
-        raise ParameterError(f"parallels: give one or more of {tuple(COMM_UNITS)}")
-    for q in parallels:
-        check_choice("parallels", q, tuple(COMM_UNITS))
     if micro_batches is not None:
         micro_batches = check_int_list("micro_batches", list(micro_batches), 1, batch)
     if checkpointing is None:  # a transformers model's "full" is its one way to checkpoint: planned by default
@@ -1124,6 +1134,16 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
               "implementation (for-loop, foreach, fused: what its update allocates); tokens/s: the global batch's; "
               "keep_logits: the logits held through backward (False: deleted before it, torchtitan's `del pred`)",
               "left out: " + "; ".join(f"{k} ({v})" for k, v in p.left_out.items())]
+    used = [(front[id(r)], r.used_bytes) for r in p.pareto if r.used_bytes is not None]
+    if used:  # (what the reserve stands for, modelled: the context and NCCL's buffers beside the replayed reserve)
+        lines.append("used (nvidia-smi): reserved + the CUDA context + NCCL's buffers (ranges from published figures: "
+                     "labkit.planner.overheads): " + "; ".join(
+                         f"row {i} {format_bytes(lo)}-{format_bytes(hi)}" for i, (lo, hi) in used)
+                     + f" of the {format_bytes(p.memory_bytes)} {p.device}")
+    above = [i for i, (_, hi) in used if hi > p.memory_bytes]
+    if above:
+        lines.append(f"used may exceed the GPU's memory: row{'s' * (len(above) > 1)} {', '.join(map(str, above))} "
+                     "of the front at the high end of the range")
     over = [front[id(r)] for r in p.pareto if r.reserved_bytes is not None and r.reserved_bytes > p.budget_bytes]
     if over:  # (the verdict reads the peak of the tensors; these rows' replay reserves more than the budget)
         lines.append(f"reserved above the budget: row{'s' * (len(over) > 1)} {', '.join(map(str, over))} of the front "
@@ -1178,7 +1198,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reserved", action="store_true",
                     help="each Pareto-front row's reserved peak: its step at full depth on fake tensors, the "
                          "allocations replayed through the CUDA caching allocator's default rules (no "
-                         "expandable_segments; one fake step more each)")
+                         "expandable_segments; one fake step more each), and what the GPU would show used: that "
+                         "reserve plus the CUDA context and NCCL's buffers, ranges from published figures")
     ap.add_argument("--all", action="store_true", help="print every combination, not only the Pareto front")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
