@@ -25,14 +25,14 @@ def test_one_gpu_holds_the_context_only():
         assert one.nccl == (0, 0) and one.total == O.CONTEXT_BYTES
 
 
-def test_nccls_buffers_grow_with_channels_the_algorithms_and_nvls_heads():
+def test_nccls_buffers_grow_with_channels_a_tree_and_nvls_heads():
     lo, hi = (c * O.P2P_CHANNEL_BYTES for c in O.RING_CHANNELS)
     nvls = 8 * 16 * 2 * (128 * 1024 * 8)  # nvls.cc (NCCL >= 2.22): heads x channels x 2 x (chunk x NCCL_STEPS)
     assert nvls == 256 * MiB
-    assert O.non_tensor_bytes("h100", 8, "fsdp2").nccl == (lo, hi + nvls)  # rings, and NVLS on an NVSwitch server
-    assert O.non_tensor_bytes("a100-80gb", 8, "fsdp2-reshard").nccl == (lo, hi)  # no multicast before Hopper
-    assert O.non_tensor_bytes("a100-80gb", 8, "ddp").nccl == (lo, 2 * hi)  # all-reduce may add a tree's
+    assert O.non_tensor_bytes("h100", 8, "fsdp2").nccl == (lo, 2 * hi + nvls)  # rings, a tree, NVLS on NVSwitch
+    assert O.non_tensor_bytes("a100-80gb", 8, "fsdp2-reshard").nccl == (lo, 2 * hi)  # no multicast before Hopper
+    assert O.non_tensor_bytes("a100-80gb", 8, "ddp").nccl == (lo, 2 * hi)
     assert O.non_tensor_bytes("h200", 4, "zero1").nccl == (lo, 2 * hi + nvls // 2)  # a head per GPU
     assert O.non_tensor_bytes("h100", 16, "fsdp2") is None  # across servers: the network's buffers, not modelled
-    assert O.non_tensor_bytes("t4", 4, "ddp", gpus_per_node=4) is not None
-    assert O.non_tensor_bytes("t4", 8, "ddp", gpus_per_node=4) is None
+    assert O.non_tensor_bytes("l4", 2, "ddp") is None  # PCIe GPUs: other transports, not modelled
+    assert O.non_tensor_bytes("l4", 1, "single").total == O.CONTEXT_BYTES

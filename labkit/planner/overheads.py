@@ -4,12 +4,19 @@ Neither passes through torch's caching allocator, so `torch.cuda.memory_reserved
 `torch.cuda.mem_get_info`) counts both. Each is modelled as a range from the figures cited below, not measured here:
 a plan's "used" is its replayed reserved peak plus this range (chapter 09, `make plan --reserved`).
 
+Assumed: one training process per GPU, one NCCL communicator (data parallelism's process group: no HSDP, tensor or
+context parallel groups), NCCL 2.22 or later with its defaults (rings, trees and NVLS connected when first used; no
+NCCL_* settings), GPUs of one NVLink server. Past one server, or between PCIe GPUs, NCCL's buffers are not modelled.
+
 Sources (read for this module; the arithmetic is in the comments):
 - the context: pytorch/pytorch PR #86509 (lazy module loading, torch's default since 1.13: 287,047,680 B after one
-  small tensor); NVIDIA/nccl#1685 (8 x H100: 1.06 GB per GPU used outside torch after NCCL's init, before any
-  all-to-all). With lazy loading the context grows as kernels first run (CUDA Programming Guide, "Lazy Loading").
-- NCCL: its source (`src/transport/p2p.cc`, `src/include/device.h`, `src/transport/nvls.cc`, NCCL 2.22 on) and the
-  same issue's measured buffers (10,485,760 and 2,097,152 B per channel).
+  small tensor, before cuBLAS or attention kernels load); NVIDIA/nccl#1685 (8 x H100: 1.06 GB per GPU used outside
+  torch after NCCL's start-up, before any all-to-all). With lazy loading the context grows as kernels first run
+  (CUDA Programming Guide, "Lazy Loading"). That high end holds NCCL's start-up already, so adding NCCL's buffers to
+  it may count part of them twice: the range leans high. vLLM reports 1.79 GiB outside torch for one H100 serving a
+  model (vllm PR #10511): an inference server's libraries, higher still.
+- NCCL: its source (`src/transport/p2p.cc`, `src/include/device.h`, `src/transport/nvls.cc`, NCCL 2.22 on) and
+  nccl#1685's measured buffers (10,485,760 and 2,097,152 B per channel).
 """
 
 from __future__ import annotations
@@ -22,12 +29,14 @@ CONTEXT_BYTES = (287_047_680, 1_060_000_000)  # the CUDA context: at start-up wi
 #   the 8 x H100 figure that holds it after NCCL's start-up (nccl#1685): the context grows as kernels load
 P2P_CHANNEL_BYTES = 12 * MiB  # one ring channel's connection: a 10 MiB receive buffer (LL 512 KiB + LL128 4,915,200 B
 #   + SIMPLE 4 MiB, rounded up to CUDA_IPC_MIN, 2 MiB) and a 2 MiB send buffer (p2p.cc; measured in nccl#1685)
-RING_CHANNELS = (24, 32)  # ring channels NCCL opens between NVLink GPUs: no table published; 8 x H100 logs show
-#   channel indices to 22 (nccl#1259) and up to 32 channels per pair of GPUs (nccl#1685)
+RING_CHANNELS = (24, 32)  # ring channels NCCL opens between NVLink GPUs: no table published; 8 x H100 ring logs show
+#   channel indices to 22 (nccl#1259); 32 is an upper guess (nccl#1685 saw 32 point-to-point channels per pair of
+#   GPUs in an all-to-all, not a ring)
+NVLINK_GPUS = ("a100-40gb", "a100-80gb", "h100", "h200")  # labkit.gpus profiles of NVLink (SXM) servers
 NVLS_GPUS = ("h100", "h200")  # NVSwitch servers whose GPUs support multicast: NCCL's NVLS algorithm is on by default
 NVLS_CHANNEL_BYTES = 2 * MiB  # per NVLS channel and head: 2 x buffSize, buffSize = 128 KiB chunks x NCCL_STEPS 8
-NVLS_CHANNELS = 16  # NVLS_NCHANNELS_SM90 (nvls.cc, NCCL >= 2.22; earlier versions allot 3x to 6x more)
-ALL_REDUCE_PARALLELS = ("ddp", "zero1")  # all-reduce may take NCCL's tree too: up to a second set of ring-sized buffers
+NVLS_CHANNELS = 16  # NVLS_NCHANNELS_SM90 (nvls.cc, NCCL >= 2.22; NCCL 2.18-2.21 gave each channel a 4 MiB buffer
+#   and more: 3x to 6x these bytes, and vllm#9699 measured 2.25 GiB per H200)
 
 
 @dataclass(frozen=True)
@@ -45,13 +54,14 @@ class NonTensorBytes:
 
 def non_tensor_bytes(gpu: str, ranks: int, parallel: str, gpus_per_node: int = 8) -> NonTensorBytes | None:
     """Return what `ranks` GPUs named `gpu` each hold outside the caching allocator under `parallel` (a plan's
-    parallelism); None past one server (NCCL's network transport buffers are not modelled)."""
-    if ranks > gpus_per_node:
-        return None
+    parallelism); None where NCCL's buffers are not modelled (past one server, or between PCIe GPUs)."""
     if ranks == 1 or parallel == "single":
         return NonTensorBytes(CONTEXT_BYTES, (0, 0))
+    if ranks > gpus_per_node or gpu not in NVLINK_GPUS:
+        return None
     ring = tuple(c * P2P_CHANNEL_BYTES for c in RING_CHANNELS)  # one connection per channel, each way of the ring
-    high = ring[1] * (2 if parallel in ALL_REDUCE_PARALLELS else 1)  # (a tree's connections: the same again)
+    high = 2 * ring[1]  # a tree's connections too, the same again: small all-reduces take it (DDP's buckets,
+    #                     gradient clipping's norm, a logged loss)
     if gpu in NVLS_GPUS:  # NVLS buffers: one set per head, a head per GPU of the server (allocated when first used)
         high += ranks * NVLS_CHANNELS * NVLS_CHANNEL_BYTES
     return NonTensorBytes(CONTEXT_BYTES, (ring[0], high))

@@ -1134,13 +1134,22 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
               "implementation (for-loop, foreach, fused: what its update allocates); tokens/s: the global batch's; "
               "keep_logits: the logits held through backward (False: deleted before it, torchtitan's `del pred`)",
               "left out: " + "; ".join(f"{k} ({v})" for k, v in p.left_out.items())]
-    used = [(front[id(r)], r.used_bytes) for r in p.pareto if r.used_bytes is not None]
+    used = [(front[id(r)], r) for r in p.pareto if r.reserved_bytes is not None]
     if used:  # (what the reserve stands for, modelled: the context and NCCL's buffers beside the replayed reserve)
-        lines.append("used (nvidia-smi): reserved + the CUDA context + NCCL's buffers (ranges from published figures: "
-                     "labkit.planner.overheads): " + "; ".join(
-                         f"row {i} {format_bytes(lo)}-{format_bytes(hi)}" for i, (lo, hi) in used)
-                     + f" of the {format_bytes(p.memory_bytes)} {p.device}")
-    above = [i for i, (_, hi) in used if hi > p.memory_bytes]
+        by_extra = {}  # the same range added to every row of one parallelism and rank count
+        for i, r in used:
+            extra = None if r.used_bytes is None else (r.used_bytes[0] - r.reserved_bytes,
+                                                       r.used_bytes[1] - r.reserved_bytes)
+            by_extra.setdefault(extra, []).append(i)
+        lines.append("used (what nvidia-smi would show) = reserved + the CUDA context + NCCL's buffers, ranges from "
+                     "published figures (labkit.planner.overheads: one process group, NCCL 2.22 or later with its "
+                     "defaults, GPUs of one NVLink server): " + "; ".join(
+                         f"row{'s' * (len(rows) > 1)} {', '.join(map(str, rows))}: not modelled (NCCL's buffers "
+                         "past one server or between PCIe GPUs)" if extra is None else
+                         f"row{'s' * (len(rows) > 1)} {', '.join(map(str, rows))}: + {format_bytes(extra[0])} to "
+                         f"{format_bytes(extra[1])}" for extra, rows in by_extra.items())
+                     + f"; the profile's memory: {format_bytes(p.memory_bytes)}")
+    above = [i for i, r in used if r.used_bytes is not None and r.used_bytes[1] > p.memory_bytes]
     if above:
         lines.append(f"used may exceed the GPU's memory: row{'s' * (len(above) > 1)} {', '.join(map(str, above))} "
                      "of the front at the high end of the range")
