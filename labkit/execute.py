@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 from labkit.results import MIME_TYPE
 
 ERROR_CHARS = 2000
+SAVE_EVERY_S = 10.0  # the executed notebook is written at most this often while it runs (and always at its end)
 
 
 def records_from_notebook(nb) -> dict[str, object]:
@@ -67,6 +69,40 @@ def kernel_manager_class():
     return AsyncKernelManager
 
 
+@functools.cache
+def _engine_name() -> str:
+    """Register, once, papermill's nbclient engine with its notebook written every SAVE_EVERY_S seconds and at the end,
+    not before and after every cell (papermill's default: 2 whole-notebook writes a cell, 3 s of a 60-cell chapter's
+    run on this project's CPUs); return its name."""
+    from papermill.engines import NBClientEngine, NotebookExecutionManager, papermill_engines
+
+    class SavedNowAndThen(NotebookExecutionManager):
+        def save(self, **kwargs):
+            if (self.now() - self.last_save_time).total_seconds() >= SAVE_EVERY_S:
+                super().save(**kwargs)
+
+        def notebook_complete(self, **kwargs):  # called whatever happened (papermill's Engine: in a `finally`)
+            super().notebook_complete(**kwargs)
+            NotebookExecutionManager.save(self)
+
+    class Engine(NBClientEngine):
+        @classmethod
+        def execute_notebook(cls, nb, kernel_name, output_path=None, progress_bar=True, log_output=False,
+                             autosave_cell_every=30, **kwargs):  # papermill's Engine.execute_notebook, our manager
+            nb_man = SavedNowAndThen(nb, output_path=output_path, progress_bar=progress_bar, log_output=log_output,
+                                     autosave_cell_every=autosave_cell_every)
+            nb_man.notebook_start()
+            try:
+                cls.execute_managed_notebook(nb_man, kernel_name, log_output=log_output, **kwargs)
+            finally:
+                nb_man.cleanup_pbar()
+                nb_man.notebook_complete()
+            return nb_man.nb
+
+    papermill_engines.register("labkit-nbclient", Engine)
+    return "labkit-nbclient"
+
+
 def error_text(exc: BaseException) -> str:
     """Return `name: value` of a (papermill) error, shortened to ERROR_CHARS."""
     ename = getattr(exc, "ename", None) or type(exc).__name__
@@ -92,7 +128,7 @@ def run_notebook(path: str | Path, executed: str | Path, parameters: dict, timeo
     with environment(LABKIT_BATCH="1", **(env or {})):
         try:
             papermill.execute_notebook(
-                str(path), str(executed), parameters=dict(parameters), kernel_name="python3",
+                str(path), str(executed), parameters=dict(parameters), kernel_name="python3", engine_name=_engine_name(),
                 cwd=str(path.parent), progress_bar=False, log_output=False,
                 execution_timeout=timeout_s, kernel_manager_class=kernel_manager_class(),
                 extra_arguments=[f"--IPKernelApp.extra_extensions={name}" for name in extensions],

@@ -60,10 +60,16 @@ def test_format_value():
 
 @pytest.mark.notebook
 def test_main_runs_all_and_reports(notebooks, tmp_path, capfd, monkeypatch):
+    import papermill.engines
+
     monkeypatch.delenv("LABKIT_BATCH", raising=False)
+    writes = []  # the executed notebooks' writes: at the end (and every SAVE_EVERY_S), not twice a cell
+    monkeypatch.setattr(papermill.engines, "write_ipynb", lambda nb, path, write=papermill.engines.write_ipynb:
+                        writes.append(path) or write(nb, path))
     out = tmp_path / "out"
     code = runner.main(["--notebooks", str(notebooks), "--out", str(out), "-p", "SEED", "7", "--timeout-s", "120"])
     assert code == 1
+    assert 1 <= writes.count(str(out / "notebooks" / f"{GOOD}.ipynb")) <= 2, writes  # (papermill's own: 16 for its 7)
     printed = capfd.readouterr()  # the kernels' own stderr too (file descriptor 2 is inherited)
     assert f"[1/2] {GOOD} ... ok" in printed.out and f"[2/2] {BAD} ... failed" in printed.out
     assert "without encryption" not in printed.out + printed.err  # ipykernel's TCP warning, once per kernel
@@ -106,6 +112,19 @@ def test_main_runs_all_and_reports(notebooks, tmp_path, capfd, monkeypatch):
     # The runner restores the environment after running.
     import os
     assert "LABKIT_BATCH" not in os.environ
+
+
+def test_a_cell_past_its_timeout_leaves_the_cells_before_it_written(tmp_path):
+    from labkit import execute
+
+    path = tmp_path / "slow.ipynb"
+    _write(path, [new_code_cell("print('before the slow cell')"), new_code_cell("import time\ntime.sleep(120)"),
+                  new_code_cell("print('never')")])
+    entry = execute.run_notebook(path, tmp_path / "out" / path.name, {}, timeout_s=5)
+    assert entry["status"] == "failed" and "Timeout" in entry["error"], entry
+    nb = nbformat.read(tmp_path / "out" / path.name, as_version=4)  # written once, at the end, all the same
+    assert nb.cells[0].outputs[0]["text"] == "before the slow cell\n" and nb.cells[2].outputs == []
+    assert nb.cells[1].metadata.papermill["start_time"] is not None and entry["wall_s"] < 60
 
 
 @pytest.mark.notebook
