@@ -14,7 +14,7 @@ from labkit.plots import plot_memory_bars
 from labkit.throughput import PairedRatio, measure_throughputs, paired_ratio
 from labkit.train import make_optimizer, measure_step, seeded_model
 from labkit.validate import check_choice, check_int
-from labkit.work import Work, count_work
+from labkit.work import Work, WorkCounter, count_work
 
 MiB = 2**20
 LAYOUTS = ("balanced", "torch", "all", "selective", "selective-linear")
@@ -103,10 +103,10 @@ class SegmentSweep:
         def fwd_bwd(m, o, b):
             return self.step(m, o, b, layout, segments, update=False)
 
-        mem = measure_step(model, opt, data, step_fn=fwd_bwd, warmup=False)
+        with WorkCounter() as counter:  # one run metered and counted: the counter observes, it allocates nothing
+            mem = measure_step(model, opt, data, step_fn=fwd_bwd, warmup=False)
         opt.zero_grad(set_to_none=False)
-        work = count_work(fwd_bwd, model, opt, data)
-        opt.zero_grad(set_to_none=False)
+        work = counter.work()
         time = None
         if self.device.type == "cuda" and timed_steps:  # the GPU's own time, in paired rounds against the plain step
             t = measure_throughputs({"plain": lambda: self.step(model, opt, data),

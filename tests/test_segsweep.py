@@ -16,7 +16,7 @@ from labkit.segsweep import (SegmentSweep, SweepCurves, SweepPoint, draw_against
                              launch_clause)
 from labkit.techniques.checkpointing import segment_sizes
 from labkit.throughput import PairedRatio
-from labkit.work import Work
+from labkit.work import Work, count_work
 
 N_LAYER, N_EMBD, BATCH, SEQ_LEN = 4, 32, 2, 16
 
@@ -48,6 +48,10 @@ def test_run_measures_the_plain_step_at_s_1_and_fewer_activations_with_checkpoin
     direct = labkit.measure_step(model, opt, data, warmup=False,
                                  step_fn=lambda m, o, b: sweep.step(m, o, b, update=False))
     assert plain.peak_bytes == direct.peak_bytes and plain.activation_bytes == direct.split["activations"]
+    for point in (plain, every):  # metered and counted in one run: the work a run of its own counts
+        opt.zero_grad(set_to_none=False)
+        alone = count_work(sweep.step, model, opt, data, point.layout, point.segments, update=False)
+        assert point.work == alone + update and point.flops == alone.total_flops
     assert every.activation_bytes < plain.activation_bytes
     assert plain.flops < every.flops <= 4 / 3 * plain.flops  # recomputation: at most one more forward
     assert plain.work.total_flops == plain.flops + update.total_flops  # the Adam update, counted once
