@@ -453,15 +453,18 @@ def test_fake_steps_shared_among_worker_processes_give_the_same_plan(monkeypatch
                         children.append(start(self, *a, **k)) or children[-1])
     run_claimed = P._run_claimed
 
-    def after_the_child_claims(spec, groups, depth, claims):  # this process claims nothing before the child
+    def after_the_child_claims(spec, groups, depth, claims, bar):  # this process claims nothing before the child
         deadline = time.monotonic() + 120
         while not os.listdir(claims) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert os.listdir(claims), "the child claimed no group within 120 s"
-        return run_claimed(spec, groups, depth, claims)
+        return run_claimed(spec, groups, depth, claims, bar)
     monkeypatch.setattr(P, "_run_claimed", after_the_child_claims)
+    bars = []  # the progress bar counts the groups every process has run
+    monkeypatch.setattr(P, "progress", lambda *a, bar=P.progress, **k: bars.append(bar(*a, **k)) or bars[-1])
     shared = P.plan(cfg, workers=2, **kwargs)
     assert len(children) == 1 and children[0].returncode == 0  # this process and one child ran the fake steps
+    assert len(bars) == 1 and bars[0].n == bars[0].total == 4
     P._PLANNED.clear()
     here = P.plan(cfg, workers=1, **kwargs)
     assert len(here.rows) >= 8 and here.fake_steps == shared.fake_steps

@@ -989,10 +989,11 @@ def _run_group(spec: ModelSpec, group: list, depth: str) -> list:
         return [(step, _replay(spec, step) if depth == REPLAY else _extrapolated(spec, step, depth)) for step in group]
 
 
-def _run_claimed(spec: ModelSpec, groups: list, depth: str, claims: str) -> list:
+def _run_claimed(spec: ModelSpec, groups: list, depth: str, claims: str, bar=None) -> list:
     """Run the groups this process claims first, in their order (a file created in the claims folder, or not at all:
     another process has it); return [(item, _extrapolated's figures)]. Claiming as they go, the processes end within
-    one group of each other whatever each group costs."""
+    one group of each other whatever each group costs. Each group run leaves "<i>.done" there: `bar` (a progress bar)
+    counts every process's."""
     out = []
     for i, g in enumerate(groups):
         try:
@@ -1000,6 +1001,9 @@ def _run_claimed(spec: ModelSpec, groups: list, depth: str, claims: str) -> list
         except FileExistsError:
             continue
         out.extend(_run_group(spec, g, depth))
+        open(os.path.join(claims, f"{i}.done"), "w").close()
+        if bar is not None:
+            bar.update(sum(name.endswith(".done") for name in os.listdir(claims)) - bar.n)
     return out
 
 
@@ -1034,9 +1038,12 @@ def _fake_steps(model, spec: ModelSpec, steps: list, depth: str, workers: int) -
                 open(log, "w").close()  # (there even if the worker fails before it writes)
                 children.start_forked(_worker_main, (task, result), stdout_path=log, preload=PLAN_PRELOAD)
                 paths.append((result, log))
-            with one_thread():  # (the children start meanwhile: the server's imports overlap this one's fake steps)
-                out.update(_run_claimed(spec, groups, depth, claims))
-            codes = children.wait(WORKER_TIMEOUT_S)
+            # (the children start meanwhile: the fork server's imports overlap this process's fake steps)
+            with progress(desc=f"fake steps ({workers} processes)", total=len(groups)) as bar:
+                with one_thread():
+                    out.update(_run_claimed(spec, groups, depth, claims, bar))
+                codes = children.wait(WORKER_TIMEOUT_S)
+                bar.update(sum(name.endswith(".done") for name in os.listdir(claims)) - bar.n)
             for code, (result, log) in zip(codes, paths):
                 if code != 0 or not os.path.exists(result):
                     with open(log) as f:
