@@ -1,7 +1,7 @@
 """Small models for the workbook: a GPT-style decoder (nanoGPT-like, llama options) and an MLP.
 
 The whole decoder is in this file. Shapes in comments: B batch, T sequence, C width, H heads,
-D = C // H head width, V vocabulary.
+H_kv key/value heads (H unless grouped-query), D = C // H head width, V vocabulary.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ class GPTConfig:
     n_layer: int = 4  # transformer blocks
     n_embd: int = 128  # width C
     n_head: int = 4  # attention heads H; must divide n_embd
+    n_kv_head: int | None = None  # key/value heads H_kv (grouped-query attention, Llama 3: 8 for 32); must divide
+    #                               n_head; None: n_head (multi-head attention)
     block_size: int = 64  # longest sequence T the position table covers
     vocab_size: int = 256  # tokens V
     dropout: float = 0.0  # dropout probability in attention and MLP
@@ -48,6 +50,9 @@ class GPTConfig:
         for name in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size"):
             check_int(f"GPTConfig.{name}", getattr(self, name), 1)
         check_divides("GPTConfig.n_embd", self.n_embd, "n_head", self.n_head)
+        if self.n_kv_head is not None:
+            check_int("GPTConfig.n_kv_head", self.n_kv_head, 1, self.n_head)
+            check_divides("GPTConfig.n_head", self.n_head, "n_kv_head", self.n_kv_head)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
         for name, allowed in (("mlp", ("gelu", "swiglu")), ("norm", ("layer", "rms")),
@@ -55,6 +60,11 @@ class GPTConfig:
             check_choice(f"GPTConfig.{name}", getattr(self, name), allowed)
         if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError("GPTConfig: rope needs an even head width n_embd // n_head")
+
+    @property
+    def kv_width(self) -> int:
+        """Return the width of the keys (and of the values): H_kv heads of width C // H."""
+        return self.n_embd // self.n_head * (self.n_head if self.n_kv_head is None else self.n_kv_head)
 
     @property
     def hidden(self) -> int:
@@ -70,7 +80,8 @@ class GPTConfig:
         """Return the parameter count, computed from the shapes (no model built)."""
         C, V, L = self.n_embd, self.vocab_size, self.n_layer
         norm = 2 * C if (self.norm == "layer" and self.bias) else C
-        attn = 4 * C * C + (4 * C if self.bias else 0)
+        K = self.kv_width
+        attn = 2 * C * C + 2 * C * K + ((2 * C + 2 * K) if self.bias else 0)  # q and the projection; k and v
         if self.mlp == "gelu":
             mlp = 2 * C * self.hidden + ((self.hidden + C) if self.bias else 0)
         else:
@@ -135,30 +146,39 @@ def _cuda_attention(kernel: str, q, k, v, dropout_p: float):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention."""
+    """Multi-head causal self-attention; grouped-query when cfg.n_kv_head < n_head (each key/value head serves
+    n_head // n_kv_head query heads, repeated before attention as torchtitan's Llama 3 does)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
+        C, K = cfg.n_embd, cfg.kv_width
         if cfg.fused_qkv:
-            self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+            self.qkv = nn.Linear(C, C + 2 * K, bias=cfg.bias)
         else:
-            self.q, self.k, self.v = (nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias) for _ in range(3))
+            self.q = nn.Linear(C, C, bias=cfg.bias)
+            self.k, self.v = (nn.Linear(C, K, bias=cfg.bias) for _ in range(2))
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):  # (B, T, C)
         B, T, _ = x.shape
         D = self.cfg.n_embd // self.cfg.n_head  # head width
-        if self.cfg.fused_qkv:
+        if self.cfg.fused_qkv and self.cfg.kv_width == self.cfg.n_embd:
             q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 × (B, T, C)
+        elif self.cfg.fused_qkv:
+            q, k, v = self.qkv(x).split((self.cfg.n_embd, self.cfg.kv_width, self.cfg.kv_width), dim=-1)
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)  # 3 × (B, T, C), or (B, T, C/K) on K tensor-parallel ranks
         H = q.size(-1) // D  # the heads this process computes: n_head, or n_head/K under tensor parallelism
-        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        H_kv = k.size(-1) // D  # key/value heads: H, or fewer (grouped-query attention)
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k, v = (t.view(B, T, H_kv, D).transpose(1, 2) for t in (k, v))  # (B, H_kv, T, D)
         if self.cfg.pos == "rope":
             cos, sin = _rope_table(T, D, q.device, q.dtype)  # one table for q and k
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if H_kv != H:  # each key/value head copied for its H / H_kv query heads (torchtitan's repeat_kv)
+            k, v = (t[:, :, None].expand(B, H_kv, H // H_kv, T, D).reshape(B, H, T, D) for t in (k, v))
         p = self.cfg.dropout if self.training else 0.0
         if self.cfg.attn == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)

@@ -35,10 +35,11 @@ def _real_step(cfg, batch_size, seq_len, optimizer="adam"):
 @pytest.mark.parametrize("cfg, batch_size, seq_len, optimizer", [
     ({}, 4, 16, "adam"),
     (LLAMA_LIKE, 3, 12, "adam"),
+    (dict(LLAMA_LIKE, n_kv_head=2, fused_qkv=False), 3, 12, "adam"),  # grouped-query attention (Llama 3)
     ({}, 2, 8, "momentum"),
     (MLPConfig(in_features=16, hidden=32, depth=3, classes=5), 8, None, "adam"),
     (MLPConfig(in_features=16, hidden=32, depth=2, classes=5, batchnorm=True), 8, None, "sgd"),
-], ids=["gpt", "llama-like", "gpt-momentum", "mlp", "mlp-batchnorm-sgd"])
+], ids=["gpt", "llama-like", "llama-gqa", "gpt-momentum", "mlp", "mlp-batchnorm-sgd"])
 def test_estimate_equals_the_measured_step(cfg, batch_size, seq_len, optimizer, tiny_config):
     if isinstance(cfg, dict):  # the tiny GPT, with these fields overridden
         cfg = replace(tiny_config, **cfg)
@@ -80,6 +81,7 @@ def test_estimate_split_by_hand_for_an_mlp():
     {"bias": False, "norm": "layer", "tie_weights": False},
     {"mlp": "swiglu", "norm": "rms", "pos": "rope", "tie_weights": False, "bias": False},
     {"mlp": "swiglu", "bias": True, "tie_weights": False, "mlp_hidden": 40},
+    {"n_kv_head": 2}, {"n_kv_head": 1, "fused_qkv": False, "bias": False},  # grouped-query attention
     {"n_layer": 3, "n_embd": 48, "n_head": 3, "block_size": 20, "vocab_size": 97},
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 def test_n_params_equals_the_built_model(overrides, tiny_config):

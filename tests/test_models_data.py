@@ -187,6 +187,49 @@ def test_gpt_config_rejects_bad_fields(field, value):
         GPTConfig(**{field: value})
 
 
+@pytest.mark.parametrize("n_head, n_kv_head", [(6, 0), (4, 3), (6, 8)])
+def test_gpt_config_rejects_key_value_heads_that_do_not_divide_the_heads(n_head, n_kv_head):
+    with pytest.raises(ValueError, match="n_kv_head"):
+        GPTConfig(n_embd=24, n_head=n_head, n_kv_head=n_kv_head)
+
+
+@pytest.mark.parametrize("attn, fused", [("manual", True), ("sdpa", False)])
+def test_grouped_query_attention_is_multi_head_attention_with_each_key_value_head_repeated(attn, fused):
+    """A GQA model computes what an MHA model computes whose k and v weights hold each GQA head's rows once per query
+    head of its group (head i reads key/value head i // (H / H_kv), as torchtitan's repeat_kv): same loss, and the
+    GQA k/v gradients are the sums of the MHA copies'; the parameter count is the shapes'."""
+    base = dict(n_layer=2, n_embd=32, n_head=8, block_size=16, vocab_size=50, attn=attn, fused_qkv=fused, pos="rope",
+                norm="rms", mlp="swiglu", bias=False)
+    gqa_cfg, mha_cfg = GPTConfig(**base, n_kv_head=2), GPTConfig(**base)
+    torch.manual_seed(0)
+    gqa, mha = GPT(gqa_cfg), GPT(mha_cfg)
+    assert gqa_cfg.n_params() == sum(p.numel() for p in gqa.parameters()) < mha_cfg.n_params()
+    D, rep = 32 // 8, 8 // 2
+
+    def repeated(w):  # (H_kv * D, C) -> (H * D, C): each head's D rows, rep times in a row
+        return w.view(2, D, -1).repeat_interleave(rep, dim=0).reshape(8 * D, -1)
+    with torch.no_grad():
+        for name, p in mha.named_parameters():
+            g = dict(gqa.named_parameters())[name]
+            if fused and name.endswith("qkv.weight"):
+                q, k, v = g.split((32, 8, 8))
+                p.copy_(torch.cat((q, repeated(k), repeated(v))))
+            elif name.endswith((".k.weight", ".v.weight")):
+                p.copy_(repeated(g))
+            else:
+                p.copy_(g)
+    idx = torch.randint(50, (3, 16))
+    losses = [m(idx, idx)[1] for m in (gqa, mha)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+    for loss in losses:
+        loss.backward()
+    k_name = "blocks.0.attn.qkv.weight" if fused else "blocks.0.attn.k.weight"
+    g_gqa, g_mha = dict(gqa.named_parameters())[k_name].grad, dict(mha.named_parameters())[k_name].grad
+    if fused:
+        g_gqa, g_mha = g_gqa[32:40], g_mha[32:64]
+    torch.testing.assert_close(g_gqa, g_mha.view(2, rep, D, -1).sum(1).reshape(8, -1), rtol=1e-5, atol=1e-6)
+
+
 def test_rope_needs_even_head_width():
     with pytest.raises(ValueError, match="rope"):
         GPTConfig(n_embd=12, n_head=4, pos="rope")  # head width 3

@@ -20,7 +20,8 @@ from labkit.validate import ParameterError
 
 SMALL = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=32, vocab_size=128)
 DEEP = GPTConfig(n_layer=4, n_embd=32, n_head=2, block_size=64, vocab_size=512, mlp_hidden=64, attn="sdpa")
-DEEP_LLAMA = dataclasses.replace(P.PRESETS["llama-7b"], n_layer=4, n_embd=32, n_head=2, mlp_hidden=64, vocab_size=512)
+DEEP_LLAMA = dataclasses.replace(P.PRESETS["llama3-8b"], n_layer=4, n_embd=32, n_head=4, n_kv_head=2, mlp_hidden=64,
+                                 vocab_size=512, block_size=64)  # Llama 3's shape: grouped-query attention
 SHARDED_DEEP = P.SHARDED_DEPTHS[1] + 1  # the fewest blocks past FSDP2's fast depths: its fits' runs extrapolated
 #   (the unsharded tests take 4 blocks, past FAST_DEPTHS, with FULL_MAX_LAYERS set to 3: each full-depth reference
 #   is a fake step of that many blocks, the suite's costliest work)

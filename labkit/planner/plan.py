@@ -91,11 +91,13 @@ def _gpt2(n_layer: int, n_embd: int, n_head: int) -> GPTConfig:
     return GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=1024, vocab_size=50257)
 
 
-def _llama(n_layer: int, n_embd: int, n_head: int, hidden: int) -> GPTConfig:
-    """Return a Llama-style shape (multi-head attention, RoPE, RMSNorm, SwiGLU, vocabulary 32000, untied)."""
-    return GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=4096, vocab_size=32000, bias=False,
-                     mlp="swiglu", mlp_hidden=hidden, norm="rms", pos="rope", attn="sdpa", fused_qkv=False,
-                     tie_weights=False)
+def _llama(n_layer: int, n_embd: int, n_head: int, hidden: int, n_kv_head: int | None = None, vocab_size: int = 32000,
+           block_size: int = 4096) -> GPTConfig:
+    """Return a Llama-style shape (RoPE, RMSNorm, SwiGLU, untied; multi-head attention and Llama 2's vocabulary and
+    context unless given)."""
+    return GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, block_size=block_size,
+                     vocab_size=vocab_size, bias=False, mlp="swiglu", mlp_hidden=hidden, norm="rms", pos="rope",
+                     attn="sdpa", fused_qkv=False, tie_weights=False)
 
 
 PRESETS = {
@@ -107,6 +109,7 @@ PRESETS = {
     "llama-7b": _llama(32, 4096, 32, 11008),  # Llama 2 7B: 6.7 B
     "llama-13b": _llama(40, 5120, 40, 13824),  # Llama 2 13B: 13 B
     "llama-70b": _llama(80, 8192, 64, 28672),  # Llama 2 70B's shape with multi-head attention: 78 B
+    "llama3-8b": _llama(32, 4096, 32, 14336, n_kv_head=8, vocab_size=128256, block_size=8192),  # Llama 3 8B: 8.0 B
 }
 
 

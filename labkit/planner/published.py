@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from labkit import gpus
-from labkit.validate import ParameterError
 
 RUNS_PATH = Path(__file__).parents[1] / "data" / "published_runs.json"
 GiB = 2**30
@@ -58,14 +57,12 @@ def published_runs() -> list[dict]:
 
 
 def run_config(run: dict):
-    """Return the GPTConfig of a published run's model (labkit's GPT, Llama options); ParameterError where it has
-    grouped-query attention (labkit's GPT has multi-head attention only)."""
+    """Return the GPTConfig of a published run's model (labkit's GPT, Llama options; grouped-query attention where
+    its key/value heads are fewer than its heads)."""
     from labkit.models import GPTConfig
     m = run["model"]
-    if m["kv_heads"] != m["heads"]:
-        raise ParameterError(f"run {run['id']}: {m['kv_heads']} key/value heads for {m['heads']} query heads; labkit's "
-                             "GPT has multi-head attention only")
-    return GPTConfig(n_layer=m["layers"], n_embd=m["hidden"], n_head=m["heads"], block_size=run["seq_len"],
+    return GPTConfig(n_layer=m["layers"], n_embd=m["hidden"], n_head=m["heads"],
+                     n_kv_head=None if m["kv_heads"] == m["heads"] else m["kv_heads"], block_size=run["seq_len"],
                      vocab_size=m["vocab"], bias=False, mlp="swiglu", mlp_hidden=m["ffn_hidden"], norm="rms",
                      pos="rope", attn="sdpa", fused_qkv=False, tie_weights=m["tied"])
 
