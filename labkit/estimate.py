@@ -94,13 +94,9 @@ _LEAN = object()  # marks a fake tensor keyed the lean way: no key of torch's ow
 
 
 class LeanFakeTensorMode(FakeTensorMode):
-    """FakeTensorMode whose operator cache keys a fake tensor by the fields that decide an operator's output, read
-    directly (dtype, shape, strides, offset, storage bytes, device, layout, autograd and view flags).
-
-    torch's key builds a TensorMetadata dataclass per tensor and walks its fields: 36% of a fake training step (a
-    4-block llama-style step, counted 2026-11-29). Anything else (a sparse, quantized or symbolic tensor, a SymInt, a
-    function) is keyed by torch's own code. Use `fake_mode()`, which falls back to FakeTensorMode where torch's
-    metadata has a field this key does not cover.
+    """FakeTensorMode whose operator cache keys a dense fake tensor by the fields that decide an operator's output,
+    read directly (torch's key builds a TensorMetadata per tensor: 36% of a 4-block fake step, 2026-11-29); anything
+    else by torch's own code. Use `fake_mode()`: FakeTensorMode where torch's metadata has a field this key lacks.
     """
 
     def _prep_args_for_hash(self, result, args, state, *rest):

@@ -386,13 +386,9 @@ class MemoryMeter(TorchDispatchMode):
         return out
 
     def settle(self, keep=(), timeout_s: float = 10.0) -> None:
-        """Wait until the storages handed to collectives in this meter are released, those of `keep` and of tracked
-        states aside; up to timeout_s, then count what is still held.
-
-        A collective returns when its result is ready; gloo's worker thread drops the tensors it was handed a moment
-        later (on a loaded CPU, after the caller's next steps), so bytes read "at rest" right after a step could
-        include an input buffer the step had already let go of.
-        """
+        """Wait up to timeout_s until the storages handed to collectives in this meter, those of `keep` and tracked
+        states aside, are released (gloo's thread drops them a moment after the collective returns, on a loaded CPU
+        after the next steps: bytes read "at rest" could include an input the step had let go of); count the rest."""
         self._classify()
         kept = {id(self._records.get(k)) for t in keep for k in _storage_ids(t)}
         deadline = time.perf_counter() + timeout_s

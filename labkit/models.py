@@ -29,8 +29,7 @@ class GPTConfig:
     n_layer: int = 4  # transformer blocks
     n_embd: int = 128  # width C
     n_head: int = 4  # attention heads H; must divide n_embd
-    n_kv_head: int | None = None  # key/value heads H_kv (grouped-query attention, Llama 3: 8 for 32); must divide
-    #                               n_head; None: n_head (multi-head attention)
+    n_kv_head: int | None = None  # key/value heads H_kv dividing n_head (grouped-query attention); None: n_head
     block_size: int = 64  # longest sequence T the position table covers
     vocab_size: int = 256  # tokens V
     dropout: float = 0.0  # dropout probability in attention and MLP
@@ -50,8 +49,7 @@ class GPTConfig:
         for name in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size"):
             check_int(f"GPTConfig.{name}", getattr(self, name), 1)
         check_divides("GPTConfig.n_embd", self.n_embd, "n_head", self.n_head)
-        if self.n_kv_head is not None:
-            check_int("GPTConfig.n_kv_head", self.n_kv_head, 1, self.n_head)
+        if self.n_kv_head is not None and check_int("GPTConfig.n_kv_head", self.n_kv_head, 1):
             check_divides("GPTConfig.n_head", self.n_head, "n_kv_head", self.n_kv_head)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
@@ -131,10 +129,9 @@ def _rope(x, cos, sin):  # x: (B, H, T, D); cos, sin: (T, D/2)
 
 
 def _cuda_attention(kernel: str, q, k, v, dropout_p: float):
-    """Return causal attention by CUDA's flash or memory-efficient SDPA kernel, called as SDPA calls it: autograd
-    then saves what that kernel's backward takes (torch's derivatives.yaml), at the shapes its meta function gives,
-    on fake tensors as on a GPU. "flash" on fp32 inputs runs the memory-efficient kernel, as SDPA picks on CUDA (flash
-    takes fp16 and bf16 only)."""
+    """Return causal attention by CUDA's flash or memory-efficient SDPA kernel called as SDPA calls it: autograd saves
+    what its backward takes (derivatives.yaml) at its meta function's shapes, on fake tensors as on a GPU. "flash" on
+    fp32 inputs runs the memory-efficient kernel, as SDPA picks on CUDA (flash takes fp16 and bf16 only)."""
     try:
         if kernel == "flash" and q.dtype in (torch.float16, torch.bfloat16):
             return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, True)[0]
@@ -146,8 +143,7 @@ def _cuda_attention(kernel: str, q, k, v, dropout_p: float):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention; grouped-query when cfg.n_kv_head < n_head (each key/value head serves
-    n_head // n_kv_head query heads, repeated before attention as torchtitan's Llama 3 does)."""
+    """Multi-head causal self-attention, grouped-query where cfg.n_kv_head < n_head (torchtitan's Llama 3)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -156,24 +152,20 @@ class CausalSelfAttention(nn.Module):
         if cfg.fused_qkv:
             self.qkv = nn.Linear(C, C + 2 * K, bias=cfg.bias)
         else:
-            self.q = nn.Linear(C, C, bias=cfg.bias)
-            self.k, self.v = (nn.Linear(C, K, bias=cfg.bias) for _ in range(2))
+            self.q, self.k, self.v = (nn.Linear(C, width, bias=cfg.bias) for width in (C, K, K))
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):  # (B, T, C)
         B, T, _ = x.shape
         D = self.cfg.n_embd // self.cfg.n_head  # head width
-        if self.cfg.fused_qkv and self.cfg.kv_width == self.cfg.n_embd:
-            q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 × (B, T, C)
-        elif self.cfg.fused_qkv:
-            q, k, v = self.qkv(x).split((self.cfg.n_embd, self.cfg.kv_width, self.cfg.kv_width), dim=-1)
+        if self.cfg.fused_qkv:
+            C, K = self.cfg.n_embd, self.cfg.kv_width
+            q, k, v = self.qkv(x).chunk(3, dim=-1) if K == C else self.qkv(x).split((C, K, K), dim=-1)  # K: C or less
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)  # 3 × (B, T, C), or (B, T, C/K) on K tensor-parallel ranks
-        H = q.size(-1) // D  # the heads this process computes: n_head, or n_head/K under tensor parallelism
-        H_kv = k.size(-1) // D  # key/value heads: H, or fewer (grouped-query attention)
-        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        k, v = (t.view(B, T, H_kv, D).transpose(1, 2) for t in (k, v))  # (B, H_kv, T, D)
+        q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D); k, v: (B, H_kv, T, D)
+        H, H_kv = q.size(1), k.size(1)  # heads here (n_head, or n_head/K under tensor parallelism); key/value heads
         if self.cfg.pos == "rope":
             cos, sin = _rope_table(T, D, q.device, q.dtype)  # one table for q and k
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)

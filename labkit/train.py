@@ -38,11 +38,8 @@ def seeded_model(config: GPTConfig | MLPConfig, seed: int, device: torch.device 
 def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the state tensors a first step leaves (Adam's step count stays 0), without a forward; leave no gradient.
 
-    Adam (and AdamW) creates its state as its own step does (`_init_group` over zero gradients: the same zero
-    tensors), and no update runs (an update of zero gradients changes none of these bytes, and on fake tensors it
-    cost more than the state: a planner's fake steps ran 15-25% faster without it). Any other optimizer runs one
-    multi-tensor (foreach) update of zero gradients.
-    """
+    Adam (and AdamW): as its own step does (`_init_group` over zero gradients), no update run (it changes no byte; fake
+    steps ran 15-25% faster without it). Any other optimizer: one foreach update of zero gradients."""
     foreach = [group.get("foreach") for group in optimizer.param_groups]
     for group in optimizer.param_groups:
         for p in group["params"]:
