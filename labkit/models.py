@@ -78,8 +78,8 @@ class GPTConfig:
         """Return the parameter count, computed from the shapes (no model built)."""
         C, V, L = self.n_embd, self.vocab_size, self.n_layer
         norm = 2 * C if (self.norm == "layer" and self.bias) else C
-        K = self.kv_width
-        attn = 2 * C * C + 2 * C * K + ((2 * C + 2 * K) if self.bias else 0)  # q and the projection; k and v
+        W = self.kv_width
+        attn = 2 * C * C + 2 * C * W + ((2 * C + 2 * W) if self.bias else 0)  # q and the projection; k and v
         if self.mlp == "gelu":
             mlp = 2 * C * self.hidden + ((self.hidden + C) if self.bias else 0)
         else:
@@ -148,11 +148,11 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        C, K = cfg.n_embd, cfg.kv_width
+        C, W = cfg.n_embd, cfg.kv_width  # W: the keys' (and values') width
         if cfg.fused_qkv:
-            self.qkv = nn.Linear(C, C + 2 * K, bias=cfg.bias)
+            self.qkv = nn.Linear(C, C + 2 * W, bias=cfg.bias)
         else:
-            self.q, self.k, self.v = (nn.Linear(C, width, bias=cfg.bias) for width in (C, K, K))
+            self.q, self.k, self.v = (nn.Linear(C, width, bias=cfg.bias) for width in (C, W, W))
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -160,8 +160,8 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         D = self.cfg.n_embd // self.cfg.n_head  # head width
         if self.cfg.fused_qkv:
-            C, K = self.cfg.n_embd, self.cfg.kv_width
-            q, k, v = self.qkv(x).chunk(3, dim=-1) if K == C else self.qkv(x).split((C, K, K), dim=-1)  # K: C or less
+            C, W = self.cfg.n_embd, self.cfg.kv_width  # q: (B, T, C); k, v: (B, T, W), W = C unless grouped-query
+            q, k, v = self.qkv(x).chunk(3, dim=-1) if W == C else self.qkv(x).split((C, W, W), dim=-1)
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)  # 3 × (B, T, C), or (B, T, C/K) on K tensor-parallel ranks
         q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D); k, v: (B, H_kv, T, D)
