@@ -1,6 +1,7 @@
 """labkit.planner.allocator: the CUDA caching allocator's documented rules, one by one, and (on CUDA) its reserved bytes."""
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -96,6 +97,67 @@ def test_past_the_device_memory_the_cache_is_released_and_the_request_retried():
         a.malloc(60 * MiB)
 
 
+# expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): one growing segment per pool and stream
+
+
+def test_expandable_segments_grow_by_2_mib_pages_in_the_small_pool_and_20_mib_in_the_large():
+    a = CachingAllocator(expandable_segments=True)
+    for _ in range(4096):
+        a.malloc(512)
+    assert (a.segments, a.reserved_bytes) == (1, 2 * MiB)
+    a.malloc(100)  # one page more, in the same segment
+    assert (a.segments, a.reserved_bytes, a.allocated_bytes) == (1, 4 * MiB, 4097 * 512)
+    blocks = [a.malloc(5 * MiB) for _ in range(5)]  # the large pool: a segment of its own, one 20 MiB page for four
+    assert [b.address - blocks[0].address for b in blocks] == [0, 5 * MiB, 10 * MiB, 15 * MiB, 20 * MiB]
+    assert (a.segments, a.reserved_bytes) == (2, 4 * MiB + 40 * MiB)
+
+
+def test_expandable_segments_map_only_the_pages_a_free_tail_lacks():
+    a = CachingAllocator(expandable_segments=True)
+    first = a.malloc(100 * MiB)
+    a.free(first)
+    kept = a.malloc(10 * MiB)  # the front of the freed 100 MiB
+    big = a.malloc(100 * MiB)  # 90 MiB free at the end: one page (20 MiB) more, where the default rules take 100 MiB
+    assert (kept.address, big.address - first.address) == (first.address, 10 * MiB)
+    assert (a.reserved_bytes, a.allocated_bytes) == (120 * MiB, 110 * MiB)
+    default = CachingAllocator()
+    default.free(default.malloc(100 * MiB))
+    default.malloc(10 * MiB)
+    default.malloc(100 * MiB)
+    assert default.reserved_bytes == 200 * MiB
+
+
+def test_expandable_segments_split_any_remainder_of_512_bytes_in_the_large_pool_too():
+    a = CachingAllocator(expandable_segments=True)
+    a.free(a.malloc(12 * MiB))
+    block = a.malloc(11 * MiB)  # the default rules hand out the whole 12 MiB
+    assert block.size == 11 * MiB and a.allocated_bytes == 11 * MiB
+
+
+def test_expandable_best_fit_passes_a_block_that_could_grow_for_a_larger_one_that_cannot():
+    a = CachingAllocator(expandable_segments=True)
+    first = a.malloc(30 * MiB)  # two pages: 10 MiB free after it
+    a.malloc(10 * MiB)  # takes those 10 MiB
+    last = a.malloc(5 * MiB)  # a third page: 15 MiB free at the end, before the unmapped addresses
+    a.free(first)  # 30 MiB free inside
+    assert a.malloc(12 * MiB).address == first.address  # not the 15 MiB at the end (get_free_block's expandable_size)
+    assert a.reserved_bytes == 60 * MiB
+    a.free(last)  # 18 MiB free inside, 20 MiB at the end
+    a.release_cache()  # the whole pages inside free blocks are unmapped: the last page only
+    assert a.reserved_bytes == 40 * MiB and [h.address - first.address for h in a.unmapped[(0, False)]] == [40 * MiB]
+
+
+def test_expandable_segments_past_the_device_memory_unmap_free_pages_and_retry():
+    a = CachingAllocator(capacity_bytes=100 * MiB, expandable_segments=True)
+    held = a.malloc(50 * MiB)  # three pages
+    a.malloc(30 * MiB)  # 10 MiB free at the end, a page more: 80 MiB mapped
+    a.free(held)
+    a.malloc(60 * MiB)  # 60 MiB more would pass 100: the two whole pages inside the freed 50 MiB are unmapped
+    assert (a.retries, a.reserved_bytes) == (1, 100 * MiB)
+    with pytest.raises(MemoryError, match="cannot map"):
+        a.malloc(20 * MiB)
+
+
 def test_replay_frees_by_key_and_takes_no_block_for_zero_bytes():
     a = replay([("x", 5 * MiB, 0), ("e", 0, 0), ("x", None, 0), ("e", None, 0), ("y", 3 * MiB, 0)])
     assert (a.allocated_bytes, a.reserved_bytes) == (3 * MiB, 20 * MiB)
@@ -148,38 +210,42 @@ SMALL = GPTConfig(n_layer=3, n_embd=40, n_head=4, block_size=24, vocab_size=88, 
 
 def test_fsdp2s_side_streams_are_pools_of_their_own_in_the_replay(monkeypatch):
     seen = []
-    monkeypatch.setattr(P, "replay", lambda events: seen.append(events) or replay(events))
+    monkeypatch.setattr(P, "replay", lambda events, **rules: seen.append(events) or replay(events, **rules))
     monkeypatch.setattr(P, "_PLANNED", {})  # (each step run here, not taken from another test's memo)
     monkeypatch.setattr(estimate, "_REMEMBERED", {})
     sharded = P.Combination(2, "fsdp2-reshard", 2, 1, "none", P.MIXED_POLICY, adam_impl="foreach")
-    ((peak, reserved, allocated),) = P.replayed(SMALL, [sharded], 24, workers=1)
+    ((peak, reserved, allocated, reserved_expandable),) = P.replayed([(SMALL, sharded, 24)], workers=1)
     streams = {s for *_, s in seen[-1]}
     assert 0 in streams and len(streams) >= 3, streams  # FSDP2's all-gather copy-in and reduce-scatter streams
     again = replay(seen[-1])
     assert (reserved, allocated) == (again.peak_reserved_bytes, again.peak_allocated_bytes)
+    assert reserved_expandable == replay(seen[-1], expandable_segments=True).peak_reserved_bytes >= allocated
     assert reserved >= allocated >= peak  # (rounded up to 512 B and whole blocks: allocated >= requested)
     assert reserved > replay([(k, n, 0) for k, n, _ in seen[-1]]).peak_reserved_bytes  # one pool: fewer segments
     single = P.Combination(1, "single", 4, 1, "every", "bf16", adam_impl="foreach")
-    P.replayed(SMALL, [single], 24, workers=1)
+    P.replayed([(SMALL, single, 24)], workers=1)
     assert {s for *_, s in seen[-1]} == {0}
     with pytest.raises(ParameterError, match="ddp, Adam on the device, 1 micro-batches"):
-        P.replayed(SMALL, [P.Combination(2, "ddp", 2, 1, "none", "fp32")], 24)
+        P.replayed([(SMALL, P.Combination(2, "ddp", 2, 1, "none", "fp32"), 24)])
 
 
 def test_adam_on_the_local_shards_allocates_what_it_does_on_dtensors(monkeypatch):
     import contextlib
 
     combs = [P.Combination(2, "fsdp2", 2, 1, "full", P.MIXED_POLICY, adam_impl=impl) for impl in P.ADAM_IMPLS]
-    on_shards = P.replayed(SMALL, combs, 24, workers=1)
+    on_shards = P.replayed([(SMALL, c, 24) for c in combs], workers=1)
     monkeypatch.setattr(P, "_local_adam", contextlib.nullcontext)  # DTensor's own foreach and fused operators
     monkeypatch.setattr(P, "_PLANNED", {})
     monkeypatch.setattr(estimate, "_REMEMBERED", {})
-    assert P.replayed(SMALL, combs, 24, workers=1) == on_shards
+    assert P.replayed([(SMALL, c, 24) for c in combs], workers=1) == on_shards
 
 
 def test_replays_shared_among_worker_processes_give_the_same_figures(monkeypatch):
-    combs = [P.Combination(2, "fsdp2-reshard", 2, 1, c, "bf16") for c in ("none", "full")]
-    here = P.replayed(SMALL, combs, 24, workers=1)
+    # two models' steps in one call: both processes take steps of either (one per process here)
+    runs = [(SMALL, P.Combination(2, "fsdp2-reshard", 2, 1, "none", "bf16"), 24),
+            (dataclasses.replace(SMALL, n_layer=2), P.Combination(2, "fsdp2-reshard", 2, 1, "full", "bf16"), 24)]
+    here = [P.replayed([run], workers=1)[0] for run in runs]
+    assert here[0] != here[1]
     monkeypatch.setattr(P, "_PLANNED", {})
     monkeypatch.setattr(estimate, "_REMEMBERED", {})
     monkeypatch.setattr(P, "MIN_GROUPS_PER_WORKER", 99)  # (a replay is worth a worker whatever the others' rule)
@@ -187,7 +253,7 @@ def test_replays_shared_among_worker_processes_give_the_same_figures(monkeypatch
     real = P.ChildProcesses.start_forked
     monkeypatch.setattr(P.ChildProcesses, "start_forked",
                         lambda self, *a, **k: started.append(a) or real(self, *a, **k))
-    assert P.replayed(SMALL, combs, 24, workers=2) == here
+    assert P.replayed(runs, workers=2) == here
     assert len(started) == 1  # one worker process beside this one
 
 
@@ -199,7 +265,7 @@ def test_a_plan_replays_its_front_rows_at_full_depth():
     assert replayed and all(r in p.pareto for r in replayed)
     assert all(r.combination.parallel != "ddp" and r.combination.accum_steps <= 2 for r in replayed)
     for r in replayed:
-        assert P.replayed(SMALL, [r.combination], 24, workers=1)[0][:2] == (r.peak_bytes, r.reserved_bytes)
+        assert P.replayed([(SMALL, r.combination, 24)], workers=1)[0][:2] == (r.peak_bytes, r.reserved_bytes)
     table = P.format_plan(p)
     assert "reserved" in table.splitlines()[3] and "reserved: the caching allocator's reserved peak" in table
     assert "reserved above the budget" not in table  # (kilobytes on an 80 GiB GPU)
@@ -213,6 +279,16 @@ def test_a_plan_replays_its_front_rows_at_full_depth():
     assert "used may exceed the GPU's memory: row" in P.format_plan(small)
     assert "reserved" not in P.format_plan(P.plan(SMALL, "a100-80gb", 1, 24, 4, precisions=("bf16",),
                                                   checkpointing=("none",), offload=(False,), workers=1)).splitlines()[3]
+    # the same plan under expandable segments' rules: each front row's reserved peak is that replay's (no step more)
+    grow = P.plan(SMALL, "a100-80gb", 2, 24, 4, precisions=("bf16", P.MIXED_POLICY), checkpointing=("none", "full"),
+                  offload=(False,), optimizers=("device",), parallels=("single", "ddp", "fsdp2-reshard"),
+                  reserved=True, expandable_segments=True, workers=1)
+    for r in (r for r in grow.rows if r.reserved_bytes is not None):
+        assert P.replayed([(SMALL, r.combination, 24)], workers=1)[0][3] == r.reserved_bytes
+    assert "rules with expandable_segments:True" in P.format_plan(grow)
+    assert "rules with expandable_segments:True" not in table
+    with pytest.raises(ParameterError, match="expandable_segments: the rules of a reserved peak"):
+        P.plan(SMALL, "a100-80gb", 1, 24, 4, expandable_segments=True)
 
 
 RANDOM_EVENTS = """
@@ -234,8 +310,10 @@ def random_events(n, seed):
 """
 
 ON_CUDA = RANDOM_EVENTS + """
+import os
 import torch
 from labkit.planner.allocator import replay
+expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
 for seed in range(3):
     events = random_events(400, seed)
     torch.cuda.empty_cache()
@@ -249,8 +327,8 @@ for seed in range(3):
             live[key] = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     cuda = torch.cuda.memory_reserved(), torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
     del live
-    a = replay(events)
-    print(seed, cuda, (a.reserved_bytes, a.peak_reserved_bytes, a.peak_allocated_bytes))
+    a = replay(events, expandable_segments=expandable)
+    print(seed, expandable, cuda, (a.reserved_bytes, a.peak_reserved_bytes, a.peak_allocated_bytes))
     assert cuda == (a.reserved_bytes, a.peak_reserved_bytes, a.peak_allocated_bytes), seed
 """
 
@@ -262,11 +340,15 @@ def test_the_random_sequence_fragments_and_reuses():
     a = replay(scope["random_events"](400, 0))
     assert a.segments > 5 and a.peak_reserved_bytes > a.peak_allocated_bytes > 0
     assert {small for _, small in a.free_blocks} == {True, False}
+    grown = replay(scope["random_events"](400, 0), expandable_segments=True)  # pages mapped, both pools: fewer holes
+    assert grown.segments == 2 and a.peak_reserved_bytes > grown.peak_reserved_bytes > grown.peak_allocated_bytes
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA: torch sees no CUDA device here (run `make "
                     "gpu-check` on a machine with one)")
-def test_the_replay_reserves_what_cudas_allocator_reserves():
-    # a process of its own: the comparison needs an allocator that holds nothing else
-    out = subprocess.run([sys.executable, "-c", ON_CUDA], capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True"])
+def test_the_replay_reserves_what_cudas_allocator_reserves(conf):
+    # a process of its own: the comparison needs an allocator that holds nothing else, configured before CUDA starts
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf}
+    out = subprocess.run([sys.executable, "-c", ON_CUDA], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr

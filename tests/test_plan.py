@@ -331,6 +331,16 @@ def test_a_transformers_model_checkpointed_by_its_own_switch_matches_the_meter()
         P.plan(cfg, "a100-80gb", 1, 16, 2, checkpointing=("selective",))
 
 
+def test_every_preset_has_its_published_models_parameter_count():
+    # the counts of the published weights (Hugging Face's checkpoints: GPT-2's four, TinyLlama 1.1B, Llama 2 7B, 13B
+    # and 70B, Meta Llama 3 8B): each preset's shape, grouped-query attention included, gives its model's exact count
+    published = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
+                 "gpt2-xl": 1_557_611_200, "llama-1b": 1_100_048_384, "llama-7b": 6_738_415_616,
+                 "llama-13b": 13_015_864_320, "llama-70b": 68_976_648_192, "llama3-8b": 8_030_261_248}
+    assert {name: cfg.n_params() for name, cfg in P.PRESETS.items()} == published
+    assert (P.PRESETS["llama-1b"].n_kv_head, P.PRESETS["llama-70b"].n_kv_head, P.PRESETS["llama3-8b"].n_kv_head) == (4, 8, 8)
+
+
 def test_gpu_table_is_complete():
     assert set(GPUS) == {"t4", "l4", "a10g", "rtx4090", "a100-40gb", "a100-80gb", "h100", "h200"}
     assert "bf16" not in GPUS["t4"].flops_per_s and all("bf16" in g.flops_per_s for k, g in GPUS.items() if k != "t4")
@@ -347,6 +357,11 @@ def test_command_prints_the_table_and_json(monkeypatch, capsys):
     P.main(["--model", "tiny", "--gpu", "h100", "--seq-len", "16", "--batch", "2", "--reserved"])
     text = capsys.readouterr().out
     assert " reserved, " in text.split("fastest that fits:")[1] and "reserved: the caching allocator's" in text
+    P.main(["--model", "tiny", "--gpu", "h100", "--seq-len", "16", "--batch", "2", "--reserved", "--expandable-segments"])
+    assert "rules with expandable_segments:True" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # (the rules of a reserved peak: without one, named)
+        P.main(["--model", "tiny", "--gpu", "h100", "--seq-len", "16", "--batch", "2", "--expandable-segments"])
+    assert "expandable_segments: the rules of a reserved peak" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         P.main(["--model", "tiny", "--gpu", "h100", "--gpus", "3", "--seq-len", "16", "--batch", "4"])
     assert "batch (4) must be divisible by gpus (3)" in capsys.readouterr().err

@@ -71,12 +71,15 @@ def test_every_published_figure_the_planner_models_is_within_its_target():
         reserved = by[run, "peak reserved"]
         assert abs(reserved.error) <= 0.10 and "a pool of its own" in reserved.basis
         assert reserved.predicted > by[run, "peak active"].predicted
-    l3 = by["TT-L31-8B-FSDP2-SAC-eager", "peak reserved"]  # Llama 3.1 8B (grouped-query attention): its allocator
-    assert l3.published == (82.4, 82.4) and l3.predicted is None and l3.within is None  # mode is not the replay's
-    assert published.not_a_check(l3) == "not modelled" and "expandable segments" in l3.basis
+    l3 = by["TT-L31-8B-FSDP2-SAC-eager", "peak reserved"]  # Llama 3.1 8B (grouped-query attention), replayed under
+    assert l3.published == (82.4, 82.4) and abs(l3.error) <= 0.10  # expandable segments, as torchtitan's launcher set
+    assert "rules with expandable_segments:True" in l3.basis and "8 × fsdp2-reshard, micro-batch 2 × 1" in l3.basis
+    assert "logits freed before backward" in l3.basis and "nightly 1963fc8" in l3.basis
+    for run in ("TT-165-FSDP2-AC-eager", "TT-165-FSDP2-SAC-eager"):  # (no launcher setting: the default rules)
+        assert "default rules" in by[run, "peak reserved"].basis and "March 2024" in by[run, "peak reserved"].basis
     assert ("TT-L31-8B-FSDP2-SAC-eager", "peak active") not in by  # (the benchmark prints the reserved peak only)
     checked = [c for c in checks if c.predicted is not None]
-    assert {c.figure for c in checked} == {"peak active", "peak reserved", "tokens/s per GPU"} and len(checked) == 8
+    assert {c.figure for c in checked} == {"peak active", "peak reserved", "tokens/s per GPU"} and len(checked) == 9
     assert all(c.within for c in checked), published.format_validation(checks)
     for run in ("TT-165-FSDP2-AC-eager", "TT-L31-8B-FSDP2-SAC-eager"):  # 95 GiB H100s, priced as the 80 GiB SXM
         tt = by[run, "tokens/s per GPU"]
@@ -105,18 +108,19 @@ def test_the_plans_fast_depth_gives_the_validated_peak():
     assert row.peak_bytes / published.GiB == check.predicted
 
 
-def test_runs_of_one_model_replay_in_one_call(monkeypatch):
-    """The two TT-165 runs (one model, full and op checkpointing) go to `replayed` together, so that the plan's
-    workers share them; each check gets its own run's figures."""
+def test_every_runs_step_replays_in_one_call(monkeypatch):
+    """The runs' steps (two models: TT-165's Llama 2 shape twice, Llama 3.1 8B) go to `replayed` together, so that
+    the plan's workers share them; each check gets its own run's figures, the reserved peak by its allocator's rules."""
     from labkit.planner import plan as P
     calls = []
 
-    def fake_replayed(model, combinations, seq_len):
-        calls.append([c.checkpointing for c in combinations])
-        return [(i * 2**30, (i + 10) * 2**30, 0) for i, _ in enumerate(combinations, 1)]
+    def fake_replayed(runs):
+        calls.append([(m.n_kv_head, c.checkpointing, seq_len) for m, c, seq_len in runs])
+        return [(i * 2**30, (i + 10) * 2**30, 0, (i + 20) * 2**30) for i, _ in enumerate(runs, 1)]
     monkeypatch.setattr(P, "replayed", fake_replayed)
     runs = [r for r in published.published_runs() if "plan" in r and "memory" in r]
     checks = published.memory_checks(runs)
-    assert calls == [["full", "op"]]
+    assert calls == [[(None, "full", 2048), (None, "op", 2048), (8, "op", 8192)]]
     by = {(c.run, c.figure): c.predicted for c in checks}
     assert by["TT-165-FSDP2-AC-eager", "peak active"] == 1 and by["TT-165-FSDP2-SAC-eager", "peak reserved"] == 12
+    assert by["TT-L31-8B-FSDP2-SAC-eager", "peak reserved"] == 23  # (expandable segments' figure)

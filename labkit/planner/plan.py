@@ -13,6 +13,7 @@ import math
 import os
 import pickle
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -105,10 +106,10 @@ PRESETS = {
     "gpt2-medium": _gpt2(24, 1024, 16),  # 355 M
     "gpt2-large": _gpt2(36, 1280, 20),  # 774 M
     "gpt2-xl": _gpt2(48, 1600, 25),  # 1.5 B
-    "llama-1b": _llama(22, 2048, 32, 5632),  # TinyLlama's shape with multi-head attention: 1.3 B
+    "llama-1b": _llama(22, 2048, 32, 5632, n_kv_head=4),  # TinyLlama 1.1B (grouped-query attention): 1.1 B
     "llama-7b": _llama(32, 4096, 32, 11008),  # Llama 2 7B: 6.7 B
     "llama-13b": _llama(40, 5120, 40, 13824),  # Llama 2 13B: 13 B
-    "llama-70b": _llama(80, 8192, 64, 28672),  # Llama 2 70B's shape with multi-head attention: 78 B
+    "llama-70b": _llama(80, 8192, 64, 28672, n_kv_head=8),  # Llama 2 70B (grouped-query attention): 69 B
     "llama3-8b": _llama(32, 4096, 32, 14336, n_kv_head=8, vocab_size=128256, block_size=8192),  # Llama 3 8B: 8.0 B
 }
 
@@ -275,6 +276,7 @@ class Plan:
     rows: list = field(default_factory=list)
     left_out: dict = field(default_factory=dict)  # what -> why
     fake_steps: int = 0  # memory-relevant combinations run on fake tensors (each at FAST_DEPTHS or full depth)
+    expandable_segments: bool = False  # the rows' reserved peaks under expandable segments' rules (else the default's)
     elapsed_s: float = 0.0
 
     @property
@@ -404,8 +406,9 @@ def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bo
                     cpu_stream_tags(active_meter()) if reserved else contextlib.nullcontext(), \
                     _local_adam() if shard is not None else contextlib.nullcontext():
                 plan_step(model, opt, batch, step, hooks)
-            if reserved:
-                replays.append(replay(meter_events(active_meter())))
+            if reserved:  # (the default rules, then expandable segments')
+                events = meter_events(active_meter())
+                replays.extend(replay(events, expandable_segments=rules) for rules in (False, True))
             if count:
                 w = counter.work()
                 half = sum(n for p, n in w.flops.items() if p != "fp32")
@@ -429,6 +432,7 @@ def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bo
     if reserved:
         states["peak_reserved"] = replays[0].peak_reserved_bytes
         states["peak_allocated"] = replays[0].peak_allocated_bytes
+        states["peak_reserved_expandable"] = replays[1].peak_reserved_bytes
     return (peak, split, states, n, _FLOPS.get(flops_key), *events)
 
 
@@ -698,7 +702,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
          precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "fast",
          offload=(False, True), optimizers=OPTIMIZER_PLACES, workers: int | None = None,
          adam_impls=ADAM_IMPLS[:1], keep_logits: bool = True, parallels=tuple(COMM_UNITS),
-         micro_batches=None, reserved: bool = False) -> Plan:
+         micro_batches=None, reserved: bool = False, expandable_segments: bool = False) -> Plan:
     """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s.
 
     precisions: of PLAN_PRECISIONS (None: the GPU's of PRECISIONS, FSDP2's 16-bit rows MIXED_POLICY instead of autocast
@@ -710,16 +714,20 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     parallels: the ways of running on the GPUs to plan (keys of COMM_UNITS; the others' fake steps are not run);
     micro_batches: the rows per micro-batch to plan (None: every one dividing a GPU's share of the batch); reserved:
     each Pareto-front row's `reserved_bytes`, from one more fake step at full depth (single-device and FSDP2 rows with
-    Adam on the device and at most two micro-batches: there the fake step allocates all the row does).
+    Adam on the device and at most two micro-batches: there the fake step allocates all the row does);
+    expandable_segments: that reserved peak under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True's rules (torchtitan's
+    launcher sets it), else the allocator's default rules.
     """
     ask = _asked(model_spec(model), gpu, gpus, seq_len, batch, precisions, checkpointing, reserve_fraction, depth,
                  offload, optimizers, adam_impls, keep_logits, parallels, micro_batches)
     spec, workers = ask.spec, plan_workers() if workers is None else workers
+    if expandable_segments and not reserved:
+        raise ParameterError("expandable_segments: the rules of a reserved peak; pass reserved=True too")
     left_out = _left_out(ask)
     t0 = time.perf_counter()
     out = Plan(spec.name, ask.device.name, gpus, seq_len, batch, 0,
                int(ask.device.memory_bytes * (1 - reserve_fraction)), reserve_fraction, ask.device.memory_bytes,
-               left_out=left_out)
+               left_out=left_out, expandable_segments=expandable_segments)
     ranks_list = _divisors(batch, gpus)
     flat_ranks = [r for r in ranks_list  # one process per rank, unsharded: one GPU, DDP, ZeRO-1
                   if ("single" if r == 1 else "ddp") in ask.parallels or r > 1 and "zero1" in ask.parallels]
@@ -748,7 +756,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     replays = _fake_steps(model, spec, list(dict.fromkeys(replayable[id(r)] for r in front)), REPLAY,
                           workers) if front else {}
     for r in front:
-        r.reserved_bytes = replays[replayable[id(r)]][1]
+        r.reserved_bytes = replays[replayable[id(r)]][3 if expandable_segments else 1]
         outside = non_tensor_bytes(ask.device.name, r.combination.ranks, r.combination.parallel,
                                    ask.device.gpus_per_node)
         r.used_bytes = None if outside is None else tuple(r.reserved_bytes + b for b in outside.total)
@@ -909,29 +917,33 @@ def combination_fake_step(comb: Combination, seq_len: int, autocast_of: str = "c
                 comb.keep_logits, autocast_of)
 
 
-def replayed(model, combinations: list, seq_len: int, workers: int | None = None) -> list:
-    """Return [(peak bytes, reserved peak bytes, allocated peak bytes)] of each combination's step at full depth on
-    fake tensors: the peak is the reference a plan's fast depth reproduces by arithmetic (the bytes requested); the
-    reserved and allocated peaks are its allocations replayed through the CUDA caching allocator's rules
-    (labkit.planner.allocator: allocated counts each block handed out, rounded); the steps shared among `workers` processes
-    (None: plan_workers()). Exact for a single device or FSDP2 with Adam on the device and at most two micro-batches
-    (else ParameterError: the row holds more than its fake step allocates)."""
-    for comb in combinations:
+def replayed(runs: list, workers: int | None = None) -> list:
+    """Return [(peak bytes, reserved peak bytes, allocated peak bytes, reserved peak bytes with expandable segments)],
+    one per run (model, Combination, seq_len): its step at full depth on fake tensors. The peak is the reference a
+    plan's fast depth reproduces by arithmetic (the bytes requested); the reserved and allocated peaks are its
+    allocations replayed through the CUDA caching allocator's rules (labkit.planner.allocator: allocated counts each
+    block handed out, rounded). Every run's step shared among `workers` processes (None: plan_workers()), whatever its
+    model. Exact for a single device or FSDP2 with Adam on the device and at most two micro-batches (else
+    ParameterError: the row holds more than its fake step allocates)."""
+    for _, comb, _ in runs:
         if comb.parallel in ("ddp", "zero1") or comb.optimizer != "device" or comb.accum_steps > 2:
             raise ParameterError(f"combination: {comb.parallel}, Adam on the {comb.optimizer}, {comb.accum_steps} "
                                  "micro-batches: its row holds more than its fake step allocates (DDP's buckets, Adam "
                                  "on the host, micro-batches beyond two); replayed takes single or fsdp2 rows only")
-    steps = [combination_fake_step(comb, seq_len) for comb in combinations]
-    out = _fake_steps(model, model_spec(model), list(dict.fromkeys(steps)), REPLAY,
-                      plan_workers() if workers is None else workers)
-    return [out[st] for st in steps]
+    jobs = {}  # the model's repr -> (model, its ModelSpec, its steps)
+    for model, comb, seq_len in runs:
+        job = jobs.setdefault(repr(model), (model, model_spec(model), []))
+        job[2].append(combination_fake_step(comb, seq_len))
+    outs = dict(zip(jobs, _fake_steps_of([(m, spec, list(dict.fromkeys(steps))) for m, spec, steps in jobs.values()],
+                                         REPLAY, plan_workers() if workers is None else workers)))
+    return [outs[repr(model)][combination_fake_step(comb, seq_len)] for model, comb, seq_len in runs]
 
 
 def _replay(spec: ModelSpec, step: Step) -> tuple:
-    """Return (peak, reserved peak, allocated peak) of `step` at full depth, its allocations replayed
-    (labkit.planner.allocator)."""
+    """Return (peak, reserved peak, allocated peak, reserved peak with expandable segments) of `step` at full depth,
+    its allocations replayed (labkit.planner.allocator)."""
     peak, _, states, *_ = _fake_run(spec, step, spec.n_layer, reserved=True)
-    return peak, states["peak_reserved"], states["peak_allocated"]
+    return peak, states["peak_reserved"], states["peak_allocated"], states["peak_reserved_expandable"]
 
 
 def deep_estimate(cfg: GPTConfig, batch_size: int, seq_len: int, world_size: int = 1,
@@ -981,8 +993,12 @@ def _groups(spec: ModelSpec, steps: list, depth: str) -> list:
                 and step.checkpointing in FAST_DEPTHS)
         base = replace(step, adam_impl=ADAM_IMPLS[0])  # Adam's implementations share the rest of their steps
         groups.setdefault(replace(base, micro_batch=0) if fast else base, []).append(step)
-    return sorted((sorted(g, key=lambda st: -st.micro_batch) for g in groups.values()),
-                  key=lambda g: (g[0].shard is not None, g[0].checkpointing != "none", len(g)), reverse=True)
+    return sorted((sorted(g, key=lambda st: -st.micro_batch) for g in groups.values()), key=_group_cost, reverse=True)
+
+
+def _group_cost(group: list) -> tuple:
+    """Return a key that orders groups of fake steps by their cost: sharded, then checkpointed, then the most steps."""
+    return group[0].shard is not None, group[0].checkpointing != "none", len(group)
 
 
 def _run_group(spec: ModelSpec, group: list, depth: str) -> list:
@@ -992,18 +1008,18 @@ def _run_group(spec: ModelSpec, group: list, depth: str) -> list:
         return [(step, _replay(spec, step) if depth == REPLAY else _extrapolated(spec, step, depth)) for step in group]
 
 
-def _run_claimed(spec: ModelSpec, groups: list, depth: str, claims: str, bar=None) -> list:
-    """Run the groups this process claims first, in their order (a file created in the claims folder, or not at all:
-    another process has it); return [(item, _extrapolated's figures)]. Claiming as they go, the processes end within
-    one group of each other whatever each group costs. Each group run leaves "<i>.done" there: `bar` (a progress bar)
-    counts every process's."""
+def _run_claimed(specs, groups: list, depth: str, claims: str, bar=None) -> list:
+    """Run the groups [(job, group)] this process claims first, in their order (a file created in the claims folder,
+    or not at all: another process has it); return [(job, step, _extrapolated's figures)]. Claiming as they go, the
+    processes end within one group of each other whatever each group costs. Each group run leaves "<i>.done" there:
+    `bar` (a progress bar) counts every process's. specs(job): the job's ModelSpec."""
     out = []
-    for i, g in enumerate(groups):
+    for i, (j, g) in enumerate(groups):
         try:
             os.close(os.open(os.path.join(claims, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             continue
-        out.extend(_run_group(spec, g, depth))
+        out.extend((j, *figures) for figures in _run_group(specs(j), g, depth))
         open(os.path.join(claims, f"{i}.done"), "w").close()
         if bar is not None:
             bar.update(sum(name.endswith(".done") for name in os.listdir(claims)) - bar.n)
@@ -1011,40 +1027,69 @@ def _run_claimed(spec: ModelSpec, groups: list, depth: str, claims: str, bar=Non
 
 
 def _worker_main(task_path: str, out_path: str) -> None:
-    """Run the plan groups (a pickled (model, groups, depth, claims folder)) this worker claims first (_run_claimed)
+    """Run the plan groups (a pickled (models, groups, depth, claims folder)) this worker claims first (_run_claimed)
     and pickle their figures to out_path."""
     die_with_parent()
     with open(task_path, "rb") as f:
-        model, groups, depth, claims = pickle.load(f)
-    out = _run_claimed(model_spec(model), groups, depth, claims)
+        models, groups, depth, claims = pickle.load(f)
+    out = _run_claimed(functools.cache(lambda j: model_spec(models[j])), groups, depth, claims)
     with open(out_path + ".part", "wb") as f:
         pickle.dump(out, f)
     os.replace(out_path + ".part", out_path)
 
 
+def _started_meanwhile(children: ChildProcesses, starts: list) -> threading.Thread:
+    """Return a started thread that starts each (target, args, log path) as a forked child of `children` (with
+    PLAN_PRELOAD); its `error` is what stopped it, or None."""
+    def start_all():
+        try:
+            for target, args, log in starts:
+                children.start_forked(target, args, stdout_path=log, preload=PLAN_PRELOAD)
+        except BaseException as e:  # (raised in the caller's thread, after join)
+            thread.error = e
+    thread = threading.Thread(target=start_all, daemon=True)
+    thread.error = None
+    thread.start()
+    return thread
+
+
 def _fake_steps(model, spec: ModelSpec, steps: list, depth: str, workers: int) -> dict:
-    """Return {step: _extrapolated's figures} for every step: from this process's memo, run here, or shared among
-    this process and `workers` - 1 child processes when there are MIN_GROUPS_PER_WORKER groups a worker or more (a
-    REPLAY's: one; a preset or GPTConfig model; each child dies with this process, and leaving stops them)."""
-    memo = {} if spec.key is None else {step: (spec.key, step, depth) for step in steps}
-    out = {step: _PLANNED[memo[step]] for step in steps if memo.get(step) in _PLANNED}
-    groups = _groups(spec, [step for step in steps if step not in out], depth)
+    """Return {step: _extrapolated's figures} for every step of one model (_fake_steps_of)."""
+    return _fake_steps_of([(model, spec, steps)], depth, workers)[0]
+
+
+def _fake_steps_of(jobs: list, depth: str, workers: int) -> list:
+    """Return [{step: _extrapolated's figures}] for every step of each job (model, its ModelSpec, steps): from this
+    process's memo, run here, or shared among this process and `workers` - 1 child processes when there are
+    MIN_GROUPS_PER_WORKER groups a worker or more (a REPLAY's: one; preset or GPTConfig models; each child dies with
+    this process, and leaving stops them)."""
+    memos = [{} if spec.key is None else {step: (spec.key, step, depth) for step in steps} for _, spec, steps in jobs]
+    outs = [{step: _PLANNED[memo[step]] for step in steps if memo.get(step) in _PLANNED}
+            for memo, (_, _, steps) in zip(memos, jobs)]
+    groups = sorted(((j, g) for j, (_, spec, steps) in enumerate(jobs)  # the costliest first, whatever the model
+                     for g in _groups(spec, [step for step in steps if step not in outs[j]], depth)),
+                    key=lambda jg: _group_cost(jg[1]), reverse=True)
     per_worker = 1 if depth == REPLAY else MIN_GROUPS_PER_WORKER
-    if workers > 1 and len(groups) >= per_worker * workers and isinstance(model, (str, GPTConfig)):
+    if workers > 1 and len(groups) >= per_worker * workers and all(isinstance(m, (str, GPTConfig)) for m, *_ in jobs):
         with tempfile.TemporaryDirectory(prefix="labkit-plan-") as tmp, ChildProcesses() as children:
             task, claims, paths = os.path.join(tmp, "task"), os.path.join(tmp, "claims"), []
             os.mkdir(claims)
             with open(task, "wb") as f:  # every group for every worker: each runs those it claims first
-                pickle.dump((model, groups, depth, claims), f)
+                pickle.dump(([m for m, *_ in jobs], groups, depth, claims), f)
             for k in range(workers - 1):  # this process is the last worker
                 result, log = os.path.join(tmp, f"result{k}"), os.path.join(tmp, f"log{k}")
                 open(log, "w").close()  # (there even if the worker fails before it writes)
-                children.start_forked(_worker_main, (task, result), stdout_path=log, preload=PLAN_PRELOAD)
                 paths.append((result, log))
-            # (the children start meanwhile: the fork server's imports overlap this process's fake steps)
+            # the children start in a thread: a new fork server's imports (~3 s) overlap this process's fake steps
+            starting = _started_meanwhile(children, [(_worker_main, (task, result), log) for result, log in paths])
             with progress(desc=f"fake steps ({workers} processes)", total=len(groups)) as bar:
-                with one_thread():
-                    out.update(_run_claimed(spec, groups, depth, claims, bar))
+                try:
+                    with one_thread():
+                        ran = _run_claimed(lambda j: jobs[j][1], groups, depth, claims, bar)
+                finally:
+                    starting.join()  # (every child started is one ChildProcesses stops on leaving)
+                if starting.error is not None:
+                    raise starting.error
                 codes = children.wait(WORKER_TIMEOUT_S)
                 bar.update(sum(name.endswith(".done") for name in os.listdir(claims)) - bar.n)
             for code, (result, log) in zip(codes, paths):
@@ -1053,13 +1098,16 @@ def _fake_steps(model, spec: ModelSpec, steps: list, depth: str, workers: int) -
                         tail = f.read()[-2000:]
                     raise RuntimeError(f"a plan worker process ended with exit code {code}:\n{tail}")
                 with open(result, "rb") as f:
-                    out.update(pickle.load(f))
+                    ran.extend(pickle.load(f))
     else:
-        for g in progress(groups, desc="fake steps"):
-            out.update(_run_group(spec, g, depth))
-    for step, key in memo.items():
-        _PLANNED[key] = out[step]
-    return {step: out[step] for step in steps}  # in the todo's order: the plan's rows keep theirs
+        ran = [(j, *figures) for j, g in progress(groups, desc="fake steps")
+               for figures in _run_group(jobs[j][1], g, depth)]
+    for j, step, figures in ran:
+        outs[j][step] = figures
+    for memo, out in zip(memos, outs):
+        for step, key in memo.items():
+            _PLANNED[key] = out[step]
+    return [{step: out[step] for step in steps} for out, (_, _, steps) in zip(outs, jobs)]  # in the todo's order
 
 
 def _row(p: Plan, device: DeviceProfile, rate: str, comb: Combination, peak: int, split: dict, work: tuple,
@@ -1133,8 +1181,10 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
                "prefetch and DDP's buckets at best hide it)" if best.comm_s > 0 else ")"))),
               "#: the row's place on the Pareto front (1: the fastest; blank: not on it, or a tie of a row on it); "
               "peak: per device" + ("; reserved: the caching allocator's reserved peak, the step's allocations "
-                                    "replayed through its default rules from an empty cache (labkit.planner.allocator; no "
-                                    "expandable_segments; —: not on the Pareto front, or the "
+                                    "replayed from an empty cache through its "
+                                    + ("rules with expandable_segments:True (pages mapped" if p.expandable_segments
+                                       else "default rules (no expandable_segments") + ": labkit.planner.allocator); "
+                                    "—: not on the Pareto front, or the "
                                     "row holds more than its fake step allocates: DDP's buckets, micro-batches beyond "
                                     "two, Adam on the host)" if with_reserved else "")
               + "; step = roofline + comm + host, each in ms per optimizer step; comm: between GPUs "
@@ -1216,9 +1266,13 @@ def main(argv=None) -> int:
                          "flash or efficient (CUDA's kernels: what each saves for backward)")
     ap.add_argument("--reserved", action="store_true",
                     help="each Pareto-front row's reserved peak: its step at full depth on fake tensors, the "
-                         "allocations replayed through the CUDA caching allocator's default rules (no "
-                         "expandable_segments; one fake step more each), and what the GPU would show used: that "
-                         "reserve plus the CUDA context and NCCL's buffers, ranges from published figures")
+                         "allocations replayed through the CUDA caching allocator's default rules (one fake step more "
+                         "each), and what the GPU would show used: that reserve plus the CUDA context and NCCL's "
+                         "buffers, ranges from published figures")
+    ap.add_argument("--expandable-segments", action="store_true",
+                    help="with --reserved: replay under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True's rules "
+                         "(torchtitan's launcher's setting: segments grow by 2 MiB / 20 MiB pages) instead of the "
+                         "default's")
     ap.add_argument("--all", action="store_true", help="print every combination, not only the Pareto front")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
@@ -1234,7 +1288,8 @@ def main(argv=None) -> int:
     try:
         p = plan(model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
                  depth=args.depth, adam_impls=args.adam_impl, precisions=args.precision, checkpointing=args.checkpointing,
-                 parallels=args.parallel, keep_logits=not args.free_logits, reserved=args.reserved)
+                 parallels=args.parallel, keep_logits=not args.free_logits, reserved=args.reserved,
+                 expandable_segments=args.expandable_segments)
     except ParameterError as e:
         ap.error(str(e))
     print(json.dumps(plan_json(p), indent=1) if args.json else format_plan(p, args.all))

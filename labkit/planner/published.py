@@ -121,15 +121,11 @@ def memory_checks(runs: list[dict]) -> list[Check]:
     peak, the step's allocations replayed through the CUDA caching allocator's rules (labkit.planner.plan.replayed)."""
     from labkit.planner.plan import replayed
     plans = [run_plan(run) for run in runs]
-    alike = {}  # (the model's repr, seq_len) -> (model, its runs' combinations): replayed in one call, shared among
-    for (model, c), run in zip(plans, runs):  # the plan's workers
-        alike.setdefault((repr(model), run["plan"]["seq_len"]), (model, []))[1].append(c)
-    figures = {(key, c): figure for key, (model, combs) in alike.items()
-               for c, figure in zip(combs, replayed(model, combs, key[1]))}
-    out = []
-    for run, (model, c) in zip(runs, plans):
+    figures = replayed([(model, c, run["plan"]["seq_len"]) for (model, c), run in zip(plans, runs)])  # (one call:
+    out = []  # every run's step shared among the plan's workers)
+    for run, (model, c), (peak, reserved, _, reserved_expandable) in zip(runs, plans, figures):
         a = run["plan"]
-        peak, reserved, _ = figures[(repr(model), a["seq_len"]), c]
+        expandable = a.get("expandable_segments", False)  # the run's allocator setting
         basis = (f"the plan's step for {c.ranks} × {c.parallel}, micro-batch {c.micro_batch} × {c.accum_steps}, "
                  f"{a['attention']} attention, {c.checkpointing} checkpointing, {c.precision}, {c.adam_impl} Adam, "
                  f"logits {'held through' if c.keep_logits else 'freed before'} backward, every block on fake tensors")
@@ -137,11 +133,14 @@ def memory_checks(runs: list[dict]) -> list[Check]:
             if key in run["memory"]:
                 out.append(Check(run["id"], figure, _range(run["memory"][key]), peak / GiB, basis))
         if "peak_reserved_gib" in run["memory"]:
-            out.append(Check(run["id"], "peak reserved", _range(run["memory"]["peak_reserved_gib"]), reserved / GiB,
-                             basis + "; its allocations replayed through the CUDA caching allocator's default rules "
-                             "(labkit.planner.allocator: segments, best fit, splits; each of FSDP2's streams a pool "
-                             f"of its own; FSDP2 as torch {torch.__version__.split('+')[0]} runs it, the run's was March "
-                             "2024's)"))
+            out.append(Check(run["id"], "peak reserved", _range(run["memory"]["peak_reserved_gib"]),
+                             (reserved_expandable if expandable else reserved) / GiB,
+                             basis + "; its allocations replayed through the CUDA caching allocator's "
+                             + ("rules with expandable_segments:True, as the run's launcher set (labkit.planner."
+                                "allocator: one segment per pool and stream, growing by 2 MiB / 20 MiB pages; best fit, "
+                                "splits" if expandable else "default rules (labkit.planner.allocator: segments, best "
+                                "fit, splits") + "; each of FSDP2's streams a pool of its own; FSDP2 as torch "
+                             f"{torch.__version__.split('+')[0]} runs it, the run's {a['torch']})"))
     return out
 
 
