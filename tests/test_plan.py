@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from labkit import gpus
+from labkit import estimate, gpus
 from labkit.estimate import SHARED_DIR_ENV, estimate_training_memory, example_batch
 from labkit.example import running_example
 from labkit.gpus import GPUS, DeviceProfile
@@ -511,6 +511,21 @@ def test_the_deep_estimate_from_shallow_runs_is_the_full_depth_estimate(monkeypa
         assert fast.states["other"] - full.states["other"] == 4  # the planner's step keeps its loss sum: one fp32
     with pytest.raises(ValueError, match="zero_stage"):
         P.deep_estimate(cfg, 1, 64, 1, 3)
+    # many at once (chapter 07's table): the same estimates, two models' fake steps shared with a worker process
+    other = dataclasses.replace(cfg, n_embd=32)
+    requests = [(cfg, 1, 64, 4, 0), (cfg, 1, 64, 16, 3), (other, 1, 64, 8, 3), (other, 1, 64, 1, None)]
+    one_by_one = [P.deep_estimate(*r) for r in requests]
+    monkeypatch.setattr(P, "_PLANNED", {})  # (nothing remembered: the worker and this process run them)
+    monkeypatch.setattr(estimate, "_REMEMBERED", {})
+    monkeypatch.setattr(P, "MIN_GROUPS_PER_WORKER", 1)
+    started = []
+    real = P.ChildProcesses.start_forked
+    monkeypatch.setattr(P.ChildProcesses, "start_forked", lambda self, *a, **k: started.append(a) or real(self, *a, **k))
+    shared = P.deep_estimates(requests, workers=2)
+    assert len(started) == 1 and [(e.peak_bytes, e.split, e.states) for e in shared] == \
+        [(e.peak_bytes, e.split, e.states) for e in one_by_one]
+    with pytest.raises(ValueError, match="zero_stage"):  # every request checked before any work
+        P.deep_estimates([(cfg, 1, 64, 4, 0), (cfg, 1, 64, 1, 3)])
 
 
 def test_each_adam_implementation_matches_the_meter():

@@ -13,14 +13,16 @@ pass the device's memory (then every wholly free segment is released and the req
 With `expandable_segments=True` (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, torchtitan's launcher's setting) it
 follows that option's rules instead (the same file, Note [Expandable Segments]): each pool of each stream is one segment
 of virtual addresses that grows by mapping pages, 2 MiB in the small pool and 20 MiB in the large one; a request no
-free block holds maps the pages it lacks at the segment's unmapped end (a free block just before that end counted in);
-any remainder of at least 512 B is split off in both pools; the best fit skips a block whose size would grow by the
-unmapped pages after it while the next larger block's would not (get_free_block); a freed block merges with its free
-mapped neighbours, and nothing is unmapped until the cache is released (then the whole pages inside free blocks). The
-reserved bytes are the pages mapped.
+free block holds maps the pages it lacks at the lowest unmapped addresses with room (the segment's end, until a release
+unmaps pages inside it; a free block just before them counted in); any remainder of at least 512 B is split off in both
+pools; the best fit moves on from the smallest block that holds the request to the next larger one while that one's
+size plus the unmapped pages just after it is smaller (get_free_block's expandable_size); a freed block merges with
+its free mapped neighbours, and nothing is unmapped until the cache is released (then the whole pages inside free
+blocks). The reserved bytes are the pages mapped.
 
-Not modelled: `max_split_size_mb`, `roundup_power2_divisions`, garbage collection, CUDA graphs' pools, and the frees a
-stream's pending work delays (record_stream): a block is reusable once its tensor dies.
+Not modelled: `max_split_size_mb`, `roundup_power2_divisions`, `large_segment_size_mb`, garbage collection, CUDA
+graphs' pools, an expandable segment's limited addresses (1.125 x the GPU's memory: a new segment past them), and the
+frees a stream's pending work delays (record_stream): a block is reusable once its tensor dies.
 """
 
 from __future__ import annotations

@@ -956,20 +956,36 @@ def deep_estimate(cfg: GPTConfig, batch_size: int, seq_len: int, world_size: int
     (every gradient exists; the step changes no size), and under "other" what else the step holds there (4 bytes
     more than the estimator's after its step: the planner's step keeps its loss sum).
     """
+    step = _deep_step(batch_size, seq_len, world_size, zero_stage)
+    peak, split, _, _, n, _, _, at_opt = _fake_steps(cfg, gpt_spec(cfg), [step], "fast", 1)[step]
+    states = {k: at_opt[k] for k in ("parameters", "gradients", "optimizer_state")}
+    states["other"] = at_opt["activations"]
+    split = dict(split)
+    if world_size > 1 and step.shard is None:
+        peak, split, states = data_parallel_rank(peak, split, states, world_size, zero_stage)
+    return MemoryEstimate(peak, split, n, batch_size, seq_len, world_size, zero_stage if world_size > 1 else None,
+                          states)
+
+
+def deep_estimates(requests: list, workers: int | None = None) -> list:
+    """Return [deep_estimate(*request)] for each request (cfg, batch_size, seq_len, world_size, zero_stage), their
+    fake steps shared among `workers` processes (None: plan_workers())."""
+    jobs = {}  # the model's repr -> (its GPTConfig, its spec, its steps)
+    for cfg, *args in requests:
+        jobs.setdefault(repr(cfg), (cfg, gpt_spec(cfg), []))[2].append(_deep_step(*args))  # (each checked first)
+    _fake_steps_of([(cfg, spec, list(dict.fromkeys(steps))) for cfg, spec, steps in jobs.values()], "fast",
+                   plan_workers() if workers is None else workers)  # (remembered: deep_estimate takes them from there)
+    return [deep_estimate(*request) for request in requests]
+
+
+def _deep_step(batch_size: int, seq_len: int, world_size: int, zero_stage: int | None) -> Step:
+    """Return deep_estimate's fake step, its arguments checked."""
     check_int("world_size", world_size, 1)
     if zero_stage is not None:
         check_int("zero_stage", zero_stage, 0, 3)
         if world_size == 1:
             raise ValueError("zero_stage needs world_size > 1: one process has nothing to shard")
-    shard = (world_size, zero_stage == 3) if zero_stage in (2, 3) else None
-    peak, split, _, _, n, _, _, at_opt = _extrapolated(gpt_spec(cfg), Step(batch_size, 1, seq_len, shard=shard))
-    states = {k: at_opt[k] for k in ("parameters", "gradients", "optimizer_state")}
-    states["other"] = at_opt["activations"]
-    split = dict(split)
-    if world_size > 1 and shard is None:
-        peak, split, states = data_parallel_rank(peak, split, states, world_size, zero_stage)
-    return MemoryEstimate(peak, split, n, batch_size, seq_len, world_size, zero_stage if world_size > 1 else None,
-                          states)
+    return Step(batch_size, 1, seq_len, shard=(world_size, zero_stage == 3) if zero_stage in (2, 3) else None)
 
 
 def plan_workers() -> int:

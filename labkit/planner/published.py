@@ -136,9 +136,9 @@ def memory_checks(runs: list[dict]) -> list[Check]:
             out.append(Check(run["id"], "peak reserved", _range(run["memory"]["peak_reserved_gib"]),
                              (reserved_expandable if expandable else reserved) / GiB,
                              basis + "; its allocations replayed through the CUDA caching allocator's "
-                             + ("rules with expandable_segments:True, as the run's launcher set (labkit.planner."
-                                "allocator: one segment per pool and stream, growing by 2 MiB / 20 MiB pages; best fit, "
-                                "splits" if expandable else "default rules (labkit.planner.allocator: segments, best "
+                             + ("rules with expandable_segments:True, which the run's launcher sets (assumed: the "
+                                "run does not say how it was launched; labkit.planner.allocator: one segment per pool "
+                                "and stream, growing by 2 MiB / 20 MiB pages; best fit, splits" if expandable else "default rules (labkit.planner.allocator: segments, best "
                                 "fit, splits") + "; each of FSDP2's streams a pool of its own; FSDP2 as torch "
                              f"{torch.__version__.split('+')[0]} runs it, the run's {a['torch']})"))
     return out
