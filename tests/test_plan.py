@@ -348,6 +348,7 @@ def test_gpu_table_is_complete():
 
 def test_command_prints_the_table_and_json(monkeypatch, capsys):
     monkeypatch.setitem(P.PRESETS, "tiny", dataclasses.replace(SMALL, n_layer=1))
+    monkeypatch.setenv(P.PLAN_WORKERS_ENV, "1")  # (a worker process would not know this test's preset)
     assert P.main(["--model", "tiny", "--gpu", "h100", "--gpus", "1", "--seq-len", "16", "--batch", "2"]) == 0
     text = capsys.readouterr().out
     assert "fastest that fits: ranks" in text and "left out:" in text
