@@ -20,6 +20,17 @@ import time
 import uuid
 
 PARENT_ENV = "LABKIT_PARENT_PID"  # the starting process's pid: a child that calls die_with_parent dies with it
+# `python -c` of a `python -m module ...` that start() runs: the death signal armed (Linux) before the module's imports
+# (its package's __init__ imports torch: seconds, and more than 10 s on a loaded 2-core machine), then the module
+ARMED_MODULE = """\
+import ctypes, os, runpy, signal, sys
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != int(os.environ["LABKIT_PARENT_PID"]):
+    os._exit(1)  # the parent died before the signal was armed
+sys.argv = sys.argv[1:]  # [module, args...]: run_module puts the module's path first, as -m does
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
 
 
 def die_with_parent() -> None:
@@ -64,7 +75,8 @@ class ChildProcesses:
 
     def start(self, argv: list[str], env: dict | None = None, log_path=None, preload: tuple | None = None):
         """Start one child (stdout and stderr to `log_path`, else discarded); return its Popen (with `preload`: its
-        Forked, which behaves as one).
+        Forked, which behaves as one). A child `python -m module ...` dies with this process from its first line, before
+        the module's imports (ARMED_MODULE; elsewhere than Linux, once it calls die_with_parent).
 
         preload: argv must be this Python's `-m module ...`; the child is forked from the fork server that imported
         torch and the modules `preload` names (start_forked), and runs the module as `python -m` would, without the
@@ -79,6 +91,8 @@ class ChildProcesses:
             return self.start_forked(run_module, (argv[2], argv[3:]), env=full_env,
                                      stdout_path=os.devnull if log_path is None else log_path, preload=preload)
         full_env[PARENT_ENV] = str(os.getpid())
+        if argv[:2] == [sys.executable, "-m"] and len(argv) >= 3:
+            argv = [sys.executable, "-c", ARMED_MODULE, *argv[2:]]
         with open(log_path, "w") if log_path is not None else contextlib.nullcontext(subprocess.DEVNULL) as out:
             proc = subprocess.Popen(argv, env=full_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.procs.append(proc)

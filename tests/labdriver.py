@@ -30,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("LABKIT_CHROMIUM", "/usr/bin/chromium")
 SHOTS = ROOT / "build" / "browser"
 RUN_ALL_TIMEOUT_S = 600
-LIMIT_S = RUN_ALL_TIMEOUT_S + 240  # past this the watchdog kills the browser: no call waits for ever
+PAGE_S = 120  # the page's load, then the kernel's start, each waited for up to this (slow on a loaded machine, not lost)
+PANEL_RUN_S = 180  # one press of a panel's Run, waited for up to this
+SAVE_S = 60  # the save, and the slack of the waits' polling
 # the key pressed on the panel's first slider: a value that changes the plot and stays cheap to run
 KEYS = {"06_model_and_tensor_parallel": ["ArrowRight"],  # twice the batch
         "06b_pipeline_parallel": ["ArrowRight"],  # 3 ranks
@@ -160,6 +162,15 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def watchdog_limit_s(timeout_s: float, panel: bool) -> float:
+    """Return the seconds after which run_chapter's watchdog kills the browser: the sum of what its waits allow.
+
+    Each wait has its own limit and its own message; the watchdog only stops a call that has none (it once fired
+    at 540 s while every wait was still within its limit: a slow run on a loaded 2-core machine, failed for nothing).
+    """
+    return 60 + 2 * PAGE_S + timeout_s + (2 * PANEL_RUN_S if panel else 0) + SAVE_S
+
+
 def watchdog(proc: subprocess.Popen, limit_s: float) -> tuple[threading.Timer, threading.Event]:
     """Start a timer that kills `proc`'s group after `limit_s`; return it and the event it sets when it does."""
     expired = threading.Event()
@@ -208,7 +219,8 @@ def run_all(page, stop_on_error: bool = True, timeout_s: float = RUN_ALL_TIMEOUT
     """Run every cell of the open notebook; return its state (errors, cells not run) once the kernel is idle."""
     page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
                            " && window.jupyterapp.shell.currentWidget.sessionContext", timeout=60_000)
-    page.wait_for_function("() => window.jupyterapp.shell.currentWidget.sessionContext.isReady", timeout=120_000)
+    page.wait_for_function("() => window.jupyterapp.shell.currentWidget.sessionContext.isReady",
+                           timeout=PAGE_S * 1000)
     # started, not awaited: the command's promise settles only when every cell has run
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); return true; }")
     deadline = time.monotonic() + timeout_s
@@ -231,7 +243,7 @@ def press_run(panel, output) -> tuple[str, str]:
     button = panel.locator("button:has-text('Run')").first
     button.click()
     status = panel.locator(".widget-hbox .widget-html").first
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + PANEL_RUN_S
     last = None
     while time.monotonic() < deadline:
         time.sleep(0.5)
@@ -240,7 +252,7 @@ def press_run(panel, output) -> tuple[str, str]:
         if settled and not button.is_disabled() and html != before and html == last:
             return text, html
         last = html
-    raise AssertionError(f"the panel's Run did not change its output within 180 s (status {status.inner_text()!r})")
+    raise AssertionError(f"the panel's Run did not change its output within {PANEL_RUN_S} s (status {status.inner_text()!r})")
 
 
 PANEL_CELL = """\
@@ -452,17 +464,26 @@ class Lab:
         env_file = kernel_env_file(self.base / "kernel-env", folder)
         env_file.write_text(json.dumps(self.kernel_env(checks)))
         relative = (Path(folder) / f"{stem}.ipynb").resolve().relative_to(Path(self.root).resolve()).as_posix()
-        timer, expired = watchdog(proc, min(LIMIT_S, timeout_s + 240))
+        limit_s = watchdog_limit_s(timeout_s, panel)
+        timer, expired = watchdog(proc, limit_s)
+        phases, watched = [], time.perf_counter()  # (what, seconds): what the message says if the watchdog fires
+
+        def done(what: str) -> None:
+            phases.append((what, time.perf_counter() - watched - sum(s for _, s in phases)))
+
         try:
             start_session(url, token, relative)  # the kernel starts while the page loads
             with self.chromium() as b:
                 context = b.new_context(viewport={"width": 1400, "height": 1000})
                 try:
                     page = context.new_page()
-                    page.goto(f"{url}/lab/tree/{relative}?token={token}&reset", timeout=120_000)  # loaded: slow, not lost
+                    page.goto(f"{url}/lab/tree/{relative}?token={token}&reset", timeout=PAGE_S * 1000)
+                    done("page loaded")
                     run_all(page, stop_on_error=False, timeout_s=timeout_s)  # the saved notebook tells what ran
+                    done("Run All")
                     if panel:
                         exercise_panel(page, stem)
+                        done("the panel run twice")
                     page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
                 finally:
                     try:
@@ -471,7 +492,9 @@ class Lab:
                         pass  # the browser is gone (watchdog)
         except Exception as e:
             if expired.is_set():
-                raise AssertionError(f"{stem} still ran after the watchdog's limit: it killed the browser") from e
+                took = ", ".join(f"{what} after {s:.0f} s" for what, s in phases) or "nothing finished"
+                raise AssertionError(f"{stem} still ran after the watchdog's limit of {limit_s:.0f} s: it killed the "
+                                     f"browser ({took})") from e
             raise
         finally:
             timer.cancel()

@@ -103,3 +103,27 @@ def test_a_python_module_started_with_preload_is_forked_and_exits_as_python_m_wo
     assert "kind: Experiment" in (tmp_path / "katib.log").read_text()
     with pytest.raises(ValueError, match="-m module"):
         children.ChildProcesses().start(["echo", "hi"], preload=())
+
+
+
+@linux_only
+def test_a_python_module_dies_with_its_parent_while_its_imports_still_run(tmp_path):
+    """The death signal is armed before `python -m`'s imports (labkit's pull torch in: seconds on a loaded machine)."""
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(600)  # an import that does not end\n")
+    parent = ("import os, sys, time\nfrom labkit.children import ChildProcesses\n"
+              f"env = dict(os.environ, PYTHONPATH={str(tmp_path)!r})\n"
+              "print(ChildProcesses().start([sys.executable, '-m', 'slow_import'], env=env).pid, flush=True)\n"
+              "time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    child = int(p.stdout.readline())
+    time.sleep(1.0)  # (Python's start-up: the child then sleeps inside the module's import)
+    assert children.process_alive(child)
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 60  # a signal, not a poll: at once, unless the machine is very loaded
+    while time.monotonic() < deadline and children.process_alive(child):
+        time.sleep(0.1)
+    outlived = children.process_alive(child)
+    if outlived:
+        os.kill(child, 9)
+    assert not outlived, "the child outlived its parent: no death signal before its imports"

@@ -21,7 +21,7 @@ import sys
 def _worker(args) -> int:
     from labkit.children import die_with_parent
 
-    die_with_parent()  # started by a notebook cell: never outlive it, even while importing torch (seconds when loaded)
+    die_with_parent()  # started by a notebook cell: never outlive it (ChildProcesses.start armed it first on Linux)
     import optuna
     import torch
 
