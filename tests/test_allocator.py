@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from labkit import estimate
+from labkit.gpus import device_profile
 from labkit.meter import MemoryMeter
 from labkit.models import GPTConfig
 from labkit.planner import overheads
@@ -268,15 +269,13 @@ def test_a_plan_replays_its_front_rows_at_full_depth():
         assert P.replayed([(SMALL, r.combination, 24)], workers=1)[0][:2] == (r.peak_bytes, r.reserved_bytes)
     table = P.format_plan(p)
     assert "reserved" in table.splitlines()[3] and "reserved: the caching allocator's reserved peak" in table
-    assert "reserved above the budget" not in table  # (kilobytes on an 80 GiB GPU)
-    tight = dataclasses.replace(p, budget_bytes=min(r.reserved_bytes for r in replayed) - 1)  # the same rows, less room
-    assert "reserved above the budget: row" in P.format_plan(tight)
     for r in replayed:  # what nvidia-smi would show: the replay's reserve, the CUDA context and NCCL's buffers
         outside = overheads.non_tensor_bytes("a100-80gb", r.combination.ranks, r.combination.parallel)
         assert r.used_bytes == (r.reserved_bytes + outside.total[0], r.reserved_bytes + outside.total[1])
-    assert "used (what nvidia-smi would show) = reserved + " in table and "used may exceed" not in table
-    small = dataclasses.replace(p, memory_bytes=max(r.used_bytes[1] for r in replayed) - 1)
-    assert "used may exceed the GPU's memory: row" in P.format_plan(small)
+        assert r.fits and r.fits_by == "replay"
+    assert {r.fits_by for r in p.rows if id(r) not in map(id, replayed)} <= {"tensors", "reserve"}
+    assert "used (what nvidia-smi would show) = reserved + " in table
+    assert "the replay refused no row whose tensors fit" in table
     assert "reserved" not in P.format_plan(P.plan(SMALL, "a100-80gb", 1, 24, 4, precisions=("bf16",),
                                                   checkpointing=("none",), offload=(False,), workers=1)).splitlines()[3]
     # the same plan under expandable segments' rules: each front row's reserved peak is that replay's (no step more)
@@ -289,6 +288,27 @@ def test_a_plan_replays_its_front_rows_at_full_depth():
     assert "rules with expandable_segments:True" not in table
     with pytest.raises(ParameterError, match="expandable_segments: the rules of a reserved peak"):
         P.plan(SMALL, "a100-80gb", 1, 24, 4, expandable_segments=True)
+
+
+def test_a_reserved_plans_verdict_is_the_replay_and_a_refused_row_leaves_the_front():
+    kwargs = dict(precisions=("bf16", P.MIXED_POLICY), checkpointing=("none", "full"), offload=(False,),
+                  optimizers=("device",), parallels=("single", "fsdp2-reshard"), reserved=True, workers=1)
+    roomy = P.plan(SMALL, "a100-80gb", 2, 24, 4, **kwargs)
+    best = roomy.fastest
+    assert best.fits_by == "replay" and best.reserved_bytes > best.peak_bytes  # (whole segments: room to refuse it)
+    # a GPU with one byte less than that row would show used: its tensors fit, its replay does not
+    tight = dataclasses.replace(device_profile("a100-80gb"), memory_bytes=best.used_bytes[1] - 1)
+    p = P.plan(SMALL, tight, 2, 24, 4, **kwargs)
+    again = next(r for r in p.rows if r.combination == best.combination)
+    assert best.peak_bytes + (best.used_bytes[1] - best.reserved_bytes) <= tight.memory_bytes  # its tensors fit ...
+    assert (again.fits, again.fits_by, again.reserved_bytes) == (False, "replay", best.reserved_bytes)  # ... not it
+    assert p.fastest is not None and p.fastest.combination != best.combination
+    assert all(r.fits_by in ("replay", "reserve") for r in p.pareto)  # every row of the new front was replayed
+    assert all(r.used_bytes[1] <= tight.memory_bytes for r in p.pareto if r.fits_by == "replay")
+    table = P.format_plan(p)
+    assert "whose tensors fit did not fit once replayed and left the front" in table, table
+    refused = [r for r in p.rows if r.fits_by == "replay" and not r.fits]
+    assert f"(the fastest of them: {P._brief(min(refused, key=lambda r: r.step_s).combination)})" in table
 
 
 RANDOM_EVENTS = """

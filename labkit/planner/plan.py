@@ -233,6 +233,17 @@ class Step:
     #                            the fake CPU step: a GPU's plan) or "cpu" (a plan of this CPU, checked against its meter)
 
 
+FITS_BY = {  # a row's verdict, by what it compared (plan(reserved=True) judges every row it can replay by the replay)
+    "reserve": "its peak is within the GPU's memory less the plan's reserve",
+    "replay": "its replayed reserved peak plus the CUDA context and NCCL's buffers (their high end) is within the "
+              "GPU's memory",
+    "replayed reserve": "its replayed reserved peak is within the GPU's memory less the plan's reserve (NCCL's "
+                        "buffers not modelled)",
+    "tensors": "not replayed (not on the front), its peak plus the CUDA context and NCCL's buffers is within the "
+               "GPU's memory: a replay could still refuse it",
+}
+
+
 @dataclass
 class Row:
     """A combination's prediction: per-device peak and its split, verdict, roofline step time."""
@@ -252,6 +263,7 @@ class Row:
     #   allocations replayed by labkit.planner.allocator (plan(reserved=True), Pareto-front rows; None: not computed)
     used_bytes: tuple | None = None  # (low, high) of what the GPU would show used (nvidia-smi): reserved_bytes plus
     #   the CUDA context and NCCL's buffers (labkit.planner.overheads; None: no reserved peak, or past one server)
+    fits_by: str = "reserve"  # what `fits` compares: of FITS_BY
 
     @property
     def overlapped_s(self) -> float:
@@ -714,7 +726,9 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     parallels: the ways of running on the GPUs to plan (keys of COMM_UNITS; the others' fake steps are not run);
     micro_batches: the rows per micro-batch to plan (None: every one dividing a GPU's share of the batch); reserved:
     each Pareto-front row's `reserved_bytes`, from one more fake step at full depth (single-device and FSDP2 rows with
-    Adam on the device and at most two micro-batches: there the fake step allocates all the row does);
+    Adam on the device and at most two micro-batches: there the fake step allocates all the row does), and its verdict
+    from it: the replayed reserve plus the CUDA context and NCCL's buffers within the GPU's memory (FITS_BY; a row
+    that does not fit leaves the front and the rows that join it are replayed in turn);
     expandable_segments: that reserved peak under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True's rules (torchtitan's
     launcher sets it), else the allocator's default rules.
     """
@@ -752,14 +766,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
         left_out["zero1 with foreach Adam"] = ("ZeroRedundancyOptimizer's update lists 1/N of the parameters, not "
                                                "the whole list a foreach update allocates here: not modelled")
     replayable = _add_rows(out, ask, fake, flat_ranks, row_bytes)
-    front = [r for r in out.pareto if id(r) in replayable] if reserved else []
-    replays = _fake_steps(model, spec, list(dict.fromkeys(replayable[id(r)] for r in front)), REPLAY,
-                          workers) if front else {}
-    for r in front:
-        r.reserved_bytes = replays[replayable[id(r)]][3 if expandable_segments else 1]
-        outside = non_tensor_bytes(ask.device.name, r.combination.ranks, r.combination.parallel,
-                                   ask.device.gpus_per_node)
-        r.used_bytes = None if outside is None else tuple(r.reserved_bytes + b for b in outside.total)
+    if reserved:
+        _judged_by_replay(out, ask, model, replayable, workers, expandable_segments)
     out.elapsed_s = time.perf_counter() - t0
     return out
 
@@ -907,6 +915,29 @@ def _add_rows(out: Plan, ask: _Asked, fake: dict, flat_ranks: list, row_bytes: i
                     if rows == mb * n_micro and not buckets and where == "device":  # the fake step: the row's step
                         replayable[id(out.rows[-1])] = st  # (fp16: bf16's, GradScaler's 16 bytes not replayed)
     return replayable
+
+
+def _judged_by_replay(out: Plan, ask: _Asked, model, replayable: dict, workers: int, expandable: bool) -> None:
+    """Judge every row that can be replayed by its replay instead of the plan's flat reserve (FITS_BY): the front's
+    rows are replayed; one that does not fit leaves it, and the rows that then join it are replayed, until every row of
+    the front was replayed or cannot be (those keep the reserve). A row not replayed keeps a necessary condition."""
+    outside = {}
+    for r in out.rows:
+        if id(r) in replayable:
+            outside[id(r)] = o = non_tensor_bytes(ask.device.name, r.combination.ranks, r.combination.parallel,
+                                                  ask.device.gpus_per_node)
+            if o is not None:  # a candidate while its tensors leave room for what they do not show
+                r.fits, r.fits_by = r.peak_bytes + o.total[1] <= out.memory_bytes, "tensors"
+    while front := [r for r in out.pareto if id(r) in replayable and r.reserved_bytes is None]:
+        replays = _fake_steps(model, ask.spec, list(dict.fromkeys(replayable[id(r)] for r in front)), REPLAY, workers)
+        for r in front:
+            r.reserved_bytes = replays[replayable[id(r)]][3 if expandable else 1]
+            o = outside[id(r)]
+            if o is None:
+                r.fits, r.fits_by = r.reserved_bytes <= out.budget_bytes, "replayed reserve"
+            else:
+                r.used_bytes = tuple(r.reserved_bytes + b for b in o.total)
+                r.fits, r.fits_by = r.used_bytes[1] <= out.memory_bytes, "replay"
 
 
 def combination_fake_step(comb: Combination, seq_len: int, autocast_of: str = "cuda") -> Step:
@@ -1183,7 +1214,7 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
                      f"{c.checkpointing:>9} {c.precision:>{width}} {'on' if c.offload else 'off':>4} {c.optimizer:>6} "
                      f"{c.adam_impl:>8} {format_bytes(r.peak_bytes):>10} "
                      + (f"{'—' if r.reserved_bytes is None else format_bytes(r.reserved_bytes):>10} "
-                        if with_reserved else "") + f"{'yes' if r.fits else 'no':>4} {r.step_s * 1e3:>10,.2f} "
+                        if with_reserved else "") + f"{_fits_mark(r):>4} {r.step_s * 1e3:>10,.2f} "
                      f"{r.comm_s * 1e3:>10,.2f} {r.host_s * 1e3:>10,.2f} {r.tokens_per_s:>10,.0f}")
     best = p.fastest
     lines += ["", "fastest that fits: " + ("none" if best is None else ", ".join(
@@ -1225,16 +1256,25 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
                          f"row{'s' * (len(rows) > 1)} {', '.join(map(str, rows))}: + {format_bytes(extra[0])} to "
                          f"{format_bytes(extra[1])}" for extra, rows in by_extra.items())
                      + f"; the profile's memory: {format_bytes(p.memory_bytes)}")
-    above = [i for i, r in used if r.used_bytes is not None and r.used_bytes[1] > p.memory_bytes]
-    if above:
-        lines.append(f"used may exceed the GPU's memory: row{'s' * (len(above) > 1)} {', '.join(map(str, above))} "
-                     "of the front at the high end of the range")
-    over = [front[id(r)] for r in p.pareto if r.reserved_bytes is not None and r.reserved_bytes > p.budget_bytes]
-    if over:  # (the verdict reads the peak of the tensors; these rows' replay reserves more than the budget)
-        lines.append(f"reserved above the budget: row{'s' * (len(over) > 1)} {', '.join(map(str, over))} of the front "
-                     "fit by their tensors, but the replay's allocator reserves more than the budget: on the GPU it "
-                     "would release its cache and retry (slower), or run out of memory; not a verified fit")
+    if with_reserved:
+        refused = [r for r in p.rows if r.fits_by in ("replay", "replayed reserve") and not r.fits]
+        lines.append(f"fits: a row with a reserved figure fits when {FITS_BY['replay']} (where NCCL's buffers are "
+                     f"not modelled, when {FITS_BY['replayed reserve'].split(' (')[0]}); a row with —, when "
+                     f"{FITS_BY['reserve']}; yes*: {FITS_BY['tensors']}"
+            + (f"; {len(refused)} row{'s' * (len(refused) > 1)} whose tensors fit did not fit once replayed and left the "
+               f"front (the fastest of them: {_brief(min(refused, key=lambda r: r.step_s).combination)})"
+               if refused else "; the replay refused no row whose tensors fit"))
     return "\n".join(lines)
+
+
+def _fits_mark(r: Row) -> str:
+    """Return a row's fits column: yes or no (yes*: by its tensors only, not replayed: FITS_BY["tensors"])."""
+    return "no" if not r.fits else "yes*" if r.fits_by == "tensors" else "yes"
+
+
+def _brief(c: Combination) -> str:
+    """Return a combination in a few words: ranks, parallel, micro-batch x steps, checkpointing, precision."""
+    return f"{c.ranks} × {c.parallel}, micro {c.micro_batch} × {c.accum_steps}, {c.checkpointing}, {c.precision}"
 
 
 def plan_json(p: Plan) -> dict:
@@ -1284,7 +1324,8 @@ def main(argv=None) -> int:
                     help="each Pareto-front row's reserved peak: its step at full depth on fake tensors, the "
                          "allocations replayed through the CUDA caching allocator's default rules (one fake step more "
                          "each), and what the GPU would show used: that reserve plus the CUDA context and NCCL's "
-                         "buffers, ranges from published figures")
+                         "buffers, ranges from published figures; the verdict of the rows replayed (a front row that "
+                         "does not fit leaves the front, and the rows that join it are replayed in turn)")
     ap.add_argument("--expandable-segments", action="store_true",
                     help="with --reserved: replay under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True's rules "
                          "(torchtitan's launcher's setting: segments grow by 2 MiB / 20 MiB pages) instead of the "
