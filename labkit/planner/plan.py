@@ -233,14 +233,16 @@ class Step:
     #                            the fake CPU step: a GPU's plan) or "cpu" (a plan of this CPU, checked against its meter)
 
 
+REPLAY_MARGIN = 0.10  # a replayed reserved peak is trusted within this share: the error chapter 09's validation
+#   allows it against published runs (published.TARGETS), and the margin a reserved plan's verdict keeps
 FITS_BY = {  # a row's verdict, by what it compared (plan(reserved=True) judges every row it can replay by the replay)
-    "reserve": "its peak is within the GPU's memory less the plan's reserve",
-    "replay": "its replayed reserved peak plus the CUDA context and NCCL's buffers (their high end) is within the "
-              "GPU's memory",
-    "replayed reserve": "its replayed reserved peak is within the GPU's memory less the plan's reserve (NCCL's "
-                        "buffers not modelled)",
-    "tensors": "not replayed (not on the front), its peak plus the CUDA context and NCCL's buffers is within the "
-               "GPU's memory: a replay could still refuse it",
+    "reserve": "peak ≤ the GPU's memory less the plan's reserve",
+    "replay": f"reserved × {1 + REPLAY_MARGIN:g} (the replay's margin) + the CUDA context + NCCL's buffers (the high "
+              "end of their range) ≤ the GPU's memory",
+    "replayed reserve": f"reserved × {1 + REPLAY_MARGIN:g} ≤ the GPU's memory less the plan's reserve (NCCL's buffers "
+                        "not modelled: past one server or between PCIe GPUs)",
+    "tensors": "not replayed (off the front): peak + the CUDA context + NCCL's buffers (high end) ≤ the GPU's memory, "
+               "needed, not enough: a replay may still refuse it",
 }
 
 
@@ -251,7 +253,7 @@ class Row:
     combination: Combination
     peak_bytes: int  # per-device peak (fake-tensor step, plus exact arithmetic)
     split: dict  # bytes at the peak by category
-    fits: bool  # peak_bytes <= the plan's budget_bytes
+    fits: bool  # the verdict, by fits_by's rule (FITS_BY; without reserved: peak_bytes <= the plan's budget_bytes)
     flops: int  # FLOPs per optimizer step per device, recomputation included
     compute_s: float  # roofline on the device: max(FLOPs / peak FLOP/s, bytes accessed / memory bandwidth)
     comm_s: float  # communicated bytes / the ring's bandwidth (device-to-device in a server, the network beyond)
@@ -260,7 +262,8 @@ class Row:
     bytes_accessed: int = 0  # bytes the step's operators read and write (each once: no fusion), optimizer included
     host_s: float = 0.0  # host link transfers (offload; with Adam on the host its traffic and its step)
     reserved_bytes: int | None = None  # the CUDA caching allocator's reserved peak: the full-depth fake step's
-    #   allocations replayed by labkit.planner.allocator (plan(reserved=True), Pareto-front rows; None: not computed)
+    #   allocations replayed by labkit.planner.allocator (plan(reserved=True): the rows on the front, and those the
+    #   replay refused a place on it; None: not computed)
     used_bytes: tuple | None = None  # (low, high) of what the GPU would show used (nvidia-smi): reserved_bytes plus
     #   the CUDA context and NCCL's buffers (labkit.planner.overheads; None: no reserved peak, or past one server)
     fits_by: str = "reserve"  # what `fits` compares: of FITS_BY
@@ -920,8 +923,12 @@ def _add_rows(out: Plan, ask: _Asked, fake: dict, flat_ranks: list, row_bytes: i
 def _judged_by_replay(out: Plan, ask: _Asked, model, replayable: dict, workers: int, expandable: bool) -> None:
     """Judge every row that can be replayed by its replay instead of the plan's flat reserve (FITS_BY): the front's
     rows are replayed; one that does not fit leaves it, and the rows that then join it are replayed, until every row of
-    the front was replayed or cannot be (those keep the reserve). A row not replayed keeps a necessary condition."""
-    outside = {}
+    the front was replayed or cannot be (those keep the reserve). A row not replayed keeps a necessary condition.
+
+    A row refused here might still run on the GPU: near its memory the allocator releases its cache and retries
+    (slower); the replay, not capped, does not follow that (a replay capped at the GPU's memory would: not done).
+    """
+    outside, replays = {}, {}  # (replays: each step once, whatever the model's key)
     for r in out.rows:
         if id(r) in replayable:
             outside[id(r)] = o = non_tensor_bytes(ask.device.name, r.combination.ranks, r.combination.parallel,
@@ -929,15 +936,16 @@ def _judged_by_replay(out: Plan, ask: _Asked, model, replayable: dict, workers: 
             if o is not None:  # a candidate while its tensors leave room for what they do not show
                 r.fits, r.fits_by = r.peak_bytes + o.total[1] <= out.memory_bytes, "tensors"
     while front := [r for r in out.pareto if id(r) in replayable and r.reserved_bytes is None]:
-        replays = _fake_steps(model, ask.spec, list(dict.fromkeys(replayable[id(r)] for r in front)), REPLAY, workers)
+        todo = [st for st in dict.fromkeys(replayable[id(r)] for r in front) if st not in replays]
+        replays.update(_fake_steps(model, ask.spec, todo, REPLAY, workers) if todo else {})
         for r in front:
             r.reserved_bytes = replays[replayable[id(r)]][3 if expandable else 1]
-            o = outside[id(r)]
+            with_margin, o = math.ceil(r.reserved_bytes * (1 + REPLAY_MARGIN)), outside[id(r)]
             if o is None:
-                r.fits, r.fits_by = r.reserved_bytes <= out.budget_bytes, "replayed reserve"
+                r.fits, r.fits_by = with_margin <= out.budget_bytes, "replayed reserve"
             else:
                 r.used_bytes = tuple(r.reserved_bytes + b for b in o.total)
-                r.fits, r.fits_by = r.used_bytes[1] <= out.memory_bytes, "replay"
+                r.fits, r.fits_by = with_margin + o.total[1] <= out.memory_bytes, "replay"
 
 
 def combination_fake_step(comb: Combination, seq_len: int, autocast_of: str = "cuda") -> Step:
@@ -1193,7 +1201,9 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
     n = p.n_params  # "437,760" below a million, else "124.4 M" or "6.74 B"
     count = f"{n:,}" if n < 10**6 else f"{n / 1e6:.1f} M" if n < 10**9 else f"{n / 1e9:.2f} B"
     head = (f"{p.model} ({count} parameters) on {p.gpus} × {p.device}, seq_len {p.seq_len}, global batch {p.batch}: "
-            f"budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved); "
+            f"budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved"
+            + ("; rows replayed: judged by their replay" if any(r.fits_by != "reserve" for r in p.rows) else "")
+            + "); "
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s"
             + ("; the logits freed before backward" if any(not r.combination.keep_logits for r in p.rows) else ""))
     width = max([4, *(len(r.combination.precision) for r in p.rows)])
@@ -1256,20 +1266,24 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
                          f"row{'s' * (len(rows) > 1)} {', '.join(map(str, rows))}: + {format_bytes(extra[0])} to "
                          f"{format_bytes(extra[1])}" for extra, rows in by_extra.items())
                      + f"; the profile's memory: {format_bytes(p.memory_bytes)}")
-    if with_reserved:
+    if any(r.fits_by != "reserve" for r in p.rows):  # (a reserved plan: its verdicts, rule by rule)
         refused = [r for r in p.rows if r.fits_by in ("replay", "replayed reserve") and not r.fits]
-        lines.append(f"fits: a row with a reserved figure fits when {FITS_BY['replay']} (where NCCL's buffers are "
-                     f"not modelled, when {FITS_BY['replayed reserve'].split(' (')[0]}); a row with —, when "
-                     f"{FITS_BY['reserve']}; yes*: {FITS_BY['tensors']}"
-            + (f"; {len(refused)} row{'s' * (len(refused) > 1)} whose tensors fit did not fit once replayed and left the "
-               f"front (the fastest of them: {_brief(min(refused, key=lambda r: r.step_s).combination)})"
-               if refused else "; the replay refused no row whose tensors fit"))
+        rules = [f"yes/no with a reserved figure: {FITS_BY['replay']} (where NCCL is not modelled: "
+                 f"{FITS_BY['replayed reserve'].split(' (')[0]})", f"yes/no with —: {FITS_BY['reserve']}"]
+        if any(r.fits_by == "tensors" for r in shown):
+            rules.append(f"yes*/no*: {FITS_BY['tensors']}")
+        worst = min(refused, key=lambda r: r.step_s) if refused else None
+        lines.append("fits: " + "; ".join(rules) + (
+            f"; {len(refused)} row{'s' * (len(refused) > 1)} left the front once replayed (the fastest: "
+            f"{_brief(worst.combination)}, {format_bytes(worst.reserved_bytes)} reserved; on the GPU it might still "
+            "run, the allocator releasing its cache and retrying near its memory, slower: not modelled)"
+            if refused else "; no row left the front once replayed"))
     return "\n".join(lines)
 
 
 def _fits_mark(r: Row) -> str:
-    """Return a row's fits column: yes or no (yes*: by its tensors only, not replayed: FITS_BY["tensors"])."""
-    return "no" if not r.fits else "yes*" if r.fits_by == "tensors" else "yes"
+    """Return a row's fits column: yes or no (yes* and no*: by FITS_BY["tensors"], not replayed)."""
+    return ("yes" if r.fits else "no") + ("*" if r.fits_by == "tensors" else "")
 
 
 def _brief(c: Combination) -> str:
@@ -1324,8 +1338,9 @@ def main(argv=None) -> int:
                     help="each Pareto-front row's reserved peak: its step at full depth on fake tensors, the "
                          "allocations replayed through the CUDA caching allocator's default rules (one fake step more "
                          "each), and what the GPU would show used: that reserve plus the CUDA context and NCCL's "
-                         "buffers, ranges from published figures; the verdict of the rows replayed (a front row that "
-                         "does not fit leaves the front, and the rows that join it are replayed in turn)")
+                         "buffers, ranges from published figures; and judges each replayed row by that figure, "
+                         "with a margin (a front row that does not fit leaves the front, and the rows that join it "
+                         "are replayed in turn)")
     ap.add_argument("--expandable-segments", action="store_true",
                     help="with --reserved: replay under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True's rules "
                          "(torchtitan's launcher's setting: segments grow by 2 MiB / 20 MiB pages) instead of the "

@@ -140,8 +140,10 @@ def draw_plan(p):
     verdict = "nothing fits" if c is None else (
         f"fastest: {c.ranks} × {c.parallel}, micro-batch {c.micro_batch} × {c.accum_steps}, {c.checkpointing}, "
         f"{c.precision}")
+    replayed = any(r.fits_by != "reserve" for r in p.rows)  # (a reserved plan: the dashed budget is the other rows')
     ax.set_title(f"{p.model} on {p.gpus} × {p.device}, global batch {p.batch} × {p.seq_len}; budget {budget:.1f} GiB "
-                 f"({p.reserve_fraction:.0%} reserved)\n{verdict}", fontsize=9)
+                 f"({p.reserve_fraction:.0%} reserved{'; rows replayed: judged by their replay' if replayed else ''})"
+                 f"\n{verdict}", fontsize=9)
     handles = [Line2D([], [], marker=mk, color="grey", ls="none", label=k)
                for k, mk in PRECISION_MARKERS.items() if any(r.combination.precision == k for r in p.rows)]
     handles += [Line2D([], [], marker="o", color=col, ls="none", label=f"ckpt {k}")
