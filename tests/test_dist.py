@@ -80,7 +80,8 @@ def _alive(pid: int) -> bool:
 def _assert_none_left(marker, expected: int):
     pids = _pids(marker)
     assert len(pids) == expected, pids
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # (a killed launcher: its fork server ends, then the ranks' death signal; on a
+    #                                    loaded 2-core machine seconds, not a defect: a rank that never ends fails)
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
@@ -125,7 +126,8 @@ def test_a_hung_rank_ends_the_group_at_the_timeout(ranks_script, tmp_path):
     start = time.monotonic()
     with pytest.raises(ld.RankFailure) as info:
         ld.launch(ranks_script, 2, params={"mode": "hang", "marker": marker}, timeout_s=20, echo=False)
-    assert 20 <= time.monotonic() - start < 55  # 20 s: on a loaded 2-core machine both ranks reach the hang
+    assert 20 <= time.monotonic() - start < 120  # ended at the timeout (both ranks reach the hang on a loaded 2-core
+    #                                              machine within it), not left hanging
     assert all("did not finish within timeout_s=20 s" in r.error for r in info.value.results)
     assert str(info.value).splitlines()[0] == "rank 0: did not finish within timeout_s=20 s: stopped"
     assert [r.exitcode for r in info.value.results] == [-signal.SIGTERM] * 2  # from the launcher's public result
