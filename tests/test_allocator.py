@@ -288,6 +288,8 @@ def test_a_plan_replays_its_front_rows_at_full_depth():
     assert "rules with expandable_segments:True" not in table
     with pytest.raises(ParameterError, match="expandable_segments: the rules of a reserved peak"):
         P.plan(SMALL, "a100-80gb", 1, 24, 4, expandable_segments=True)
+    with pytest.raises(ParameterError, match="reserved: the CUDA caching allocator's reserved peak, a GPU's"):
+        P.plan(SMALL, dataclasses.replace(device_profile("t4"), name="cpu"), 1, 24, 4, reserved=True)
 
 
 def test_a_reserved_plans_verdict_is_the_replay_and_a_refused_row_leaves_the_front():

@@ -740,6 +740,9 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     spec, workers = ask.spec, plan_workers() if workers is None else workers
     if expandable_segments and not reserved:
         raise ParameterError("expandable_segments: the rules of a reserved peak; pass reserved=True too")
+    if reserved and ask.device.name == "cpu":
+        raise ParameterError("reserved: the CUDA caching allocator's reserved peak, a GPU's; this plan's device is the "
+                             "CPU (gpu='cpu'): plan a GPU of labkit.gpus.GPUS, or leave reserved off")
     left_out = _left_out(ask)
     t0 = time.perf_counter()
     out = Plan(spec.name, ask.device.name, gpus, seq_len, batch, 0,
