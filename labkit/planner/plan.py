@@ -1270,18 +1270,23 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
                          f"{format_bytes(extra[1])}" for extra, rows in by_extra.items())
                      + f"; the profile's memory: {format_bytes(p.memory_bytes)}")
     if any(r.fits_by != "reserve" for r in p.rows):  # (a reserved plan: its verdicts, rule by rule)
-        refused = [r for r in p.rows if r.fits_by in ("replay", "replayed reserve") and not r.fits]
-        rules = [f"yes/no with a reserved figure: {FITS_BY['replay']} (where NCCL is not modelled: "
-                 f"{FITS_BY['replayed reserve'].split(' (')[0]})", f"yes/no with —: {FITS_BY['reserve']}"]
-        if any(r.fits_by == "tensors" for r in shown):
-            rules.append(f"yes*/no*: {FITS_BY['tensors']}")
-        worst = min(refused, key=lambda r: r.step_s) if refused else None
-        lines.append("fits: " + "; ".join(rules) + (
-            f"; {len(refused)} row{'s' * (len(refused) > 1)} left the front once replayed (the fastest: "
-            f"{_brief(worst.combination)}, {format_bytes(worst.reserved_bytes)} reserved; on the GPU it might still "
-            "run, the allocator releasing its cache and retrying near its memory, slower: not modelled)"
-            if refused else "; no row left the front once replayed"))
+        lines.append(_fits_legend(p, shown))
     return "\n".join(lines)
+
+
+def _fits_legend(p: Plan, shown: list) -> str:
+    """Return a reserved plan's legend of its verdicts: each rule in use (FITS_BY), and the rows its replay refused."""
+    refused = [r for r in p.rows if r.fits_by in ("replay", "replayed reserve") and not r.fits]
+    rules = [f"yes/no with a reserved figure: {FITS_BY['replay']} (where NCCL is not modelled: "
+             f"{FITS_BY['replayed reserve'].split(' (')[0]})", f"yes/no with —: {FITS_BY['reserve']}"]
+    if any(r.fits_by == "tensors" for r in shown):
+        rules.append(f"yes*/no*: {FITS_BY['tensors']}")
+    worst = min(refused, key=lambda r: r.step_s) if refused else None
+    return "fits: " + "; ".join(rules) + (
+        f"; {len(refused)} row{'s' * (len(refused) > 1)} left the front once replayed (the fastest: "
+        f"{_brief(worst.combination)}, {format_bytes(worst.reserved_bytes)} reserved; on the GPU it might still "
+        "run, the allocator releasing its cache and retrying near its memory, slower: not modelled)"
+        if refused else "; no row left the front once replayed")
 
 
 def _fits_mark(r: Row) -> str:
