@@ -315,7 +315,7 @@ def test_a_reserved_plans_verdict_is_the_replay_and_a_refused_row_leaves_the_fro
             assert r.reserved_bytes * (1 + P.REPLAY_MARGIN) + (r.used_bytes[1] - r.reserved_bytes) <= tight.memory_bytes
     table = P.format_plan(p)
     refused = [r for r in p.rows if r.fits_by == "replay" and not r.fits]
-    assert f"left the front once replayed (the fastest: {P._brief(min(refused, key=lambda r: r.step_s).combination)}" \
+    assert f"left the front once replayed (the fastest: {P.combination_words(min(refused, key=lambda r: r.step_s).combination)}" \
         in table, table
     assert "yes*" not in table.split("fits: ")[0]  # (the front: every row replayed, or judged by the reserve)
     everything = P.format_plan(roomy, all_rows=True)  # off the front, not replayed: by their tensors only

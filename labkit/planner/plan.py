@@ -730,8 +730,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     micro_batches: the rows per micro-batch to plan (None: every one dividing a GPU's share of the batch); reserved:
     each Pareto-front row's `reserved_bytes`, from one more fake step at full depth (single-device and FSDP2 rows with
     Adam on the device and at most two micro-batches: there the fake step allocates all the row does), and its verdict
-    from it: the replayed reserve plus the CUDA context and NCCL's buffers within the GPU's memory (FITS_BY; a row
-    that does not fit leaves the front and the rows that join it are replayed in turn);
+    from it: the replayed reserve with REPLAY_MARGIN, plus the CUDA context and NCCL's buffers, within the GPU's
+    memory (FITS_BY; a row that does not fit leaves the front and the rows that join it are replayed in turn);
     expandable_segments: that reserved peak under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True's rules (torchtitan's
     launcher sets it), else the allocator's default rules.
     """
@@ -1284,7 +1284,7 @@ def _fits_legend(p: Plan, shown: list) -> str:
     worst = min(refused, key=lambda r: r.step_s) if refused else None
     return "fits: " + "; ".join(rules) + (
         f"; {len(refused)} row{'s' * (len(refused) > 1)} left the front once replayed (the fastest: "
-        f"{_brief(worst.combination)}, {format_bytes(worst.reserved_bytes)} reserved; on the GPU it might still "
+        f"{combination_words(worst.combination)}, {format_bytes(worst.reserved_bytes)} reserved; on the GPU it might still "
         "run, the allocator releasing its cache and retrying near its memory, slower: not modelled)"
         if refused else "; no row left the front once replayed")
 
@@ -1294,9 +1294,9 @@ def _fits_mark(r: Row) -> str:
     return ("yes" if r.fits else "no") + ("*" if r.fits_by == "tensors" else "")
 
 
-def _brief(c: Combination) -> str:
+def combination_words(c: Combination) -> str:
     """Return a combination in a few words: ranks, parallel, micro-batch x steps, checkpointing, precision."""
-    return f"{c.ranks} × {c.parallel}, micro {c.micro_batch} × {c.accum_steps}, {c.checkpointing}, {c.precision}"
+    return f"{c.ranks} × {c.parallel}, micro-batch {c.micro_batch} × {c.accum_steps}, {c.checkpointing}, {c.precision}"
 
 
 def plan_json(p: Plan) -> dict:

@@ -14,6 +14,7 @@ from matplotlib.ticker import FixedLocator, LogLocator, MaxNLocator, NullFormatt
 
 from labkit import plots
 from labkit.gpus import GiB
+from labkit.planner.plan import combination_words
 
 PRECISION_MARKERS = {"fp32": "o", "bf16": "s", "fp16": "^", "bf16-mp": "D", "bf16-pure": "v"}  # a row's marker
 CKPT_COLORS = {"none": "#505050", "every": "#64b5cd", "sqrt": "#da8bc3", "selective": "#e6b800", "full": "#4c72b0",
@@ -137,9 +138,7 @@ def draw_plan(p):
     ax.set_xlabel("predicted step time (ms): roofline + communication + host transfers")
     ax.set_ylabel("peak per device (GiB)")
     c = None if p.fastest is None else p.fastest.combination
-    verdict = "nothing fits" if c is None else (
-        f"fastest: {c.ranks} × {c.parallel}, micro-batch {c.micro_batch} × {c.accum_steps}, {c.checkpointing}, "
-        f"{c.precision}")
+    verdict = "nothing fits" if c is None else f"fastest: {combination_words(c)}"
     replayed = any(r.fits_by != "reserve" for r in p.rows)  # (a reserved plan: the dashed budget is the other rows')
     ax.set_title(f"{p.model} on {p.gpus} × {p.device}, global batch {p.batch} × {p.seq_len}; budget {budget:.1f} GiB "
                  f"({p.reserve_fraction:.0%} reserved{'; rows replayed: judged by their replay' if replayed else ''})"
