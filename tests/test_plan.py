@@ -128,6 +128,30 @@ def test_fast_depth_equals_a_full_depth_run(cfg, monkeypatch):
             assert fast == P._extrapolated(spec, P.Step(3, 2, 16, checkpointing, precision), "full")
 
 
+def test_one_micro_batch_size_takes_its_own_two_runs_and_the_same_row(monkeypatch):
+    """A plan asking one micro-batch size fits it from two small runs of that size (the line takes six, of 1, 2 and 3
+    rows): the same row as the line's and as a full-depth run's."""
+    monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)  # take the fast path on a small model
+    monkeypatch.setattr(estimate, "_REMEMBERED", {})  # (every fake step of this test run here, counted below)
+    monkeypatch.delenv(SHARED_DIR_ENV, raising=False)
+    monkeypatch.setattr(P, "_FITS", {})
+    monkeypatch.setattr(P, "_PLANNED", {})
+    traced, real = [], P._count_fake_run
+    monkeypatch.setattr(P, "_count_fake_run", lambda spec, step, n_layer, trace, whole, *a: (
+        traced.append(step.micro_batch) if trace and not whole else None) or real(spec, step, n_layer, trace, whole, *a))
+    kw = dict(reserve_fraction=0.0, precisions=("fp32",), checkpointing=("every",), offload=(False,),
+              optimizers=("device",), workers=1)
+    (one,) = P.plan(DEEP, cpu_profile(1 << 40), 1, 16, 8, micro_batches=(4,), **kw).rows
+    assert traced == [4, 4]  # its own size at the two depths
+    P._PLANNED.clear()
+    line = {r.combination.micro_batch: r for r in P.plan(DEEP, cpu_profile(1 << 40), 1, 16, 8, micro_batches=(2, 4),
+                                                          **kw).rows}
+    assert sorted(traced[2:]) == [1, 1, 2, 2, 3, 3] or sorted(traced[2:]) == [1, 1, 2, 2]  # the line's runs
+    assert (one.peak_bytes, one.split, one.step_s) == (line[4].peak_bytes, line[4].split, line[4].step_s)
+    full = P._extrapolated(P.gpt_spec(DEEP), P.Step(4, 2, 16, "every", "fp32"), "full")
+    assert (one.peak_bytes, one.split) == full[:2]
+
+
 @pytest.mark.parametrize("micro_batch", [3, 8])
 def test_rows_are_a_line_through_small_micro_batches(micro_batch, monkeypatch):
     """Peaks at 3 and 8 rows from runs with 1 and 2 (or 2 and 3) rows equal real runs at those rows."""

@@ -84,7 +84,8 @@ REPLAY = "replay"  # _fake_steps' depth for full-depth steps whose allocations a
 FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "full": (2, 3), "selective": (2, 3), "op": (2, 3)}  # blocks of the
 #                                                                                     small runs, one apart
 SHARDED_DEPTHS = (4, 5)  # the same for FSDP2 (its first two and last blocks stand apart)
-FULL_MAX_LAYERS = 12  # depth="fast" runs models up to this many blocks at full depth
+FULL_MAX_LAYERS = 12  # depth="fast" plans sqrt(n) and every FSDP2 rank count up to this many blocks (full-depth
+#                       steps); past it, or wherever the two small runs take fewer blocks, its steps take _fit's runs
 
 
 def _gpt2(n_layer: int, n_embd: int, n_head: int) -> GPTConfig:
@@ -120,7 +121,7 @@ class ModelSpec:
 
     name: str  # shown in the table
     build: Callable  # (n_layer, rows, seq_len) -> (nn.Module, tuple of tensors with `rows` rows)
-    n_layer: int | None  # identical blocks: their number (depth="fast" past FULL_MAX_LAYERS); None: always full depth
+    n_layer: int | None  # identical blocks: their number (depth="fast": small runs, _fast); None: always full depth
     key: str | None  # names the model in the memo of fake runs (estimate.remembered; None: not remembered)
     max_seq_len: int | None = None  # longest sequence the model takes (a learned position table), None: any
     checkpointing: tuple = CHECKPOINTING  # the choices it takes (a transformers model: none, full)
@@ -514,18 +515,21 @@ def _checkpoint(model, checkpointing: str) -> None:
                           selective=checkpointing == "selective", op_level=checkpointing == "op")
 
 
-def _extrapolated(spec: ModelSpec, step: Step, depth: str = "fast"):
+def _extrapolated(spec: ModelSpec, step: Step, depth: str = "fast", one_size: bool = False):
     """Return (peak, split, param bytes, opt bytes, n, work per micro-batch, host peak, bytes by category where the
     optimizer step starts) of `step` at full depth, exact.
 
-    depth="fast" past FULL_MAX_LAYERS blocks: arithmetic over small runs (_fit), else a full-depth run.
+    depth="fast" where _fast says so: arithmetic over small runs (_fit; one_size: the only micro-batch size asked of
+    this fit, so its own runs, not a line's), else a full-depth run.
     """
     full = spec.n_layer
     base = replace(step, adam_impl=ADAM_IMPLS[0])  # what every Adam implementation shares: all but the update
-    if depth != "full" and full is not None and full > FULL_MAX_LAYERS and step.checkpointing in FAST_DEPTHS:
+    if _fast(spec, step, depth):
         fit_key = (spec.key, replace(base, micro_batch=0))  # one fit serves every micro-batch and implementation
-        if fit_key not in _FITS or _FITS[fit_key] is not None and min(step.micro_batch, 2) not in _FITS[fit_key]:
-            _FITS[fit_key] = _fit(spec, base)
+        fits, mb = _FITS.get(fit_key, {}), step.micro_batch
+        if fits is not None and mb not in fits and (mb == 1 or one_size or not {1, 2} <= fits.keys()):
+            more = _fit(spec, base, (mb,) if mb == 1 or one_size else (1, 2, 3))
+            _FITS[fit_key] = None if more is None else {**fits, **more}
         if _FITS[fit_key] is not None:
             rise = _rise(spec, step.shard, step.adam_impl, full, step.precision == PURE_BF16)
             return _at_rows(_FITS[fit_key], step.micro_batch, rise)
@@ -536,6 +540,15 @@ def _extrapolated(spec: ModelSpec, step: Step, depth: str = "fast"):
         peak, split = _with_rise(*states["before_optimizer"], at_opt, _rise(spec, step.shard, step.adam_impl, full, step.precision == PURE_BF16))
     return (peak, split, states["parameters"], states["optimizer_state"], n, work,
             _host_optimizer(*states["before_optimizer"], at_opt), at_opt)
+
+
+def _fast(spec: ModelSpec, step: Step, depth: str) -> bool:
+    """Return whether `step` takes _fit's small runs at depth="fast": past FULL_MAX_LAYERS blocks, or wherever its two
+    small runs take fewer blocks than one full-depth run (the same figures: exact arithmetic, tests/test_plan.py)."""
+    if depth == "full" or spec.n_layer is None or step.checkpointing not in FAST_DEPTHS:
+        return False
+    return spec.n_layer > min(FULL_MAX_LAYERS, sum(FAST_DEPTHS[step.checkpointing] if step.shard is None
+                                                    else SHARDED_DEPTHS))
 
 
 def _with_rise(peak: int, split: dict, at_optimizer: dict, rise: int) -> tuple:
@@ -639,18 +652,18 @@ def _full_depth_events(small, big, n_layer: int, depths, apart: tuple) -> list |
     return out
 
 
-def _fit(spec: ModelSpec, step: Step):
-    """Return full-depth figures of `step` at micro-batches of 1, 2 (and 3) rows from traced runs at FAST_DEPTHS
+def _fit(spec: ModelSpec, step: Step, micro_batches: tuple):
+    """Return {rows: full-depth figures of `step` at micro-batches of that many rows} from traced runs at FAST_DEPTHS
     (None: inexact).
 
-    step.micro_batch 1: for 1 row only. Where 1 and 2 rows raise the bytes at other events, the line goes through 2
-    and 3.
+    micro_batches (1, 2, 3): the line _at_rows draws to any other size; where 1 and 2 rows raise the bytes at other
+    events, it goes through 2 and 3, else 3 is not run. One size alone: that size's own runs (two, not six).
     """
     L, shard = spec.n_layer, step.shard
     d0, d1 = depths = FAST_DEPTHS[step.checkpointing] if shard is None else SHARDED_DEPTHS
     rows = {}
-    for mb in (1,) if step.micro_batch == 1 else (1, 2, 3):
-        if mb == 3 and [k for k, _ in rows[1][0]] == [k for k, _ in rows[2][0]]:
+    for mb in micro_batches:
+        if mb == 3 and 1 in rows and [k for k, _ in rows[1][0]] == [k for k, _ in rows[2][0]]:
             break
         runs = [_fake_run(spec, replace(step, micro_batch=mb), d, trace=True, whole=False) for d in depths]
         events = next((e for apart in ((0, False), (0, True), (2, True))
@@ -660,16 +673,16 @@ def _fit(spec: ModelSpec, step: Step):
         at_opt = [tuple(r[2]["at_optimizer"][c] for c in CATEGORIES) for r in runs]
         rows[mb] = (events, _line(*at_opt, L - d0), _line(runs[0][4], runs[1][4], L - d0),
                     _line((runs[0][3],), (runs[1][3],), L - d0)[0])
-    if 3 in rows and [k for k, _ in rows[2][0]] != [k for k, _ in rows[3][0]]:
+    if 3 in rows and 2 in rows and [k for k, _ in rows[2][0]] != [k for k, _ in rows[3][0]]:
         return None
     return rows
 
 
 def _at_rows(rows: dict, micro_batch: int, rise: int):
-    """Return _extrapolated's tuple at `micro_batch` rows from _fit's figures (a line in the rows), the optimizer's
-    update adding `rise` bytes (_rise)."""
-    if micro_batch == 1:
-        one, two, steps = rows[1], rows[1], 0
+    """Return _extrapolated's tuple at `micro_batch` rows from _fit's figures (its own, else a line in the rows), the
+    optimizer's update adding `rise` bytes (_rise)."""
+    if micro_batch in rows:
+        one, two, steps = rows[micro_batch], rows[micro_batch], 0
     elif 3 in rows:
         one, two, steps = rows[2], rows[3], micro_batch - 2
     else:
@@ -1047,8 +1060,7 @@ def _groups(spec: ModelSpec, steps: list, depth: str) -> list:
     costliest first (sharded, then checkpointed), each group's largest micro-batch first (its fit serves them all)."""
     groups = {}
     for step in steps:
-        fast = (depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS
-                and step.checkpointing in FAST_DEPTHS)
+        fast = _fast(spec, step, depth)
         base = replace(step, adam_impl=ADAM_IMPLS[0])  # Adam's implementations share the rest of their steps
         groups.setdefault(replace(base, micro_batch=0) if fast else base, []).append(step)
     return sorted((sorted(g, key=lambda st: -st.micro_batch) for g in groups.values()), key=_group_cost, reverse=True)
@@ -1062,8 +1074,10 @@ def _group_cost(group: list) -> tuple:
 def _run_group(spec: ModelSpec, group: list, depth: str) -> list:
     """Return [(step, _extrapolated's figures)] for one group of steps (in this process or a worker's); depth REPLAY:
     [(step, (peak, reserved peak, allocated peak))] (_replay)."""
+    one_size = len({step.micro_batch for step in group}) == 1  # (a fast group: its fit takes that size's runs only)
     with one_thread():  # (FSDP2 sharding meta tensors between the fake steps too: a second thread only slows it)
-        return [(step, _replay(spec, step) if depth == REPLAY else _extrapolated(spec, step, depth)) for step in group]
+        return [(step, _replay(spec, step) if depth == REPLAY else _extrapolated(spec, step, depth, one_size))
+                for step in group]
 
 
 def _run_claimed(specs, groups: list, depth: str, claims: str, bar=None) -> list:
