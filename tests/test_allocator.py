@@ -230,6 +230,51 @@ def test_fsdp2s_side_streams_are_pools_of_their_own_in_the_replay(monkeypatch):
         P.replayed([(SMALL, P.Combination(2, "ddp", 2, 1, "none", "fp32"), 24)])
 
 
+def _canonical(events: list) -> list:
+    """Return events [(key, nbytes or None, stream)] without their keys: an allocation (nbytes, stream), a free the
+    index of the allocation it ends."""
+    index, out = {}, []
+    for key, nbytes, stream in events:
+        if nbytes is None:
+            out.append(("free", index.pop(key)))
+        else:
+            index[key] = len(out)
+            out.append((nbytes, stream))
+    return out
+
+
+DEEPER = dataclasses.replace(SMALL, n_layer=P.SHARDED_DEPTHS[1] + 1)  # past FSDP2's small depths (and the others')
+
+
+@pytest.mark.parametrize("comb", [P.Combination(2, "fsdp2-reshard", 1, 2, "full", P.MIXED_POLICY, adam_impl="foreach"),
+                                  P.Combination(2, "fsdp2", 2, 1, "op", "fp32", adam_impl="for-loop"),
+                                  P.Combination(1, "single", 1, 2, "none", "bf16", adam_impl="fused"),
+                                  P.Combination(1, "single", 2, 1, "every", "fp32", adam_impl="foreach")],
+                         ids=["fsdp2-reshard-full-foreach-accum", "fsdp2-op-for-loop", "single-none-fused-accum",
+                              "single-every-foreach"])
+def test_a_full_depths_allocations_written_from_two_small_depths_are_its_fake_steps(comb, monkeypatch):
+    """labkit.planner.events.deeper: the allocations and frees of two small depths, written out to the full depth,
+    are the full-depth fake step's, event for event; a replay takes them, not a full-depth step, and gives its figures."""
+    from labkit.planner.events import deeper, peak_bytes
+    monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)  # the fast path on a small model
+    monkeypatch.setattr(estimate, "_REMEMBERED", {})
+    monkeypatch.delenv(estimate.SHARED_DIR_ENV, raising=False)
+    spec, step = P.model_spec(DEEPER), P.combination_fake_step(comb, 24)
+    depths = P.SHARDED_DEPTHS if step.shard else P.REPLAY_DEPTHS
+    small, big = (P._fake_run(spec, step, d, reserved="tagged")[2]["events"] for d in depths)
+    full = [e[:3] for e in P._fake_run(spec, step, DEEPER.n_layer, reserved="tagged")[2]["events"]]
+    written = deeper(small, big, depths, DEEPER.n_layer)
+    assert written is not None and _canonical(written) == _canonical(full)
+    default, grown = replay(full), replay(full, expandable_segments=True)
+    assert P._replay(spec, step) == (peak_bytes(full), default.peak_reserved_bytes, default.peak_allocated_bytes,
+                                     grown.peak_reserved_bytes)
+    assert not any(k[2] == DEEPER.n_layer and k[6] is True for k in estimate._REMEMBERED)  # (no full-depth replay)
+    # a block that allocates otherwise than the others: not repeated, so not written out
+    at = next(i for i, (_, n, _, tag) in enumerate(big) if n and tag[2] == depths[1] // 2 and tag[1] == "backward")
+    odd = big[:at] + [(*big[at][:1], big[at][1] + 512, *big[at][2:])] + big[at + 1:]
+    assert deeper(small, odd, depths, DEEPER.n_layer) is None
+
+
 def test_adam_on_the_local_shards_allocates_what_it_does_on_dtensors(monkeypatch):
     import contextlib
 

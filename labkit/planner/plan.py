@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                           UnsupportedOperatorException)
 
@@ -27,9 +28,10 @@ from labkit.children import ChildProcesses, die_with_parent
 from labkit.cpu import one_thread
 from labkit.estimate import MemoryEstimate, data_parallel_rank, example_batch, fake_sharded, fake_step, remembered
 from labkit.gpus import RESERVE_FRACTION, DeviceProfile, device_profile
-from labkit.meter import CATEGORIES, active_meter, format_bytes
+from labkit.meter import CATEGORIES, _inner, active_meter, format_bytes
 from labkit.models import ATTENTION, GPTConfig, blocks_of, build_model
 from labkit.planner.allocator import cpu_stream_tags, meter_events, replay
+from labkit.planner.events import deeper, peak_bytes
 from labkit.planner.overheads import non_tensor_bytes
 from labkit.progress import progress
 from labkit.techniques.accumulation import split_batch
@@ -84,6 +86,8 @@ REPLAY = "replay"  # _fake_steps' depth for full-depth steps whose allocations a
 FAST_DEPTHS = {"none": (1, 2), "every": (2, 3), "full": (2, 3), "selective": (2, 3), "op": (2, 3)}  # blocks of the
 #                                                                                     small runs, one apart
 SHARDED_DEPTHS = (4, 5)  # the same for FSDP2 (its first two and last blocks stand apart)
+REPLAY_DEPTHS = (3, 4)  # a replay's small depths on one device (its first block and its last stand apart: the
+#                         embedding's output enters the first, the loss's gradient the last)
 FULL_MAX_LAYERS = 12  # depth="fast" plans sqrt(n) and every FSDP2 rank count up to this many blocks (full-depth
 #                       steps); past it, or wherever the two small runs take fewer blocks, its steps take _fit's runs
 
@@ -332,6 +336,104 @@ def _repeated_blocks(model) -> torch.nn.Module:
         return max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
 
 
+def _block_records(meter, model, opt) -> dict:
+    """Return {id of the meter's record: block index} for each block's parameters and their optimizer state."""
+    out = {}
+    for i, block in enumerate(_repeated_blocks(model)):
+        for p in block.parameters():
+            for t in (p, *opt.state.get(p, {}).values()):
+                for inner in _inner(t) if isinstance(t, torch.Tensor) else ():
+                    record = meter._records.get(id(inner.untyped_storage()))
+                    if record is not None:
+                        out[id(record)] = i
+    return out
+
+
+class _OptimizerBlocks(TorchDispatchMode):
+    """Note the block of each tensor the optimizer step allocates (by allocation seq, in `blocks`): the block of the
+    parameter (or its gradient or state) it is computed from, output i of a foreach operator from the i-th tensor of
+    its first list. The step runs inside the meter's mode, so each operator's outputs are counted when it returns."""
+
+    def __init__(self, meter, positions: dict):
+        super().__init__()
+        self.meter, self.positions, self.blocks, self._by_seq = meter, positions, {}, None
+
+    def _block(self, t):
+        record = self.meter._records.get(id(t.untyped_storage())) if isinstance(t, torch.Tensor) else None
+        if record is None:
+            return None
+        if id(record) in self.positions:
+            return self.positions[id(record)]
+        where = self._by_seq.get(record.alloc_seq)  # (a gradient: the block whose backward made it)
+        return where if isinstance(where, int) else self.blocks.get(record.alloc_seq)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.meter._phase() != "optimizer":
+            return out
+        if self._by_seq is None:
+            self._by_seq = {seq: tag[1] for seq, _, _, _, tag in self.meter._timeline if tag is not None}
+        outs = out if isinstance(out, (list, tuple)) else (out,)
+        first = args[0] if args and isinstance(args[0], (list, tuple)) and len(args[0]) == len(outs) else None
+        shared = None if first is not None else next(
+            (b for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)) if (b := self._block(t)) is not None),
+            None)
+        for i, t in enumerate(outs):
+            record = self.meter._records.get(id(t.untyped_storage())) if isinstance(t, torch.Tensor) else None
+            block = self._block(first[i]) if first is not None else shared
+            if record is not None and block is not None:
+                self.blocks.setdefault(record.alloc_seq, block)
+        return out
+
+
+def _tagged_events(meter, positions: dict, optimizer_blocks: dict, n_blocks: int) -> list:
+    """Return meter_events' list, each event with its tag (micro-batch, phase, position): the block running
+    (_tag_blocks, on the timeline; in the optimizer step the block of what an allocation is computed from,
+    optimizer_blocks by seq), or for a tensor the step starts with (tracked, not on the timeline) its block
+    (positions, by record) or "model". A free outside the blocks takes a block: its allocation's where it is one of a
+    wave of frees of several blocks' tensors (accumulated gradients, gradients zeroed; in the optimizer step of every
+    block's: a foreach update's lists), else in the optimizer step the block whose tensors it last allocated (a
+    for-loop frees a parameter's temporaries at the next's, one block's the next block's first)."""
+    at = {seq: (phase, tag) for seq, _, _, phase, tag in meter._timeline}
+
+    def tag(seq, record):
+        if seq not in at:
+            return (None, "start", positions.get(id(record), "model"))
+        phase, where = at[seq]
+        micro, pos = (None, "outside") if where is None else where
+        return micro, phase, optimizer_blocks.get(seq, pos)
+    events = []
+    for r in meter._history:
+        if not r.host:
+            made = tag(r.alloc_seq, r)
+            events.append((r.alloc_seq, id(r), r.nbytes, r.stream, made, None))
+            if r.free_seq is not None:
+                events.append((r.free_seq, id(r), None, r.stream, tag(r.free_seq, None), made[2]))
+    events.sort(key=lambda e: e[0])
+    out, current = [], None
+    for i, (_, key, nbytes, stream, (micro, phase, pos), made) in enumerate(events):
+        if phase == "optimizer" and nbytes is not None:
+            current = pos if isinstance(pos, int) else current
+        elif nbytes is None and not isinstance(pos, int) and isinstance(made, int) and _in_wave(
+                events, i, n_blocks if phase == "optimizer" else 2):
+            pos = made
+        elif phase == "optimizer" and not isinstance(pos, int) and current is not None:
+            pos = current
+        out.append((key, nbytes, stream, (micro, phase, pos)))
+    return out
+
+
+def _in_wave(events: list, i: int, n_blocks: int) -> bool:
+    """Tell whether free i of `events` (sorted (seq, key, nbytes, stream, tag, its allocation's position)) is among
+    consecutive frees with its tag that end tensors of `n_blocks` blocks or more."""
+    lo = hi = i
+    while lo > 0 and events[lo - 1][2] is None and events[lo - 1][4] == events[i][4]:
+        lo -= 1
+    while hi + 1 < len(events) and events[hi + 1][2] is None and events[hi + 1][4] == events[i][4]:
+        hi += 1
+    return len({e[5] for e in events[lo:hi + 1] if isinstance(e[5], int)}) >= n_blocks
+
+
 def _tag_blocks(meter, model) -> None:
     """Make the meter tag each event (micro-batch, position): "pre", the index of the block that runs, or "post"."""
     blocks = _repeated_blocks(model)
@@ -363,13 +465,15 @@ def _tag_blocks(meter, model) -> None:
         block.register_forward_hook(functools.partial(block_post, i))
 
 
-def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: bool = True, reserved: bool = False):
+def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: bool = True,
+              reserved: bool | str = False):
     """Run `step` with `n_layer` blocks on fake tensors (estimate.fake_step); return peak, split, states, n, work per
     micro-batch (remembered by model, depth and step when the model has a key).
 
     trace: a sixth item, the events tagged by block; whole=False: stop where the optimizer step starts; reserved:
     states["peak_reserved"] and states["peak_allocated"], the CUDA caching allocator's reserved and allocated peaks for
-    the step's allocations (labkit.planner.allocator, each stream FSDP2 selects a pool of its own).
+    the step's allocations (labkit.planner.allocator, each stream FSDP2 selects a pool of its own); reserved="tagged":
+    states["events"], those allocations tagged by micro-batch, phase and block (labkit.planner.events.deeper's input).
     """
     count = functools.partial(_count_fake_run, spec, step, n_layer, trace, whole, reserved)
     if spec.key is None:
@@ -380,9 +484,11 @@ def _fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool = False, whole: 
     return out
 
 
-def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bool, reserved: bool = False):
+def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bool, reserved: bool | str = False):
     """Return _fake_run's figures, counted now."""
     flops_key = (spec.key, n_layer, step)
+    tagged, trace = reserved == "tagged", trace or reserved == "tagged"  # (tags: _tag_blocks, on the timeline)
+    tagging = []  # (tagged) the optimizer step's _OptimizerBlocks, made once the meter tracks the step's tensors
     count = not reserved and (spec.key is None or flops_key not in _FLOPS)  # (a replay's run counts no work: 2x faster)
     rows, n_micro, seq_len, shard = step.micro_batch * step.n_micro, step.n_micro, step.seq_len, step.shard
     at_optimizer = []  # (bytes by category when the optimizer step started, (peak, split) so far)
@@ -415,14 +521,20 @@ def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bo
             meter.track(model, opt, *batch)
             if trace:
                 _tag_blocks(meter, model)
+            if tagged:
+                tagging.append(_OptimizerBlocks(meter, _block_records(meter, model, opt)))
 
         def run():
             with counter if count else contextlib.nullcontext(), contextlib.suppress(_AtOptimizer), \
                     CudaAutocastOps() if step.autocast_of == "cuda" else contextlib.nullcontext(), \
                     cpu_stream_tags(active_meter()) if reserved else contextlib.nullcontext(), \
-                    _local_adam() if shard is not None else contextlib.nullcontext():
+                    _local_adam() if shard is not None else contextlib.nullcontext(), \
+                    tagging[0] if tagged else contextlib.nullcontext():
                 plan_step(model, opt, batch, step, hooks)
-            if reserved:  # (the default rules, then expandable segments')
+            if tagged:
+                replays.append(_tagged_events(active_meter(), tagging[0].positions, tagging[0].blocks,
+                                              len(_repeated_blocks(model))))
+            elif reserved:  # (the default rules, then expandable segments')
                 events = meter_events(active_meter())
                 replays.extend(replay(events, expandable_segments=rules) for rules in (False, True))
             if count:
@@ -445,7 +557,9 @@ def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bo
                              "operation independent of tensor values or pass a callable that builds a model "
                              "without it") from None
     states["at_optimizer"], states["before_optimizer"] = at_optimizer
-    if reserved:
+    if tagged:
+        states["events"] = replays[0]
+    elif reserved:
         states["peak_reserved"] = replays[0].peak_reserved_bytes
         states["peak_allocated"] = replays[0].peak_allocated_bytes
         states["peak_reserved_expandable"] = replays[1].peak_reserved_bytes
@@ -741,7 +855,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     False frees the logits before backward in every row (torchtitan's step) instead of holding them (the chapters');
     parallels: the ways of running on the GPUs to plan (keys of COMM_UNITS; the others' fake steps are not run);
     micro_batches: the rows per micro-batch to plan (None: every one dividing a GPU's share of the batch); reserved:
-    each Pareto-front row's `reserved_bytes`, from one more fake step at full depth (single-device and FSDP2 rows with
+    each Pareto-front row's `reserved_bytes`, from its allocations at full depth (_replay; single-device and FSDP2 rows with
     Adam on the device and at most two micro-batches: there the fake step allocates all the row does), and its verdict
     from it: the replayed reserve with REPLAY_MARGIN, plus the CUDA context and NCCL's buffers, within the GPU's
     memory (FITS_BY; a row that does not fit leaves the front and the rows that join it are replayed in turn);
@@ -974,7 +1088,7 @@ def combination_fake_step(comb: Combination, seq_len: int, autocast_of: str = "c
 
 def replayed(runs: list, workers: int | None = None) -> list:
     """Return [(peak bytes, reserved peak bytes, allocated peak bytes, reserved peak bytes with expandable segments)],
-    one per run (model, Combination, seq_len): its step at full depth on fake tensors. The peak is the reference a
+    one per run (model, Combination, seq_len): its step's allocations at full depth (_replay). The peak is the reference a
     plan's fast depth reproduces by arithmetic (the bytes requested); the reserved and allocated peaks are its
     allocations replayed through the CUDA caching allocator's rules (labkit.planner.allocator: allocated counts each
     block handed out, rounded). Every run's step shared among `workers` processes (None: plan_workers()), whatever its
@@ -996,7 +1110,17 @@ def replayed(runs: list, workers: int | None = None) -> list:
 
 def _replay(spec: ModelSpec, step: Step) -> tuple:
     """Return (peak, reserved peak, allocated peak, reserved peak with expandable segments) of `step` at full depth,
-    its allocations replayed (labkit.planner.allocator)."""
+    its allocations replayed (labkit.planner.allocator): written out from steps at REPLAY_DEPTHS (FSDP2's: at
+    SHARDED_DEPTHS) where they take fewer blocks and repeat block by block (labkit.planner.events.deeper, exact), else
+    from a full-depth fake step."""
+    depths = REPLAY_DEPTHS if step.shard is None else SHARDED_DEPTHS
+    if (spec.n_layer is not None and step.checkpointing in FAST_DEPTHS
+            and spec.n_layer > min(FULL_MAX_LAYERS, sum(depths))):
+        small, big = (_fake_run(spec, step, d, reserved="tagged")[2]["events"] for d in depths)
+        events = deeper(small, big, depths, spec.n_layer)
+        if events is not None:
+            default, grown = (replay(events, expandable_segments=rules) for rules in (False, True))
+            return peak_bytes(events), default.peak_reserved_bytes, default.peak_allocated_bytes, grown.peak_reserved_bytes
     peak, _, states, *_ = _fake_run(spec, step, spec.n_layer, reserved=True)
     return peak, states["peak_reserved"], states["peak_allocated"], states["peak_reserved_expandable"]
 
@@ -1357,9 +1481,9 @@ def main(argv=None) -> int:
                     help="a preset's attention: manual (T×T scores kept), sdpa (the kernel torch picks on the device), "
                          "flash or efficient (CUDA's kernels: what each saves for backward)")
     ap.add_argument("--reserved", action="store_true",
-                    help="each Pareto-front row's reserved peak: its step at full depth on fake tensors, the "
-                         "allocations replayed through the CUDA caching allocator's default rules (one fake step more "
-                         "each), and what the GPU would show used: that reserve plus the CUDA context and NCCL's "
+                    help="each Pareto-front row's reserved peak: its step's allocations at full depth (for a deep "
+                         "model written out from fake steps of a few blocks, exact), replayed through the CUDA "
+                         "caching allocator's default rules, and what the GPU would show used: that reserve plus the CUDA context and NCCL's "
                          "buffers, ranges from published figures; and judges each replayed row by that figure, "
                          "with a margin (a front row that does not fit leaves the front, and the rows that join it "
                          "are replayed in turn)")

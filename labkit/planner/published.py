@@ -118,7 +118,7 @@ def run_plan(run: dict) -> tuple:
 
 def memory_checks(runs: list[dict]) -> list[Check]:
     """Return the runs' memory figures beside the plan's for each one's configuration (run["plan"]): the peak of the
-    plan's step at full depth on fake tensors (the figure a plan's fast depth reaches by arithmetic) and its reserved
+    plan's step at full depth (the figure a plan's fast depth reaches by arithmetic) and its reserved
     peak, the step's allocations replayed through the CUDA caching allocator's rules (labkit.planner.plan.replayed)."""
     from labkit.planner.plan import replayed
     plans = [run_plan(run) for run in runs]
@@ -129,7 +129,8 @@ def memory_checks(runs: list[dict]) -> list[Check]:
         expandable = a.get("expandable_segments", False)  # the run's allocator setting
         basis = (f"the plan's step for {c.ranks} × {c.parallel}, micro-batch {c.micro_batch} × {c.accum_steps}, "
                  f"{a['attention']} attention, {c.checkpointing} checkpointing, {c.precision}, {c.adam_impl} Adam, "
-                 f"logits {'held through' if c.keep_logits else 'freed before'} backward, every block on fake tensors")
+                 f"logits {'held through' if c.keep_logits else 'freed before'} backward, its allocations at full depth "
+                 "written out from fake steps of a few blocks (labkit.planner.events: event for event a step of every block's)")
         for key, figure in (("peak_allocated_gib", "peak allocated"), ("peak_active_gib", "peak active")):
             if key in run["memory"]:
                 out.append(Check(run["id"], figure, _range(run["memory"][key]), peak / GiB, basis))
