@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                           UnsupportedOperatorException)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit.autocast_ops import CudaAutocastOps, recompute_context_fn
 from labkit.children import ChildProcesses, die_with_parent
