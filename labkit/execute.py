@@ -6,7 +6,9 @@ import contextlib
 import functools
 import json
 import os
+import tempfile
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -48,24 +50,47 @@ def environment(**values: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def socket_prefix() -> str:
+    """Return a fresh path prefix for a kernel's Unix sockets: short (a socket's path holds at most 107 bytes)."""
+    return os.path.join(tempfile.gettempdir(), f"kernel-{uuid.uuid4().hex[:16]}")
+
+
+def over_ipc(manager: type) -> type:
+    """Return a subclass of jupyter_client's `manager` whose kernels listen on Unix sockets of their own, not TCP ports.
+
+    jupyter_client finds five TCP ports free, closes them and hands them to the kernel, which binds them a moment later:
+    a process in between (another test's kernel, any outgoing connection) can take one, and the kernel dies with
+    "Address already in use" (a CI run, eight kernels starting at once). A socket file named by a fresh random prefix
+    cannot be taken, and ipykernel does not warn about it as it does about plain TCP.
+    """
+    from traitlets import default
+
+    class IPCKernelManager(manager):
+        @default("transport")
+        def _ipc(self):
+            return "ipc"
+
+        @default("ip")
+        def _socket_prefix(self):
+            return socket_prefix()
+
+    return IPCKernelManager
+
+
 def kernel_manager_class():
-    """Return a kernel manager class that avoids plain TCP (ipykernel's warning) where it can: Curve keys, else IPC."""
+    """Return papermill's kernel manager class: over IPC on POSIX (`over_ipc`), CurveZMQ-encrypted TCP elsewhere."""
     import zmq
     from jupyter_client.manager import AsyncKernelManager
     from traitlets import default
 
+    if os.name == "posix":
+        return over_ipc(AsyncKernelManager)
     if "transport_encryption" in AsyncKernelManager.class_trait_names() and zmq.has("curve"):
         class CurveKernelManager(AsyncKernelManager):
             @default("transport_encryption")
             def _curve_when_the_kernel_supports_it(self):
                 return "auto"
         return CurveKernelManager
-    if os.name == "posix":
-        class IPCKernelManager(AsyncKernelManager):
-            @default("transport")
-            def _ipc(self):
-                return "ipc"
-        return IPCKernelManager
     return AsyncKernelManager
 
 

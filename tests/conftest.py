@@ -52,7 +52,7 @@ SESSION_TAG = "LABKIT_TEST_SESSION"  # inherited by every process the session st
 def pytest_configure(config):
     """Tag every process this test session starts (ranks, kernels) through an inherited variable; give them one folder
     to share fake steps in (labkit.estimate.remembered: the notebooks, their ranks and the search workers ask for the
-    same steps); have nbval see a kernel that died."""
+    same steps); have nbval see a kernel that died, and start its kernels over Unix sockets."""
     import os
     if not hasattr(config, "workerinput"):  # the controller, before any worker starts
         import tempfile
@@ -64,6 +64,7 @@ def pytest_configure(config):
             config.fake_steps_dir = os.environ[SHARED_DIR_ENV] = tempfile.mkdtemp(prefix="labkit-fake-steps-")
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")  # a kernel that crashes prints its Python stack to the log
     _watch_nbval_kernels()
+    _nbval_kernels_over_ipc()
 
 
 KERNEL_POLL_S = 5.0  # how often nbval's wait for a cell's reply checks that the kernel still lives
@@ -71,6 +72,20 @@ KERNEL_POLL_S = 5.0  # how often nbval's wait for a cell's reply checks that the
 
 class KernelDied(RuntimeError):
     """The notebook's kernel process ended while a cell ran (a crash: a signal, or the OOM killer)."""
+
+
+def _nbval_kernels_over_ipc() -> None:
+    """Start nbval's kernels as papermill's (labkit.execute.over_ipc): no TCP port another process can take first."""
+    try:
+        import nbval.kernel
+    except ImportError:
+        return
+    import os
+
+    from labkit.execute import over_ipc
+
+    if os.name == "posix" and nbval.kernel.KernelManager.__name__ != "IPCKernelManager":
+        nbval.kernel.KernelManager = over_ipc(nbval.kernel.KernelManager)
 
 
 def _watch_nbval_kernels() -> None:
@@ -333,6 +348,7 @@ def execute_notebook(tmp_path, student_copies, monkeypatch, request):
             entry = run_notebook(path, tmp_path, {}, timeout_s)
             entry["path"] = tmp_path / entry["executed"]
         failed, checks, not_run = exercise_failures(json.loads(entry["path"].read_text()))
+        assert entry["status"] == "ok" or failed, f"{stem} did not run: {entry.get('error')}"  # e.g. its kernel died
         assert set(failed) == checks, f"{stem}: cells that failed {failed}, the exercises' checks {sorted(checks)}"
         assert not not_run, f"{stem}: code cells that did not run: {not_run}"
         if entry["status"] == "failed" and failed:  # papermill reports the exercises' failed checks: expected here

@@ -16,9 +16,10 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
-import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.request
@@ -52,10 +53,42 @@ def have_chromium() -> bool:
     return os.path.exists(CHROMIUM)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def jupyter_url(runtime: Path, proc: subprocess.Popen, log: Path, limit_s: float = 120) -> str:
+    """Return the URL of the Jupyter server `proc` once it listens, read from the file it writes in `runtime`.
+
+    Started with `--ServerApp.port=0`, the server binds a port the system gives it and names it in its server-info
+    file: no port chosen free beforehand that another process can take before the server binds it.
+    """
+    deadline = time.monotonic() + limit_s
+    while True:
+        for info in runtime.glob(f"jpserver-{proc.pid}.json"):
+            try:
+                return f"http://127.0.0.1:{json.loads(info.read_text())['port']}"
+            except (json.JSONDecodeError, KeyError):
+                pass  # being written
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"Jupyter wrote no server-info file within {limit_s:.0f} s"
+        time.sleep(0.2)
+
+
+def listening_port(proc: subprocess.Popen, log: Path, what: str, limit_s: float = 60) -> int:
+    """Return the TCP port `proc`, started with port 0, listens on once it does (psutil, ipykernel's dependency)."""
+    import psutil
+
+    deadline = time.monotonic() + limit_s
+    while True:
+        ports = [c.laddr.port for c in psutil.Process(proc.pid).net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN]
+        if ports:
+            return ports[0]
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"{what} did not listen within {limit_s:.0f} s"
+        time.sleep(0.2)
+
+
+def short_dir(prefix: str) -> Path:
+    """Return a new folder under the system's temporary folder, its path short: a kernel's Unix sockets lie in it."""
+    return Path(tempfile.mkdtemp(prefix=prefix))
 
 
 def wait_until_answers(url: str, proc: subprocess.Popen, log: Path, what: str, limit_s: float = 120) -> None:
@@ -108,9 +141,9 @@ def serve(base: Path, root: Path, env: dict, figure_checks: bool = False):
     changes `kernel_env_file(base / "kernel-env", folder)` holds for its notebook's folder, if any.
     """
     lab.install_settings()  # what `make lab` does first
-    port, token = free_port(), secrets.token_hex(16)
+    token, runtime = secrets.token_hex(16), short_dir("lab-rt-")  # kernels' sockets: under 107 bytes of path
     env = dict(env, JUPYTER_CONFIG_DIR=str(base / "config"), JUPYTERLAB_SETTINGS_DIR=str(base / "settings"),
-               JUPYTER_RUNTIME_DIR=str(base / "runtime"))
+               JUPYTER_RUNTIME_DIR=str(runtime))
     env.setdefault("LABKIT_BUILD_DIR", str(base / "build"))
     env.pop("LABKIT_BATCH", None)  # a person at a browser: live plots and widgets
     if figure_checks:
@@ -122,31 +155,38 @@ def serve(base: Path, root: Path, env: dict, figure_checks: bool = False):
         env["IPYTHONDIR"] = str(base / "ipython")
     (base / "workspaces").mkdir(parents=True, exist_ok=True)
     argv = lab.command(root, base / "workspaces", [
-        "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
-        f"--IdentityProvider.token={token}", "--LabApp.expose_app_in_browser=True"])
+        "--no-browser", "--ServerApp.ip=127.0.0.1", "--ServerApp.port=0", "--KernelManager.transport=ipc",
+        f"--IdentityProvider.token={token}", "--LabApp.expose_app_in_browser=True"])  # no port to lose (jupyter_url)
     log_path = base / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
         try:
+            url = jupyter_url(runtime, proc, log_path)
             wait_until_answers(f"{url}/api/status?token={token}", proc, log_path, "JupyterLab")
             yield url, token
         finally:
             stop(proc)
+            shutil.rmtree(runtime, ignore_errors=True)
 
 
 def start_chromium(profile: Path) -> tuple[subprocess.Popen, int]:
-    """Start Debian's Chromium in its own process group; return (process, its debugging port) once it answers."""
-    port = free_port()
-    proc = subprocess.Popen([CHROMIUM, *CHROMIUM_FLAGS, f"--remote-debugging-port={port}",
+    """Start Debian's Chromium in its own process group; return (process, its debugging port) once it answers.
+
+    Its port is the one the system gives it (`--remote-debugging-port=0`), read from the DevToolsActivePort file it
+    writes in its profile, as Puppeteer does.
+    """
+    active = profile / "DevToolsActivePort"
+    active.unlink(missing_ok=True)
+    proc = subprocess.Popen([CHROMIUM, *CHROMIUM_FLAGS, "--remote-debugging-port=0",
                              f"--user-data-dir={profile}", "about:blank"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while True:
         try:
+            port = int(active.read_text().split()[0])
             urllib.request.urlopen(f"http://127.0.0.1:{port}/json/version", timeout=5).close()
             return proc, port
-        except OSError:
+        except (OSError, ValueError, IndexError):
             if proc.poll() is not None or time.monotonic() > deadline:
                 kill_group(proc)
                 raise AssertionError("Chromium did not start")

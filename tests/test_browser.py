@@ -102,12 +102,12 @@ def test_optuna_dashboard_shows_a_study_of_the_chapters_storage(browser, tmp_pat
     study = studies.create_study("dashboard-check", stores.make_storage(url), config, "speed", sampler="random")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     studies.optimize(study, 2)
-    port = labdriver.free_port()
     exe = os.path.join(os.path.dirname(os.sys.executable), "optuna-dashboard")
     log = open(tmp_path / "dashboard.log", "w")
-    proc = subprocess.Popen([exe, "--host", "127.0.0.1", "--port", str(port), url], stdout=log,
+    proc = subprocess.Popen([exe, "--host", "127.0.0.1", "--port", "0", url], stdout=log,  # the port the system gives
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        port = labdriver.listening_port(proc, tmp_path / "dashboard.log", "optuna-dashboard")
         labdriver.wait_until_answers(f"http://127.0.0.1:{port}/api/studies", proc, tmp_path / "dashboard.log",
                                      "optuna-dashboard", 60)
         page = browser.new_context().new_page()

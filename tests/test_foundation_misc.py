@@ -132,7 +132,8 @@ def test_an_executed_notebook_keeps_every_record_and_shows_one_table(tmp_path):
     nb = new_notebook(cells=[new_code_cell("import labkit\nlabkit.record('peak_bytes', 2**20)\nprint('hello')"),
                              new_code_cell("labkit.record('step_s', 0.25)\nlabkit.record('peak_bytes', 2**21)"),
                              new_code_cell("labkit.results.show_records()")])
-    nbclient.NotebookClient(nb, kernel_name="python3", timeout=120).execute()
+    nbclient.NotebookClient(nb, kernel_name="python3", timeout=120,
+                            kernel_manager_class=execute.kernel_manager_class()).execute()
     texts = [o.get("text") or o.get("data", {}).get("text/plain", "") for c in nb.cells for o in c.outputs]
     assert not any("recorded peak_bytes =" in t or "recorded step_s =" in t for t in texts), texts
     assert [bool(o.get("data", {}).get("text/plain")) for o in nb.cells[1].outputs] == [False, False]

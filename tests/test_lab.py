@@ -3,7 +3,6 @@
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -11,12 +10,6 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -46,8 +39,7 @@ def _first_answer(url: str, proc, log, wait_s: float = 60.0) -> tuple[int, str]:
 
 
 def test_make_lab_serves_notebooks_with_a_token(tmp_path):
-    port = _free_port()
-    args = f"--no-browser --ip=127.0.0.1 --port={port} --ServerApp.port_retries=0"
+    args = "--no-browser --ip=127.0.0.1 --port=0"  # the port the system gives the server: none to lose to another
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")}
     log = open(tmp_path / "lab.log", "w+")
     proc = subprocess.Popen(["make", "-s", "lab", f"LAB_ARGS={args}"], cwd=ROOT, env=env, stdout=log,
@@ -58,8 +50,8 @@ def test_make_lab_serves_notebooks_with_a_token(tmp_path):
         while time.time() < deadline and token is None:
             time.sleep(0.5)
             log.seek(0)
-            found = re.search(rf"http://127\.0\.0\.1:{port}/lab[^?\s]*\?token=([0-9a-f]+)", log.read())
-            token = found.group(1) if found else None
+            found = re.search(r"http://127\.0\.0\.1:(\d+)/lab[^?\s]*\?token=([0-9a-f]+)", log.read())
+            port, token = found.groups() if found else (None, None)
             if proc.poll() is not None:
                 log.seek(0)
                 raise AssertionError(f"make lab exited early:\n{log.read()}")
@@ -82,17 +74,20 @@ def _page_config(root: Path, env: dict, tmp_path: Path) -> dict:
     import json
     import secrets
 
+    import labdriver
+
     from workbook import lab
 
-    port, token = _free_port(), secrets.token_hex(8)
+    token = secrets.token_hex(8)
     env = {**env, "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")}
     (tmp_path / "ws").mkdir(parents=True)
-    argv = lab.command(root, tmp_path / "ws", ["--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
-                                               "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}"])
+    argv = lab.command(root, tmp_path / "ws", ["--no-browser", "--ServerApp.ip=127.0.0.1", "--ServerApp.port=0",
+                                               f"--IdentityProvider.token={token}"])
     log = open(tmp_path / "lab.log", "w+")
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        status, body = _first_answer(f"http://127.0.0.1:{port}/lab?token={token}", proc, log, wait_s=90)
+        url = labdriver.jupyter_url(tmp_path / "rt", proc, tmp_path / "lab.log", 90)
+        status, body = _first_answer(f"{url}/lab?token={token}", proc, log, wait_s=90)
         assert status == 200, status
         found = re.search(r'<script id="jupyter-config-data" type="application/json">(.*?)</script>', body, re.S)
         assert found, body[:2000]

@@ -209,3 +209,25 @@ def test_crowded_sections_counts_pass_lines_under_each_heading():
     assert pass_lines_by_section(nb) == {"(top)": 1, "One": 1, "One, a": 3}
     assert crowded_sections(nb) == ["One, a: 3 PASS lines"]
     assert crowded_sections(new_notebook(cells=[new_markdown_cell("## Two"), ran("PASS: two")])) == []
+
+
+@pytest.mark.notebook
+def test_a_kernel_listens_on_socket_files_of_its_own_that_go_with_it(tmp_path):
+    """No TCP port to lose to another process between jupyter_client's choice and the kernel's bind (a CI run's
+    "Address already in use"): papermill's kernels, and nbval's (tests/conftest.py), talk over Unix sockets."""
+    import glob
+
+    import nbval.kernel
+
+    from labkit import execute
+
+    path = tmp_path / "conn.ipynb"
+    _write(path, [new_code_cell("import glob, json\nfrom ipykernel.connect import get_connection_info\n"
+                                "from labkit import record\ninfo = json.loads(get_connection_info())\n"
+                                "record('transport', info['transport'])\nrecord('ip', info['ip'])\n"
+                                "record('files', len(glob.glob(info['ip'] + '-*')))")])
+    entry = execute.run_notebook(path, tmp_path / "out" / path.name, {}, timeout_s=60)
+    seen = entry["measurements"]
+    assert entry["status"] == "ok" and seen["transport"] == "ipc" and seen["files"] == 5, entry  # shell, iopub, ...
+    assert len(seen["ip"]) < 90 and not glob.glob(seen["ip"] + "-*")  # short enough for a socket; removed after
+    assert nbval.kernel.KernelManager().transport == "ipc"

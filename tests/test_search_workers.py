@@ -7,7 +7,6 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -152,7 +151,11 @@ def _as_postgres_user() -> list[str] | None:
 
 @pytest.fixture
 def postgres_url():
-    """Start a throwaway PostgreSQL server on a free loopback port; yield its URL; stop it."""
+    """Start a throwaway PostgreSQL server listening on a Unix socket in a folder of its own; yield its URL; stop it.
+
+    A socket file cannot be taken by another process between choosing it and the server's bind, as a TCP port
+    found free can; the workers connect to it as they would to a server on the network (only the URL differs).
+    """
     pytest.importorskip("psycopg", reason="psycopg is not installed (the engines extra)")
     bindir = _postgres_bin()
     prefix = _as_postgres_user()
@@ -164,15 +167,12 @@ def postgres_url():
     data = os.path.join(base, "data")
     if os.geteuid() == 0:
         shutil.chown(base, "postgres")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     run = lambda *argv: subprocess.run(prefix + list(argv), check=True, capture_output=True, text=True)  # noqa: E731
     try:
         run(f"{bindir}/initdb", "-D", data, "-U", "postgres", "--auth=trust", "--no-sync")
         run(f"{bindir}/pg_ctl", "-D", data, "-l", os.path.join(base, "log"), "-w", "-t", "60", "-o",
-            f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=off", "start")
-        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+            f"-k {base} -c listen_addresses='' -c fsync=off", "start")
+        yield f"postgresql+psycopg://postgres@/postgres?host={base}"
     finally:
         subprocess.run(prefix + [f"{bindir}/pg_ctl", "-D", data, "-m", "immediate", "-w", "stop"], capture_output=True)
         shutil.rmtree(base, ignore_errors=True)

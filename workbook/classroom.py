@@ -23,6 +23,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from labkit import execute
 from workbook.nbcheck import find_notebooks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +50,9 @@ def _api(course: Path, log_level: str = "WARN"):
     c.CourseDirectory.db_url = f"sqlite:///{course / 'gradebook.db'}"
     c.ClearSolutions.code_stub = {"python": CODE_STUB}
     c.Execute.timeout = CELL_TIMEOUT_S
+    if os.name == "posix":  # kernels over Unix sockets, as papermill's (labkit.execute.over_ipc says why)
+        c.KernelManager.transport = "ipc"
+        c.KernelManager.ip = execute.socket_prefix()
     c.Application.log_level = log_level
     return NbGraderAPI(config=c)
 
