@@ -79,6 +79,11 @@ def test_the_table_sets_every_figure_beside_its_limit():
                         "| `make test`, pytest (None) | failed to run | 600 |"]
 
 
+def test_the_last_line_gives_the_machines_speed_before_and_after():
+    assert bench.drift_line(0.00456, 0.00684) == ("this machine during the bench: 512x512 fp32 matmul 4.56 ms before, "
+                                                  "6.84 ms after (1.50x)")
+
+
 def test_repeated_rounds_give_medians_with_their_range():
     rounds = [{"by_chapter_s": {"00_a": s, "01_b": t}, "failed": f, "total_s": s + t, "exit_code": int(bool(f))}
               for s, t, f in ((12.0, 5.0, []), (14.0, 4.0, ["01_b"]), (11.0, 6.0, []))]

@@ -7,7 +7,7 @@ variables when set, a bf16 matmul's time over fp32's), then a table: each chapte
 `workbook.runner` into OUT/run), `make plan MODEL=llama-7b GPU=a100-80gb GPUS=8` (the whole command) and the pytest
 time of `make test` (its closing line). With --repeats N the parts run N times, interleaved (chapters, plan,
 suite, then again), and each figure is their median, its range beside it: a shared machine's times vary by a fifth
-from run to run. Writes OUT/bench.json. Every timing figure reported with an issue comes with
+from run to run; a last line gives the fp32 matmul's time again after the parts, beside the first. Writes OUT/bench.json. Every timing figure reported with an issue comes with
 this header: on an AVX-512/AMX machine, set ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2 to dispatch as a 2-core AVX2 machine does (the bf16/fp32 ratio then reads 30-50x).
 """
@@ -123,6 +123,15 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def drift_line(before_s: float, after_s: float) -> str:
+    """Return the line that says how this machine's speed moved during the bench: the fp32 matmul before and after.
+
+    A shared machine's speed moves by 2x within a day (4.6-7.8 ms here): figures compare only with a similar line.
+    """
+    return (f"this machine during the bench: 512x512 fp32 matmul {before_s * 1e3:.2f} ms before, {after_s * 1e3:.2f} ms "
+            f"after ({after_s / before_s:.2f}x)")
+
+
 def main(argv=None) -> int:
     """Measure the parts asked for; print the CPU line and the table; write OUT/bench.json. Exit 1 if a part failed."""
     ap = argparse.ArgumentParser(prog="python -m workbook.bench", description=__doc__.splitlines()[0])
@@ -148,8 +157,10 @@ def main(argv=None) -> int:
             print(f"{part} ..." + (f" (round {k + 1} of {args.repeats})" if args.repeats > 1 else ""), flush=True)
             rounds[part].append(fn(out))
     results.update({part: combined(part, r) for part, r in rounds.items()})
+    results["fp32_matmul_after_s"] = cpu_report(fresh=True).fp32_matmul_s
     (out / "bench.json").write_text(json.dumps(results, indent=1))
     print(table(results))
+    print(drift_line(report.fp32_matmul_s, results["fp32_matmul_after_s"]))
     failed = [p for p in ("chapters", "plan", "suite") if p in results and results[p]["exit_code"] != 0]
     if failed:
         print(f"failed: {', '.join(failed)} (logs in {out})")
