@@ -86,11 +86,6 @@ def listening_port(proc: subprocess.Popen, log: Path, what: str, limit_s: float 
         time.sleep(0.2)
 
 
-def short_dir(prefix: str) -> Path:
-    """Return a new folder under the system's temporary folder, its path short: a kernel's Unix sockets lie in it."""
-    return Path(tempfile.mkdtemp(prefix=prefix))
-
-
 def wait_until_answers(url: str, proc: subprocess.Popen, log: Path, what: str, limit_s: float = 120) -> None:
     """Wait until `url` answers; fail with the log's tail if `proc` dies first or `limit_s` passes."""
     deadline = time.monotonic() + limit_s
@@ -141,7 +136,7 @@ def serve(base: Path, root: Path, env: dict, figure_checks: bool = False):
     changes `kernel_env_file(base / "kernel-env", folder)` holds for its notebook's folder, if any.
     """
     lab.install_settings()  # what `make lab` does first
-    token, runtime = secrets.token_hex(16), short_dir("lab-rt-")  # kernels' sockets: under 107 bytes of path
+    token, runtime = secrets.token_hex(16), Path(tempfile.mkdtemp(prefix="lab-rt-"))  # kernels' sockets: a short path
     env = dict(env, JUPYTER_CONFIG_DIR=str(base / "config"), JUPYTERLAB_SETTINGS_DIR=str(base / "settings"),
                JUPYTER_RUNTIME_DIR=str(runtime))
     env.setdefault("LABKIT_BUILD_DIR", str(base / "build"))
