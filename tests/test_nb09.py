@@ -32,3 +32,13 @@ def test_notebook_09_verdicts_with_another_size_and_budget(execute_notebook):
         m["published_expandable_gib"]["TT-L31-8B-FSDP2-SAC-eager"]["default"]  # growing segments: fewer holes
     knobs = m["published_knobs_gib"]  # the published run with two details of its loop changed: each moves its peak
     assert knobs["every (last block whole)"] > knobs["as run"] > knobs["logits freed before backward"]
+    # Appendix D: torchtitan's Llama 3 8B run planned whole (its model and loop, every checkpointing and micro-batch)
+    rows = {(r["micro_batch"], r["checkpointing"]): r for r in m["practitioner_rows"]}
+    assert set(rows) == {(mb, ck) for mb in (1, 2) for ck in ("none", "full", "op")}
+    for mb in (1, 2):  # full checkpointing keeps the least, none the most; none fits nowhere at 8,192 tokens
+        assert rows[mb, "full"]["peak_bytes"] < rows[mb, "op"]["peak_bytes"] < rows[mb, "none"]["peak_bytes"]
+        assert not rows[mb, "none"]["fits"] and rows[mb, "full"]["fits"]
+    fastest = m["practitioner_fastest"]
+    assert (fastest["micro_batch"], fastest["checkpointing"]) == (2, "op")  # the benchmark's own configuration
+    assert fastest["peak_bytes"] == m["practitioner_replay_bytes"]["peak"]  # its row: the full-depth step's bytes
+    assert m["practitioner_replay_bytes"]["reserved_expandable"] > fastest["peak_bytes"]
