@@ -46,3 +46,23 @@ def test_notebook_09_verdicts_with_another_size_and_budget(execute_notebook):
     fastest = m["practitioner_fastest"]
     assert fastest is not None and rows[fastest["micro_batch"], fastest["checkpointing"]]["fits_by"] == "replay"
     assert fastest["reserved_bytes"] < as_run["reserved_bytes"]
+    _check_knobs(m["practitioner_knobs"], as_run, rows[2, "full"])
+
+
+def _check_knobs(knobs: list, as_run: dict, full: dict) -> None:
+    """Appendix D's table of knobs, each set to another choice from the benchmarked row: what each one moves."""
+    by = {(k["knob"], k["set_to"].split(" (")[0]): k for k in knobs}
+    base = by["(as benchmarked)", ""]
+    assert (base["peak_bytes"], base["step_s"]) == (as_run["peak_bytes"], as_run["step_s"])  # the same row, alone
+    assert by["checkpointing", "full"]["peak_bytes"] == full["peak_bytes"]  # and its twin in the plan of every row
+    peak = {key: k["peak_bytes"] - base["peak_bytes"] for key, k in by.items()}
+    step = {key: k["step_s"] - base["step_s"] for key, k in by.items()}
+    assert peak["checkpointing", "none"] > 0 > step["checkpointing", "none"]  # keeps every activation, recomputes none
+    assert peak["checkpointing", "full"] < 0 < step["checkpointing", "full"]  # recomputes every matmul too
+    assert peak["precision", "bf16 autocast over fp32 weights"] > 0 > peak["precision", "pure bf16"]  # fp32 gathered
+    #   weights; 2-byte states and gradients
+    assert peak["Adam", "for-loop"] == peak["Adam", "fused"] == 0  # the peak falls before the update's temporaries
+    assert peak["attention", "written out"] > 0 < step["attention", "written out"]  # T x T scores, kept and moved
+    assert peak["logits in the loss", "bf16"] < 0 < peak["logits", "held through backward"]
+    gathered = "FSDP2", "parameters kept gathered after forward"
+    assert peak[gathered] > 0 > step[gathered]  # one all-gather fewer a micro-batch: backward's

@@ -126,7 +126,7 @@ def table(results: dict) -> str:
 def drift_line(before_s: float, after_s: float) -> str:
     """Return the line that says how this machine's speed moved during the bench: the fp32 matmul before and after.
 
-    A shared machine's speed moves by 2x within a day (4.6-7.8 ms here): figures compare only with a similar line.
+    A shared machine's speed can move by 2x within a day: figures compare only with a similar line.
     """
     return (f"this machine during the bench: 512x512 fp32 matmul {before_s * 1e3:.2f} ms before, {after_s * 1e3:.2f} ms "
             f"after ({after_s / before_s:.2f}x)")
