@@ -264,6 +264,7 @@ def plot_rank_peaks(peaks: dict[str, dict[str, int]], budget_bytes: int, n: int,
     ax.get_legend().remove()
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
     ax.tick_params(axis="x", labelrotation=0, labelsize=7)
+    ax.set_ylim(top=max(ax.get_ylim()[1], 1.08 * budget_bytes / plots.MiB))  # the budget's line clear of the frame
     return fig, ax
 
 
