@@ -59,8 +59,8 @@ def _check_knobs(knobs: list, as_run: dict, full: dict) -> None:
     step = {key: k["step_s"] - base["step_s"] for key, k in by.items()}
     assert peak["checkpointing", "none"] > 0 > step["checkpointing", "none"]  # keeps every activation, recomputes none
     assert peak["checkpointing", "full"] < 0 < step["checkpointing", "full"]  # recomputes every matmul too
-    assert peak["precision", "bf16 autocast over fp32 weights"] > 0 > peak["precision", "pure bf16"]  # fp32 gathered
-    #   weights; 2-byte states and gradients
+    assert peak["precision", "bf16 autocast over fp32 weights"] > 0 > peak["precision", "pure bf16"]  # autocast's bf16
+    #   weight copies saved in every block; 2-byte weights and Adam state
     assert peak["Adam", "for-loop"] == peak["Adam", "fused"] == 0  # the peak falls before the update's temporaries
     assert peak["attention", "written out"] > 0 < step["attention", "written out"]  # T x T scores, kept and moved
     assert peak["logits in the loss", "bf16"] < 0 < peak["logits", "held through backward"]
