@@ -26,7 +26,11 @@ def test_notebook_invariants_hold_for_other_parameters(execute_notebook):
     # a 2^10 loss scale lifts gradients out of fp16's subnormal range and out of the range below 2^-24
     assert m["fp16_subnormal_fraction_scaled"] < m["fp16_subnormal_fraction_unscaled"]
     assert m["fp16_underflow_fraction_scaled"] < m["fp16_underflow_fraction_unscaled"]
-    assert m["fits_in_budget"] == (m["peak_bytes_half"] <= m["budget_bytes"])
+    assert m["fits_in_budget"] == (m["peak_bytes_half"] <= m["budget_bytes"])  # the verdict for a GPU
+    assert m["fits_in_budget_this_autocast"] == (m["peak_bytes_half_this_autocast"] <= m["budget_bytes"])
+    if not torch.cuda.is_available():  # the recorded 16-bit peak is the step with CUDA autocast's dtypes, this CPU's aside
+        assert m["peak_bytes_half"] == _fake_half_peak(ex, cuda_ops=True) != m["peak_bytes_half_this_autocast"]
+        assert m["peak_bytes_half_this_autocast"] == _fake_half_peak(ex, cuda_ops=False)
     timed = torch.cuda.is_available() or bf16_native()  # 16-bit steps are timed only where 16-bit units run them
     assert ("throughput_ratio_half" in m) == timed
     if timed:
@@ -50,3 +54,20 @@ def test_notebook_invariants_hold_for_other_parameters(execute_notebook):
     assert 0.5 < m["saved_activation_ratio_half"] < 1.0
     assert [r["width"] for r in m["sweep_half"]] == [16, 32]
     assert m["half_precision"] == "bf16"  # a CPU trains in bf16: every *_half figure above is bf16's
+
+
+def _fake_half_peak(ex, cuda_ops: bool) -> int:
+    """Return the bf16 autocast step's peak of running example `ex` on fake tensors, with CUDA autocast's dtypes or
+    this CPU's."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from labkit.autocast_ops import CudaAutocastOps
+    from labkit.techniques.precision import amp_step_fn
+
+    with CudaAutocastOps() if cuda_ops else contextlib.nullcontext(), FakeTensorMode():
+        model = labkit.GPT(ex.config)
+        opt = labkit.make_optimizer("adam", model.parameters())
+        batch = labkit.example_batch(ex.config, ex.batch_size, ex.seq_len)
+        return labkit.measure_step(model, opt, batch, step_fn=amp_step_fn("bf16", None), device="cpu").peak_bytes

@@ -156,10 +156,12 @@ def _half_row(mp: dict, device: DeviceProfile) -> dict:
     where it has no bf16 units (its peaks are 16-bit either way)."""
     if device.half == "fp16":
         return dict(technique="fp16 autocast + GradScaler", work=(mp["work_fp32"], mp["work_fp16_scaled"]),
-                    source=f"peaks of {mp['half_precision']} and fp32 steps (16 bits hold as many bytes either way); "
+                    source=f"peaks of {mp['half_precision']} (a GPU's autocast dtypes) and fp32 steps (16 bits hold as "
+                           "many bytes either way); "
                            "the work of an fp32 and an fp16 + GradScaler step, as the GPU runs it (counted)")
     return dict(technique=f"{mp['half_precision']} autocast", work=(mp["work_fp32"], mp["work_half"]),
-                source="peaks, and the work of an fp32 and a 16-bit step (counted)")
+                source="peaks (the 16-bit one with a GPU's autocast dtypes), and the work of an fp32 and a 16-bit "
+                       "step (counted)")
 
 
 def cost_per_mib(row: dict) -> float:
