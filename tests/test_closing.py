@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from pathlib import Path
 
@@ -449,3 +450,17 @@ def test_the_side_by_side_line_names_the_gradscaler_only_where_a_row_has_one(res
     plain = [dict(r, technique=r["technique"].replace(" + GradScaler", "")) for r in rows]  # a bf16 GPU's rows
     line = closing.side_by_side_line(plain, chosen)
     assert "the same way" in line and "GradScaler" not in line
+
+
+def test_the_ranking_line_names_the_projection_the_measured_steps_lay_nearer():
+    run, source = closing.measured_run(None)  # the recorded H200 run: launch-bound steps at this size
+    rows = closing.gpu_run_rows(run)
+    line = closing.ranking_line(rows, source)
+    nearer = sum(abs(math.log(r["launches"] / r["measured"])) < abs(math.log(r["roofline"] / r["measured"]))
+                 for r in rows)
+    assert f"nearer the with-launches prediction for {nearer} of {len(rows)}" in line
+    assert nearer > len(rows) / 2 and "read the with-launches figures" in line, line
+    flipped = [dict(r, launches=r["roofline"], roofline=r["launches"]) for r in rows]  # the other way round
+    assert "read the work-alone figures" in closing.ranking_line(flipped, source)
+    same = [dict(r, launches=r["roofline"]) for r in rows]  # the two predictions agree: neither leads
+    assert closing.ranking_line(same, source).endswith("neither projection leads; read both")

@@ -52,6 +52,29 @@ def test_prediction_equals_the_trained_peak(params, tiny):
     assert result.tokens_per_s > 0
 
 
+def test_a_study_on_a_cpu_predicts_and_meters_16_bit_settings_with_a_gpus_autocast_dtypes(tiny):
+    # the search answers for a GPU: a 16-bit step on a CPU takes CUDA autocast's dtypes (chapter 03), so a CPU study
+    # predicts what a study on CUDA predicts (the H200's metered peaks: test_a_study_on_cuda_predicts_...), not its own
+    import dataclasses
+
+    cuda = dataclasses.replace(tiny, device="cuda")
+    for params in (dict(PLAIN, precision="bf16", micro_batch=4), SETTINGS[2]):  # plain, and checkpointed (recomputed)
+        assert search.predict_peak_bytes(params, tiny) == search.predict_peak_bytes(params, cuda), params
+    step = SettingStep(dict(PLAIN, precision="bf16", micro_batch=4), tiny, "cpu")
+    batch = example_batch(tiny.gpt, tiny.batch, tiny.seq_len)
+    seen = []
+
+    class Softmaxes(torch.overrides.TorchFunctionMode):  # outside the step's own modes: sees what they call
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.Tensor.softmax:
+                seen.append(out.dtype)
+            return out
+    with Softmaxes():
+        step.step(batch)
+    assert seen and set(seen) == {torch.float32}  # CUDA's softmax: fp32 (this CPU's autocast: bf16)
+
+
 def test_the_memory_techniques_learn_the_same_thing(tiny):
     """Checkpointing, offload, micro-batches and L2L compute the same gradients: the same loss to rounding."""
     losses = [search.train(p, tiny).val_loss for p in SETTINGS if p.get("precision", "fp32") == "fp32"]

@@ -102,7 +102,10 @@ class SettingStep:
         if self.technique == "l2l":
             self.l2l.step(batch)
             return
-        with self.hooks if self.hooks is not None else contextlib.nullcontext():  # 04: saved tensors to the host
+        # 03 on a CPU: a 16-bit step takes CUDA autocast's dtypes, as the GPU the search answers for runs it
+        on_cpu = self.precision != "fp32" and self.device.type == "cpu"
+        gpu_dtypes = CudaAutocastOps() if on_cpu else contextlib.nullcontext()
+        with self.hooks if self.hooks is not None else contextlib.nullcontext(), gpu_dtypes:  # 04: saved tensors to host
             amp_train_step(self.model, self.optimizer, split_batch(batch, self.micro_batch), precision=self.precision,
                            scaler=self.scaler)
 
@@ -143,13 +146,13 @@ def predict_step(params: dict, config: StudyConfig) -> tuple[int, Work]:
     key = ("setting", *_memory_key(params, config))
     counter = WorkCounter()
 
-    def build():  # on "cpu": fake CUDA autograd aborts a CPU-only build; a study on CUDA takes CUDA autocast's dtypes
+    def build():  # on "cpu": fake CUDA autograd aborts a CPU-only build (SettingStep takes CUDA autocast's dtypes)
         step = SettingStep(params, config, "cpu")
         batch = example_batch(config.gpt, config.batch, config.seq_len)
         create_optimizer_state(step.optimizer)  # as after a first step, at half the cost of running one
 
         def run():
-            with counter, CudaAutocastOps() if config.device == "cuda" else contextlib.nullcontext():
+            with counter:
                 step.step(batch)
         return step.model, lambda meter: step.attach(meter, batch), run
     return remembered(key, lambda: (fake_step(build)[0], counter.work()))

@@ -528,6 +528,26 @@ def gpu_run_rows(run: dict) -> list[dict]:
     return rows
 
 
+def ranking_line(rows: list[dict], source: str) -> str:
+    """Say which projection of gpu_run_rows' `rows`, the work alone or with the host's launches, the measured steps
+    lay nearer and went the way of (faster or slower than the plain step): the ranking to read (chapters 08, 10)."""
+    def nearer(k, other):
+        return sum(abs(math.log(r[k] / r["measured"])) < abs(math.log(r[other] / r["measured"])) for r in rows)
+    near = {"launches": nearer("launches", "roofline"), "roofline": nearer("roofline", "launches")}
+    way = {k: sum((r[k] > 1) == (r["measured"] > 1) for r in rows) for k in near}
+    score = {k: (near[k], way[k]) for k in near}  # nearer first, then the direction
+    lead = None if score["launches"] == score["roofline"] else max(score, key=score.get)
+    text = (f"which projection to read: on the GPU run in {source} the measured step lay nearer the with-launches "
+            f"prediction for {near['launches']} of {len(rows)} timed steps (the work alone: {near['roofline']}), and "
+            f"went its way (faster or slower than plain) for {way['launches']} of them (the work alone: {way['roofline']})")
+    if lead == "launches":
+        return (text + ": at this size read the with-launches figures; the work alone is the bound once kernels "
+                "outlast their launches (large models: chapter 09)")
+    if lead == "roofline":
+        return text + ": read the work-alone figures; the launches did not set these steps' pace"
+    return text + ": neither projection leads; read both"
+
+
 # what gpu_run_rows reads from a run: each technique's measured step-time ratio and the work it was counted from
 GPU_RUN_RECORDS = {
     "01_gradient_accumulation": ("work_by_accum_steps", "step_time_ratio_by_accum_steps",
