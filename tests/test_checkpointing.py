@@ -208,6 +208,45 @@ def test_op_level_policy_keeps_every_other_matmul_and_the_attention_kernels_outp
     assert not others, others  # nothing else kept in this block
 
 
+def _op_level_kept(attn: str) -> set:
+    """Return the ops whose outputs op_level_policy keeps in one bf16 llama block's checkpointed forward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from labkit.models import Block, GPTConfig
+    cfg = GPTConfig(n_layer=1, n_embd=64, n_head=4, block_size=16, bias=False, mlp="swiglu", norm="rms", pos="rope",
+                    attn=attn, fused_qkv=False, tie_weights=False)
+    kept, policy = set(), op_level_policy()
+
+    def recorded(ctx, op, *args, **kwargs):
+        decision = policy(ctx, op, *args, **kwargs)
+        if decision == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+            kept.add(op)
+        return decision
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with FakeTensorMode():
+            x = torch.randn(2, 16, 64, requires_grad=True)
+            torch.utils.checkpoint.checkpoint(Block(cfg), x, use_reentrant=False, context_fn=lambda:
+                                              create_selective_checkpoint_contexts(recorded)).sum().backward()
+    finally:
+        torch.set_default_dtype(before)
+    return kept
+
+
+def test_the_benchmarks_december_2024_save_list_keeps_the_same_with_the_flash_kernel_not_with_attention_written_out():
+    # chapter 09, Appendix D: the plan's op-level policy is torchtitan's later one; its Llama 3.1 8B benchmark ran the
+    # earlier save list. With the flash kernel a block keeps only ops of that list; written out, the later policy also
+    # keeps the scores' bmm outputs (T x T), which the earlier list recomputes
+    from labkit.techniques.checkpointing import torchtitan_2024_save_list
+    earlier = torchtitan_2024_save_list()
+    flash = _op_level_kept("flash")
+    assert flash and flash <= earlier, flash - earlier
+    written_out = _op_level_kept("manual")
+    assert torch.ops.aten.bmm.default in written_out - earlier, written_out
+
+
 def test_predicted_activation_bytes_follows_chen():
     n = 16
     plain = predicted_activation_bytes(n, 1, block_bytes=10, boundary_bytes=1, rest_bytes=5)

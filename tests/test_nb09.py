@@ -1,5 +1,7 @@
 """Notebook 09 with another model size, another budget, another GPU and seed: the same verdicts."""
 
+import math
+
 import labkit
 
 STEM = "09_will_it_fit"
@@ -47,6 +49,14 @@ def test_notebook_09_verdicts_with_another_size_and_budget(execute_notebook):
     assert fastest is not None and rows[fastest["micro_batch"], fastest["checkpointing"]]["fits_by"] == "replay"
     assert fastest["reserved_bytes"] < as_run["reserved_bytes"]
     _check_knobs(m["practitioner_knobs"], as_run, rows[2, "full"])
+    # its second fits column holds back the widest reserved-less-active share of Appendix C's FSDP2 runs, more than
+    # the plan's 10% reserve
+    from labkit.gpus import GPUS
+    from labkit.planner import published
+    gaps = [(r["memory"]["peak_reserved_gib"] - r["memory"]["peak_active_gib"]) * 2**30
+            / GPUS[r["plan"]["gpu"]].memory_bytes for r in published.published_runs()
+            if "peak_active_gib" in r.get("memory", {}) and r["plan"]["parallel"].startswith("fsdp2")]
+    assert m["practitioner_fsdp2_held_share"] == math.ceil(max(gaps) * 100) / 100 > 0.10
 
 
 def _check_knobs(knobs: list, as_run: dict, full: dict) -> None:

@@ -44,6 +44,17 @@ def selective_policy(save_ops=MATMUL_OPS):
     return policy
 
 
+def torchtitan_2024_save_list() -> frozenset:
+    """Return the ops whose outputs torchtitan's op-level policy kept in December 2024, when it published its Llama 3.1
+    8B benchmark (`_save_list`, torchtitan/parallelisms/parallelize_llama.py): mm, CUDA's flash and memory-efficient
+    SDPA kernels, reduce-scatter and max. op_level_policy keeps torch's compute-intensive ops instead (bmm among
+    them); with the flash kernel and bias-free linears a llama block keeps the same tensors under either (tests)."""
+    aten = torch.ops.aten
+    return frozenset({aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
+                      aten._scaled_dot_product_flash_attention.default,
+                      torch.ops._c10d_functional.reduce_scatter_tensor.default, aten.max.default})
+
+
 def op_level_policy():
     """Return torchtitan's op-level selective checkpointing policy, fresh for one block's call (its SelectiveAC at
     pytorch/torchtitan b5bcd76, torchtitan/distributed/activation_checkpoint.py): keep the outputs of the ops torch's
