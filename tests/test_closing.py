@@ -458,9 +458,44 @@ def test_the_ranking_line_names_the_projection_the_measured_steps_lay_nearer():
     line = closing.ranking_line(rows, source)
     nearer = sum(abs(math.log(r["launches"] / r["measured"])) < abs(math.log(r["roofline"] / r["measured"]))
                  for r in rows)
-    assert f"nearer the with-launches prediction for {nearer} of {len(rows)}" in line
+    within = sum(abs(math.log(r["launches"] / r["measured"])) <= math.log(closing.NEAR) for r in rows)
+    assert f"nearer the with-launches prediction for {nearer} of {len(rows)} timed steps (within 1.25x of it for " \
+           f"{within};" in line
+    assert closing.supported_projection(rows) == "launches"
     assert nearer > len(rows) / 2 and "read the with-launches figures" in line, line
     flipped = [dict(r, launches=r["roofline"], roofline=r["launches"]) for r in rows]  # the other way round
     assert "read the work-alone figures" in closing.ranking_line(flipped, source)
     same = [dict(r, launches=r["roofline"]) for r in rows]  # the two predictions agree: neither leads
     assert closing.ranking_line(same, source).endswith("neither projection leads; read both")
+
+
+def test_the_launch_reading_names_the_first_by_launches_and_the_rows_slower_than_plain(results):
+    rows = closing.one_device_rows(results, "t4")
+    order = closing.with_launches_order(rows)
+    line = closing.launch_reading(order)
+    assert line.startswith(f"read so, {order[0]['technique']} comes first ({order[0]['time_ratio_launches']:.2f}x")
+    slower = [r for r in order if r["time_ratio_launches"] > 1 + closing.TIME_TOLERANCE]
+    assert ("every technique makes the step slower" in line) == (len(slower) == len(order))
+    faster = [dict(r, time_ratio_launches=0.5) if r is order[-1] else r for r in order]  # one row under the plain step
+    assert "slower than the plain step so counted: " in closing.launch_reading(closing.with_launches_order(faster))
+
+
+def test_the_held_line_gives_a_timed_steps_measurement_beside_both_projections():
+    run, _ = closing.measured_run(None)
+    r = next(row for row in closing.gpu_run_rows(run) if row["technique"] == "bf16 autocast")
+    line = closing.held_line(run, "bf16 autocast")
+    assert f"took {r['measured']:.2f}x the plain step's time (by the work {r['roofline']:.2f}x, with launches " \
+           f"{r['launches']:.2f}x)" in line and "recorded H200 run" in line
+    nearer = abs(math.log(r["launches"] / r["measured"])) < abs(math.log(r["roofline"] / r["measured"]))
+    assert line.endswith("the launches' projection lay nearer" if nearer else "the work's projection lay nearer")
+
+
+def test_chapter_08s_launch_lines_name_what_beats_its_answer_and_what_to_train_at_this_size():
+    ratios = {"02 activation checkpointing": 0.63, "01 gradient accumulation": 0.97, "04 activation offload": 1.5}
+    lines = closing.search_launch_lines(1.19, 0.56, ratios, 0.95)
+    assert "by which its answer runs at 1.19x the plain step's speed, and at 0.56x" in lines[0]
+    assert lines[0].endswith("so counted, it trails 02 activation checkpointing")
+    assert lines[1].startswith("which projection to read:")  # the recorded run supports the launches' (test above)
+    assert lines[2].startswith("read so, of these settings 02 activation checkpointing is the fastest (0.63x")
+    ties_only = closing.search_launch_lines(1.19, 0.56, {"01 gradient accumulation": 0.97}, 0.95)
+    assert ties_only[0].endswith("it ties 01 gradient accumulation (under 1.05x apart)") and len(ties_only) == 2

@@ -528,24 +528,95 @@ def gpu_run_rows(run: dict) -> list[dict]:
     return rows
 
 
+def _projection_scores(rows: list[dict]) -> dict:
+    """Return, per projection of gpu_run_rows' `rows` ("launches", "roofline"): how many measured steps lay nearer it
+    than the other, how many within NEAR of it, and how many went its way (faster or slower than the plain step)."""
+    def off(r, k):
+        return abs(math.log(r[k] / r["measured"]))
+    other = {"launches": "roofline", "roofline": "launches"}
+    return {k: {"nearer": sum(off(r, k) < off(r, other[k]) for r in rows),
+                "within": sum(off(r, k) <= math.log(NEAR) for r in rows),
+                "way": sum((r[k] > 1) == (r["measured"] > 1) for r in rows)} for k in other}
+
+
+def supported_projection(rows: list[dict]) -> str | None:
+    """Return the projection of gpu_run_rows' `rows` the measured steps support ("launches" or "roofline": nearer more
+    often, then the way they went more often), None where neither leads (chapters 08, 10)."""
+    score = {k: (v["nearer"], v["way"]) for k, v in _projection_scores(rows).items()}
+    return None if score["launches"] == score["roofline"] else max(score, key=score.get)
+
+
 def ranking_line(rows: list[dict], source: str) -> str:
     """Say which projection of gpu_run_rows' `rows`, the work alone or with the host's launches, the measured steps
     lay nearer and went the way of (faster or slower than the plain step): the ranking to read (chapters 08, 10)."""
-    def nearer(k, other):
-        return sum(abs(math.log(r[k] / r["measured"])) < abs(math.log(r[other] / r["measured"])) for r in rows)
-    near = {"launches": nearer("launches", "roofline"), "roofline": nearer("roofline", "launches")}
-    way = {k: sum((r[k] > 1) == (r["measured"] > 1) for r in rows) for k in near}
-    score = {k: (near[k], way[k]) for k in near}  # nearer first, then the direction
-    lead = None if score["launches"] == score["roofline"] else max(score, key=score.get)
+    s = _projection_scores(rows)
+    launches, work = s["launches"], s["roofline"]
     text = (f"which projection to read: on the GPU run in {source} the measured step lay nearer the with-launches "
-            f"prediction for {near['launches']} of {len(rows)} timed steps (the work alone: {near['roofline']}), and "
-            f"went its way (faster or slower than plain) for {way['launches']} of them (the work alone: {way['roofline']})")
+            f"prediction for {launches['nearer']} of {len(rows)} timed steps (within {NEAR:.2f}x of it for "
+            f"{launches['within']}; the work alone: nearer for {work['nearer']}, within {NEAR:.2f}x for "
+            f"{work['within']}), and went its way (faster or slower than plain) for {launches['way']} of them (the work "
+            f"alone: {work['way']})")
+    lead = supported_projection(rows)
     if lead == "launches":
         return (text + ": at this size read the with-launches figures; the work alone is the bound once kernels "
                 "outlast their launches (large models: chapter 09)")
     if lead == "roofline":
         return text + ": read the work-alone figures; the launches did not set these steps' pace"
     return text + ": neither projection leads; read both"
+
+
+def launch_reading(launch_order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
+    """Say what the with-launches order (with_launches_order) advises: which comes first, and which rows make the
+    step slower than the plain one so counted (chapter 10, where the measured run supports that reading)."""
+    lead = launch_order[0]
+    with_ = ties(launch_order, tolerance)[lead["technique"]]
+    slower = [r for r in launch_order if r["time_ratio_launches"] > 1 + tolerance]
+    text = (f"read so, {lead['technique']} comes first ({lead['time_ratio_launches']:.2f}x the plain step's time"
+            + (f", tied with {', '.join(launch_order[p - 1]['technique'] for p in with_)}" if with_ else "") + ")")
+    timed = {chapter(stem) for stem in GPU_RUN_RECORDS}  # the chapters whose steps the GPU run timed (01, 03, 05)
+    untimed = [r["chapter"] for r in [lead] + [launch_order[p - 1] for p in with_] if r["chapter"] not in timed]
+    if untimed:
+        text += f" (chapter{'s' if len(untimed) > 1 else ''} {' and '.join(untimed)}: not timed on the GPU run)"
+    if len(slower) == len(launch_order):
+        return text + "; every technique makes the step slower than the plain one at this size: each adds kernels"
+    if slower:
+        return text + f"; slower than the plain step so counted: {', '.join(r['technique'] for r in slower)}"
+    return text
+
+
+def held_line(run: dict, technique: str) -> str:
+    """Say how the recorded GPU `run` timed gpu_run_rows' step `technique` (e.g. "bf16 autocast") against its two
+    projections, and which one's direction held (chapter 03)."""
+    r = next(row for row in gpu_run_rows(run) if row["technique"] == technique)
+    held = "the launches'" if abs(math.log(r["launches"] / r["measured"])) < abs(math.log(r["roofline"] / r["measured"])) \
+        else "the work's"
+    return (f"which to believe: on the recorded {(cuda_gpu_key(run['hardware']) or 'GPU').upper()} run (chapter 10) "
+            f"the {technique} step took {r['measured']:.2f}x the plain step's time (by the work {r['roofline']:.2f}x, "
+            f"with launches {r['launches']:.2f}x): {held} projection lay nearer")
+
+
+def search_launch_lines(speedup: float, speedup_launches: float, launch_ratios: dict, same_speed: float,
+                        recorded: str | Path = GPU_RUN_PATH) -> list[str]:
+    """Return chapter 08's lines on the host's launches: its answer's speed-up over the plain step by the work alone
+    (`speedup`) and with launches; which chapter settings beat or tie it so counted (`launch_ratios`: name -> its
+    with-launches time over the answer's; `same_speed`: the tie margin); which projection the recorded GPU run
+    supports; and, where it supports the launches', the setting to train at this size."""
+    ahead = [n for n, r in launch_ratios.items() if r < same_speed]
+    tied = [n for n, r in launch_ratios.items() if same_speed <= r < 1 / same_speed]
+    lines = [f"the search ranks by counted work alone, by which its answer runs at {speedup:.2f}x the plain step's "
+             f"speed, and at {speedup_launches:.2f}x counting the host's launches, which set the pace at this size (at "
+             "an H200 host's launch rate); so counted, " + (f"it trails {', '.join(ahead)}" if ahead else
+                                                           f"it ties {', '.join(tied)} (under {1 / same_speed:.2f}x "
+                                                           "apart)" if tied else "it stays ahead")]
+    run, source = measured_run(None, recorded)
+    rows = gpu_run_rows(run)
+    lines.append(ranking_line(rows, source))
+    if ahead and supported_projection(rows) == "launches":
+        quickest = min(launch_ratios, key=launch_ratios.get)
+        lines.append(f"read so, of these settings {quickest} is the fastest ({launch_ratios[quickest]:.2f}x the "
+                     "answer's time): at this size train that; the search's answer is the one for a model whose "
+                     "kernels outlast their launches")
+    return lines
 
 
 # what gpu_run_rows reads from a run: each technique's measured step-time ratio and the work it was counted from
