@@ -476,6 +476,12 @@ def test_the_launch_reading_names_the_first_by_launches_and_the_rows_slower_than
     assert line.startswith(f"read so, {order[0]['technique']} comes first ({order[0]['time_ratio_launches']:.2f}x")
     slower = [r for r in order if r["time_ratio_launches"] > 1 + closing.TIME_TOLERANCE]
     assert ("every technique makes the step slower" in line) == (len(slower) == len(order))
+    run, _ = closing.measured_run(None)
+    l2l = next(r for r in closing.gpu_run_rows(run) if r["technique"] == "layer-to-layer")
+    with_rows = closing.launch_reading(order, gpu_rows=closing.gpu_run_rows(run))
+    leads = {order[0]["chapter"]} | {order[p - 1]["chapter"] for p in closing.ties(order)[order[0]["technique"]]}
+    assert (f"measured {l2l['measured']:.2f}x against {l2l['launches']:.2f}x with launches" in with_rows) == \
+        bool(leads & {"04", "05"}), with_rows
     faster = [dict(r, time_ratio_launches=0.5) if r is order[-1] else r for r in order]  # one row under the plain step
     assert "slower than the plain step so counted: " in closing.launch_reading(closing.with_launches_order(faster))
 
@@ -487,7 +493,8 @@ def test_the_held_line_gives_a_timed_steps_measurement_beside_both_projections()
     assert f"took {r['measured']:.2f}x the plain step's time (by the work {r['roofline']:.2f}x, with launches " \
            f"{r['launches']:.2f}x)" in line and "recorded H200 run" in line
     nearer = abs(math.log(r["launches"] / r["measured"])) < abs(math.log(r["roofline"] / r["measured"]))
-    assert line.endswith("the launches' projection lay nearer" if nearer else "the work's projection lay nearer")
+    assert ("the launches' projection lay nearer" if nearer else "the work's projection lay nearer") in line
+    assert line.endswith("saves memory, not time" if r["measured"] > 1 else "faster than the plain one")
 
 
 def test_chapter_08s_launch_lines_name_what_beats_its_answer_and_what_to_train_at_this_size():
@@ -496,6 +503,9 @@ def test_chapter_08s_launch_lines_name_what_beats_its_answer_and_what_to_train_a
     assert "by which its answer runs at 1.19x the plain step's speed, and at 0.56x" in lines[0]
     assert lines[0].endswith("so counted, it trails 02 activation checkpointing")
     assert lines[1].startswith("which projection to read:")  # the recorded run supports the launches' (test above)
-    assert lines[2].startswith("read so, of these settings 02 activation checkpointing is the fastest (0.63x")
+    assert lines[2].startswith("read so, of these settings 02 activation checkpointing is the fastest (0.63x the "
+                               "answer's time): at this size")
+    tied = closing.search_launch_lines(1.19, 0.56, dict(ratios, **{"04 activation offload": 0.65}), 0.95)
+    assert "(0.63x the answer's time; tied with 04 activation offload)" in tied[2]
     ties_only = closing.search_launch_lines(1.19, 0.56, {"01 gradient accumulation": 0.97}, 0.95)
     assert ties_only[0].endswith("it ties 01 gradient accumulation (under 1.05x apart)") and len(ties_only) == 2

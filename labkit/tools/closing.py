@@ -565,18 +565,27 @@ def ranking_line(rows: list[dict], source: str) -> str:
     return text + ": neither projection leads; read both"
 
 
-def launch_reading(launch_order: list[dict], tolerance: float = TIME_TOLERANCE) -> str:
+def launch_reading(launch_order: list[dict], tolerance: float = TIME_TOLERANCE, gpu_rows: list | None = None) -> str:
     """Say what the with-launches order (with_launches_order) advises: which comes first, and which rows make the
-    step slower than the plain one so counted (chapter 10, where the measured run supports that reading)."""
+    step slower than the plain one so counted (chapter 10, where the measured run supports that reading); with the
+    GPU run's `gpu_rows`, how far that projection missed its host-link step (L2L) where 04 or 05 leads."""
     lead = launch_order[0]
     with_ = ties(launch_order, tolerance)[lead["technique"]]
     slower = [r for r in launch_order if r["time_ratio_launches"] > 1 + tolerance]
-    text = (f"read so, {lead['technique']} comes first ({lead['time_ratio_launches']:.2f}x the plain step's time"
-            + (f", tied with {', '.join(launch_order[p - 1]['technique'] for p in with_)}" if with_ else "") + ")")
+    notes = [f"{lead['time_ratio_launches']:.2f}x the plain step's time"
+             + (f", tied with {', '.join(launch_order[p - 1]['technique'] for p in with_)}" if with_ else "")]
     timed = {chapter(stem) for stem in GPU_RUN_RECORDS}  # the chapters whose steps the GPU run timed (01, 03, 05)
-    untimed = [r["chapter"] for r in [lead] + [launch_order[p - 1] for p in with_] if r["chapter"] not in timed]
+    leads = [lead] + [launch_order[p - 1] for p in with_]
+    untimed = [r["chapter"] for r in leads if r["chapter"] not in timed]
     if untimed:
-        text += f" (chapter{'s' if len(untimed) > 1 else ''} {' and '.join(untimed)}: not timed on the GPU run)"
+        notes.append(f"chapter{'s' if len(untimed) > 1 else ''} {' and '.join(untimed)} not timed on the GPU run")
+    host_link = [r["chapter"] for r in leads if r["chapter"] in ("04", "05")]
+    l2l = next((r for r in gpu_rows or [] if r["technique"] == "layer-to-layer"), None)
+    if host_link and l2l:  # copies over the host link: the launches' projection is weakest there
+        notes.append(f"{' and '.join(host_link)} cop{'y' if len(host_link) > 1 else 'ies'} over the host link, where "
+                     f"the GPU run's layer-to-layer measured {l2l['measured']:.2f}x against {l2l['launches']:.2f}x with "
+                     "launches: an uncertain place")
+    text = f"read so, {lead['technique']} comes first ({'; '.join(notes)})"
     if len(slower) == len(launch_order):
         return text + "; every technique makes the step slower than the plain one at this size: each adds kernels"
     if slower:
@@ -592,7 +601,9 @@ def held_line(run: dict, technique: str) -> str:
         else "the work's"
     return (f"which to believe: on the recorded {(cuda_gpu_key(run['hardware']) or 'GPU').upper()} run (chapter 10) "
             f"the {technique} step took {r['measured']:.2f}x the plain step's time (by the work {r['roofline']:.2f}x, "
-            f"with launches {r['launches']:.2f}x): {held} projection lay nearer")
+            f"with launches {r['launches']:.2f}x): {held} projection lay nearer, and measured, the step ran "
+            + ("slower than the plain one: at this size it saves memory, not time" if r["measured"] > 1 else
+               "faster than the plain one"))
 
 
 def search_launch_lines(speedup: float, speedup_launches: float, launch_ratios: dict, same_speed: float,
@@ -613,9 +624,10 @@ def search_launch_lines(speedup: float, speedup_launches: float, launch_ratios: 
     lines.append(ranking_line(rows, source))
     if ahead and supported_projection(rows) == "launches":
         quickest = min(launch_ratios, key=launch_ratios.get)
+        tied_q = [n for n, r in launch_ratios.items() if n != quickest and r * same_speed <= launch_ratios[quickest]]
         lines.append(f"read so, of these settings {quickest} is the fastest ({launch_ratios[quickest]:.2f}x the "
-                     "answer's time): at this size train that; the search's answer is the one for a model whose "
-                     "kernels outlast their launches")
+                     "answer's time" + (f"; tied with {', '.join(tied_q)}" if tied_q else "") + "): at this size "
+                     "train that; the search's answer would be this model's if launches were free")
     return lines
 
 
