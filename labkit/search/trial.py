@@ -103,8 +103,8 @@ class SettingStep:
             self.l2l.step(batch)
             return
         # 03 on a CPU: a 16-bit step takes CUDA autocast's dtypes, as the GPU the search answers for runs it
-        on_cpu = self.precision != "fp32" and self.device.type == "cpu"
-        gpu_dtypes = CudaAutocastOps() if on_cpu else contextlib.nullcontext()
+        half_on_cpu = self.precision != "fp32" and self.device.type == "cpu"
+        gpu_dtypes = CudaAutocastOps() if half_on_cpu else contextlib.nullcontext()
         with self.hooks if self.hooks is not None else contextlib.nullcontext(), gpu_dtypes:  # 04: saved tensors to host
             amp_train_step(self.model, self.optimizer, split_batch(batch, self.micro_batch), precision=self.precision,
                            scaler=self.scaler)

@@ -597,8 +597,7 @@ def held_line(run: dict, technique: str) -> str:
     """Say how the recorded GPU `run` timed gpu_run_rows' step `technique` (e.g. "bf16 autocast") against its two
     projections, and which one's direction held (chapter 03)."""
     r = next(row for row in gpu_run_rows(run) if row["technique"] == technique)
-    held = "the launches'" if abs(math.log(r["launches"] / r["measured"])) < abs(math.log(r["roofline"] / r["measured"])) \
-        else "the work's"
+    held = "the launches'" if _projection_scores([r])["launches"]["nearer"] else "the work's"
     return (f"which to believe: on the recorded {(cuda_gpu_key(run['hardware']) or 'GPU').upper()} run (chapter 10) "
             f"the {technique} step took {r['measured']:.2f}x the plain step's time (by the work {r['roofline']:.2f}x, "
             f"with launches {r['launches']:.2f}x): {held} projection lay nearer, and measured, the step ran "
