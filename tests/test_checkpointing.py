@@ -18,6 +18,7 @@ from labkit.models import MLP, MLPConfig
 from labkit.techniques.checkpointing import (CheckpointedSequential, backward_moments_bytes, checkpoint_blocks, op_level_policy,
                                   predicted_activation_bytes, segment_sizes, torch_segment_sizes)
 from labkit.train import make_optimizer, measure_step, train_step
+from labkit.validate import ParameterError
 from labkit.work import count_work
 
 N_LAYER = 6  # the tiny GPT made 6 blocks deep (4 heads): enough blocks to checkpoint in segments
@@ -77,7 +78,8 @@ def test_segment_sizes_reject_bad_input(bad):
                                     dict(segments=6, checkpoint_last=True),
                                     dict(segments=6, checkpoint_last=True, selective=True),
                                     dict(segments=6, checkpoint_last=True, op_level=True),
-                                    dict(segments=3, selective=True)])
+                                    dict(segments=3, selective=True),
+                                    dict(segments=6, checkpoint_last=True, every=2)])
 def test_checkpointed_gpt_gives_the_plain_gradients(kwargs, deep_gpt, tiny_batch):
     batch = tiny_batch(3, seed=1)
     plain = deep_gpt()
@@ -157,6 +159,36 @@ def test_selective_checkpointing_sits_between_plain_and_full(deep_gpt, tiny_batc
         model = deep_gpt() if kwargs is None else checkpoint_blocks(deep_gpt(), N_LAYER, **kwargs)
         acts[name] = _peak(model, batch).split["activations"]
     assert acts["full"] < acts["selective"] < acts["plain"]
+
+
+@pytest.mark.parametrize("every", [2, 3, 4])
+def test_layer_level_checkpoints_torchtitans_blocks_and_recomputes_those_alone(every, deep_gpt, tiny_batch):
+    """every=k: the k-th, 2k-th, ... block (counted from 1, torchtitan's `_count % ac_freq == 0`) runs twice, once more
+    in backward; the others once. Its recomputed FLOPs are those blocks' share of full checkpointing's; its saved
+    activations lie between full's and plain's."""
+    batch = tiny_batch(3, seed=1)
+    model = checkpoint_blocks(deep_gpt(), N_LAYER, checkpoint_last=True, every=every)
+    calls = [0] * N_LAYER
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+    _backward(model, batch)
+    assert calls == [2 if (i + 1) % every == 0 else 1 for i in range(N_LAYER)]
+    flops = {name: count_work(_backward, model, batch).total_flops for name, model in (
+        ("plain", deep_gpt()), ("full", checkpoint_blocks(deep_gpt(), N_LAYER, checkpoint_last=True)),
+        ("layer", checkpoint_blocks(deep_gpt(), N_LAYER, checkpoint_last=True, every=every)))}
+    assert flops["layer"] - flops["plain"] == (flops["full"] - flops["plain"]) * (N_LAYER // every) // N_LAYER
+    acts = {name: _peak(model, tiny_batch(8, seed=1)).split["activations"] for name, model in (
+        ("plain", deep_gpt()), ("full", checkpoint_blocks(deep_gpt(), N_LAYER, checkpoint_last=True)),
+        ("layer", checkpoint_blocks(deep_gpt(), N_LAYER, checkpoint_last=True, every=every)))}
+    assert acts["full"] < acts["layer"] < acts["plain"]
+
+
+@pytest.mark.parametrize("kwargs", [dict(segments=3, checkpoint_last=True, every=2), dict(segments=6, every=2),
+                                    dict(segments=6, checkpoint_last=True, every=2, selective=True),
+                                    dict(segments=6, checkpoint_last=True, every=7)])
+def test_layer_level_checkpointing_refuses_what_it_does_not_take(kwargs, deep_gpt):
+    with pytest.raises(ParameterError, match="every"):
+        checkpoint_blocks(deep_gpt(), **kwargs)
 
 
 def test_flops_within_one_extra_forward_and_selective_recomputes_no_matmul(deep_gpt, tiny_batch):

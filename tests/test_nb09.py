@@ -69,6 +69,9 @@ def _check_knobs(knobs: list, as_run: dict, full: dict) -> None:
     step = {key: k["step_s"] - base["step_s"] for key, k in by.items()}
     assert peak["checkpointing", "none"] > 0 > step["checkpointing", "none"]  # keeps every activation, recomputes none
     assert peak["checkpointing", "full"] < 0 < step["checkpointing", "full"]  # recomputes every matmul too
+    layer = ("checkpointing", "every 2nd block whole")  # layer2: half the blocks as none's, half as full's
+    assert peak["checkpointing", "full"] < peak[layer] < peak["checkpointing", "none"]
+    assert step["checkpointing", "none"] < step[layer] < step["checkpointing", "full"]
     assert peak["precision", "bf16 autocast over fp32 weights"] > 0 > peak["precision", "pure bf16"]  # autocast's bf16
     #   weight copies saved in every block; 2-byte weights and Adam state
     assert peak["Adam", "for-loop"] == peak["Adam", "fused"] == 0  # the peak falls before the update's temporaries

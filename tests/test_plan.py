@@ -62,6 +62,28 @@ def test_bf16_peaks_match_the_meter_within_one_percent():
     _check_against_the_meter(p.rows, ex)
 
 
+def test_layer_level_rows_match_the_meter_and_recompute_their_blocks_share(monkeypatch):
+    """layer<k>, torchtitan's layer-level selective checkpointing (every k-th block whole): its rows within 1% of real
+    steps; its recomputed FLOPs are its blocks' share of full checkpointing's (blocks 2 and 4 of 4 for layer2, 3 for
+    layer3), its peak between full's and none's; a deep model plans it at full depth (its blocks repeat every k)."""
+    ex = running_example(batch_size=4, seq_len=32)  # 4 blocks
+    p = P.plan(ex.config, cpu_profile(ex.budget_bytes), 1, ex.seq_len, ex.batch_size, reserve_fraction=0.0,
+               precisions=("fp32", "bf16"), offload=(False,), optimizers=("device",), micro_batches=(4,),
+               checkpointing=("none", "full", "layer2", "layer3"), workers=1)
+    rows = {(r.combination.checkpointing, r.combination.precision): r for r in p.rows}
+    _check_against_the_meter([rows["layer2", "fp32"], rows["layer3", "fp32"], rows["layer2", "bf16"]], ex)
+    for precision in ("fp32", "bf16"):
+        none, full, two, three = (rows[c, precision] for c in ("none", "full", "layer2", "layer3"))
+        assert two.flops - none.flops == (full.flops - none.flops) * 2 // 4 > 0
+        assert three.flops - none.flops == (full.flops - none.flops) // 4
+        assert full.peak_bytes < two.peak_bytes < none.peak_bytes and two.peak_bytes <= three.peak_bytes
+    monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)  # (DEEP's 4 blocks: past it, the fast path's model)
+    spec = P.gpt_spec(DEEP)
+    step = P.Step(2, 2, 16, "layer2", "fp32")
+    assert not P._fast(spec, step, "fast")
+    assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full")
+
+
 def test_a_gpu_plan_takes_cuda_autocasts_dtypes():
     """A GPU's bf16 rows: the peaks of real CPU steps run with CUDA autocast's dtypes (CudaAutocastOps, checked op by
     op against an H200 in test_autocast_ops); a CPU's own rows keep its autocast's."""
@@ -215,6 +237,9 @@ def test_fp16_rows_exist_only_where_the_gpu_has_them():
 @pytest.mark.parametrize("kwargs, field", [
     ({"model": "gpt-17"}, "model"), ({"gpu": "v100"}, "gpu"), ({"gpus": 3, "batch": 8}, "batch"),
     ({"seq_len": 2048, "model": "gpt2"}, "seq_len"), ({"gpus": 0}, "gpus"),
+    ({"checkpointing": ("layer1",)}, r"k of layer<k> \(every k-th block; 1 is full\) must be an integer \[2, 6\]"),
+    ({"checkpointing": ("layer7",)}, r"layer7: k of layer<k>"),
+    ({"checkpointing": ("layers",)}, r"checkpointing must be one of .* or layer<k> \(every k-th block, 2 <= k <= 6\)"),
 ])
 def test_bad_input_names_the_field(kwargs, field):
     args = {"model": SMALL, "gpu": "a100-80gb", "gpus": 1, "seq_len": 16, "batch": 8, **kwargs}
@@ -353,6 +378,8 @@ def test_a_transformers_model_checkpointed_by_its_own_switch_matches_the_meter()
     assert "checkpointing " + " and ".join(others) in p.left_out and len(others) == 4
     with pytest.raises(ParameterError, match="selective"):
         P.plan(cfg, "a100-80gb", 1, 16, 2, checkpointing=("selective",))
+    with pytest.raises(ParameterError, match=r"one of \('none', 'full'\), got 'layer2'"):  # (no blocks of labkit's)
+        P.plan(cfg, "a100-80gb", 1, 16, 2, checkpointing=("layer2",))
 
 
 def test_every_preset_has_its_published_models_parameter_count():
@@ -387,6 +414,12 @@ def test_command_prints_the_table_and_json(monkeypatch, capsys):
     with pytest.raises(SystemExit):  # (the rules of a reserved peak: without one, named)
         P.main(["--model", "tiny", "--gpu", "h100", "--seq-len", "16", "--batch", "2", "--expandable-segments"])
     assert "expandable_segments: the rules of a reserved peak" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # (layer<k>: passed on to plan, which knows the model's blocks)
+        P.main(["--model", "tiny", "--gpu", "h100", "--seq-len", "16", "--batch", "2", "--checkpointing", "layer2"])
+    assert "checkpointing layer2: k of layer<k>" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        P.main(["--help"])
+    assert "layer<k>, e.g. layer2: torchtitan's layer-level selective" in " ".join(capsys.readouterr().out.split())
     with pytest.raises(SystemExit):
         P.main(["--model", "tiny", "--gpu", "h100", "--gpus", "3", "--seq-len", "16", "--batch", "4"])
     assert "batch (4) must be divisible by gpus (3)" in capsys.readouterr().err

@@ -54,18 +54,19 @@ def test_the_plan_figure_keeps_its_labels_apart_clear_of_the_axis_and_its_times_
 
     from labkit.planner.plot import draw_plan
     rows = [(50, 100, "fp32", "none", True), (40, 110, "bf16-mp", "every", True), (30, 120, "bf16-pure", "full", True),
-            (20, 130, "bf16", "op", True), (70, 900, "fp32", "selective", False)]  # the front near the slowest's 1/4
+            (20, 130, "bf16", "op", True), (70, 900, "fp32", "selective", False),  # the front near the slowest's 1/4
+            (75, 950, "fp32", "layer2", False)]  # (layer2, layer3, ...: one legend entry)
     fig = draw_plan(_plan_of(rows))  # 900/100: a linear axis
     ax = fig.axes[0]
     fig.draw_without_rendering()
     labels = [t for t in ax.texts if isinstance(t, Annotation)]
     boxes = [t.get_window_extent() for t in labels]
-    assert len(labels) == 5 and not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    assert len(labels) == 6 and not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
     assert min(b.x0 for b in boxes) >= ax.get_window_extent().x0  # clear of the y-axis line
     assert ax.get_xscale() == "linear" and ax.get_xlim()[0] == 0  # widened for the labels, never below 0
     legend = {t.get_text() for t in ax.get_legend().get_texts()}
     assert {"fp32", "bf16", "bf16-mp", "bf16-pure", "ckpt none", "ckpt every", "ckpt full", "ckpt op",
-            "ckpt selective", "does not fit (hollow)"} <= legend
+            "ckpt selective", "ckpt layer<k>", "does not fit (hollow)"} <= legend
 
 
 def test_plot_fit_draws_the_points_so_far_and_the_fit_over_the_whole_range():

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pickle
+import re
 import tempfile
 import threading
 import time
@@ -48,6 +49,9 @@ CHECKPOINTING = ("none", "every", "full", "sqrt", "selective", "op")  # every bl
 #   segments; every block but the last, matmul outputs kept; torchtitan's op-level selective (every block, the last
 #   too: SDPA's outputs and every second matmul's kept, labkit.techniques.checkpointing.op_level_policy)
 PLAN_CHECKPOINTING = ("none", "every", "sqrt", "selective")  # a plan's choices unless it names others
+LAYER_LEVEL = re.compile(r"layer([0-9]+)")  # "layer<k>" (k >= 2): every k-th block checkpointed whole, the others kept
+#   (torchtitan's layer-level selective checkpointing, selective_ac_option="k": blocks k, 2k, ... counted from 1; its
+#   pull request 125 made "2" its first default). Planned at full depth: its blocks repeat every k, not every one
 OPTIMIZER_PLACES = ("device", "host")  # Adam's state and step on the device; on the host (ZeRO-Offload style, one device)
 OFFLOAD_MIN_BYTES = 0  # activation offload moves every saved tensor but the parameters: rows stay exact lines
 NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
@@ -610,6 +614,23 @@ def _policy(step: Step):
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def layer_every(checkpointing: str) -> int:
+    """Return k of a layer-level checkpointing choice "layer<k>" (LAYER_LEVEL), else 0."""
+    m = LAYER_LEVEL.fullmatch(checkpointing) if isinstance(checkpointing, str) else None
+    return int(m.group(1)) if m else 0
+
+
+def _check_checkpointing(c, spec: ModelSpec) -> None:
+    """Raise ParameterError unless `c` is one of the model's checkpointing choices, or "layer<k>" (2 <= k <= its
+    blocks) where it has blocks to checkpoint."""
+    blocks = "every" in spec.checkpointing  # (a labkit model: its blocks known)
+    if blocks and layer_every(c):
+        check_int(f"checkpointing {c}: k of layer<k> (every k-th block; 1 is full)", layer_every(c), 2, spec.n_layer)
+    elif c not in spec.checkpointing:
+        layer = f" or layer<k> (every k-th block, 2 <= k <= {spec.n_layer})" if blocks else ""
+        raise ParameterError(f"checkpointing must be one of {spec.checkpointing}{layer}, got {c!r}")
+
+
 def _checkpoint(model, checkpointing: str) -> None:
     """Checkpoint a labkit model's blocks (checkpoint_blocks) or a transformers model's layers (its own switch)."""
     if checkpointing == "none":
@@ -622,7 +643,9 @@ def _checkpoint(model, checkpointing: str) -> None:
             model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return
     n = len(blocks_of(model))
-    if checkpointing == "sqrt":
+    if layer_every(checkpointing):
+        checkpoint_blocks(model, segments=n, checkpoint_last=True, every=layer_every(checkpointing))
+    elif checkpointing == "sqrt":
         checkpoint_blocks(model, segments=max(1, round(math.sqrt(n))))
     else:
         checkpoint_blocks(model, segments=n, checkpoint_last=checkpointing in ("full", "op"),
@@ -949,7 +972,7 @@ def _asked(spec: ModelSpec, gpu, gpus, seq_len, batch, precisions, checkpointing
         checkpointing = tuple(c for c in spec.checkpointing
                               if c in PLAN_CHECKPOINTING or "every" not in spec.checkpointing)
     for c in checkpointing:
-        check_choice("checkpointing", c, spec.checkpointing)
+        _check_checkpointing(c, spec)
     return _Asked(spec, device, gpus, seq_len, batch, precisions, tuple(checkpointing), offload, optimizers,
                   adam_impls, keep_logits, parallels, micro_batches, rate,
                   "cpu" if device.name == "cpu" else "cuda",
@@ -1463,11 +1486,12 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", nargs="+", choices=tuple(COMM_UNITS), default=list(COMM_UNITS),
                     help="ways of running on the GPUs to plan (default: all); fsdp2-reshard: FSDP2 resharding after "
                          "forward")
-    ap.add_argument("--checkpointing", nargs="+", choices=CHECKPOINTING, default=None,
+    ap.add_argument("--checkpointing", nargs="+", metavar="{" + ",".join(CHECKPOINTING) + ",layer<k>}", default=None,
                     help=f"checkpointing choices to plan (default: {', '.join(PLAN_CHECKPOINTING)}; a transformers "
                          "model: none, full); every: every block but the last; full: the last too (torchtitan's "
                          "full activation checkpointing); op: torchtitan's op-level selective (SDPA's and every "
-                         "second matmul's outputs kept)")
+                         "second matmul's outputs kept); layer<k>, e.g. layer2: torchtitan's layer-level selective, "
+                         "every k-th block checkpointed whole, the others kept (a fake step of every block per row)")
     ap.add_argument("--adam-impl", nargs="+", choices=ADAM_IMPLS, default=list(ADAM_IMPLS[:1]),
                     help="Adam's implementations to plan, each a row of its own (foreach: CUDA's default; fused: "
                          "torchtitan's)")

@@ -14,13 +14,18 @@ from matplotlib.ticker import FixedLocator, LogLocator, MaxNLocator, NullFormatt
 
 from labkit import plots
 from labkit.gpus import GiB
-from labkit.planner.plan import combination_words
+from labkit.planner.plan import combination_words, layer_every
 
 PRECISION_MARKERS = {"fp32": "o", "bf16": "s", "fp16": "^", "bf16-mp": "D", "bf16-pure": "v"}  # a row's marker
 CKPT_COLORS = {"none": "#505050", "every": "#64b5cd", "sqrt": "#da8bc3", "selective": "#e6b800", "full": "#4c72b0",
-               "op": "#dd8452"}  # a row's fill by checkpointing
+               "op": "#dd8452", "layer<k>": "#55a868"}  # a row's fill by checkpointing (ckpt_kind)
 PLACEMENT_EDGES = {"offload": "#c44e52", "Adam on the host": "#8172b2",  # edge colours of the rows that use the host
                    "offload + Adam on the host": "#8c564b"}  # brown: apart from every fill (none's grey)
+
+
+def ckpt_kind(checkpointing: str) -> str:
+    """Return a row's key of CKPT_COLORS: its checkpointing, every layer-level choice (layer2, layer3, ...) as one."""
+    return "layer<k>" if layer_every(checkpointing) else checkpointing
 
 
 def log_ticks(lo: float, hi: float, min_ratio: float = 1.3) -> list:
@@ -48,7 +53,7 @@ def edge_of(c) -> str:
     """Return the marker edge colour of a combination: red with offload, purple with Adam on the host, brown with
     both, else its fill."""
     where = placement_of(c)
-    return CKPT_COLORS[c.checkpointing] if where is None else PLACEMENT_EDGES[where]
+    return CKPT_COLORS[ckpt_kind(c.checkpointing)] if where is None else PLACEMENT_EDGES[where]
 
 
 _LABEL_PARTS = (lambda c: f"{c.ranks}×{c.parallel}", lambda c: f"mb {c.micro_batch}×{c.accum_steps}",
@@ -107,7 +112,7 @@ def draw_plan(p):
     for r in p.rows:
         c = r.combination
         ax.plot(r.step_s * 1e3, r.peak_bytes / GiB, PRECISION_MARKERS[c.precision],
-                color=CKPT_COLORS[c.checkpointing], mfc=CKPT_COLORS[c.checkpointing] if r.fits else "none", ms=6,
+                color=CKPT_COLORS[ckpt_kind(c.checkpointing)], mfc=CKPT_COLORS[ckpt_kind(c.checkpointing)] if r.fits else "none", ms=6,
                 mec=edge_of(c), mew=1.5 if edge_of(c) in PLACEMENT_EDGES.values() else 1)
     front = p.pareto
     if front:
@@ -146,7 +151,7 @@ def draw_plan(p):
     handles = [Line2D([], [], marker=mk, color="grey", ls="none", label=k)
                for k, mk in PRECISION_MARKERS.items() if any(r.combination.precision == k for r in p.rows)]
     handles += [Line2D([], [], marker="o", color=col, ls="none", label=f"ckpt {k}")
-                for k, col in CKPT_COLORS.items() if any(r.combination.checkpointing == k for r in p.rows)]
+                for k, col in CKPT_COLORS.items() if any(ckpt_kind(r.combination.checkpointing) == k for r in p.rows)]
     for what, col in PLACEMENT_EDGES.items():
         if any(placement_of(r.combination) == what for r in p.rows):
             handles.append(Line2D([], [], marker="o", color="#a6a6a6", mec=col, mew=1.5, ls="none",
@@ -179,7 +184,7 @@ def draw_plan(p):
 def _check_style(c) -> dict:
     """Return the plot style of a checked combination: `none` hollow and larger (the `sqrt` rows, identical at two
     blocks, sit inside it), the host rows' edge red, purple or near-black (edge_of)."""
-    style = dict(marker=PRECISION_MARKERS[c.precision], color=CKPT_COLORS[c.checkpointing], ls="none",
+    style = dict(marker=PRECISION_MARKERS[c.precision], color=CKPT_COLORS[ckpt_kind(c.checkpointing)], ls="none",
                  ms=9 if c.checkpointing == "none" else 6)
     if c.checkpointing == "none":
         style.update(mfc="none", mew=1.5)
@@ -234,7 +239,7 @@ def draw_check(check, timed_precisions=("fp32", "bf16")):
                for p, mk in PRECISION_MARKERS.items() if any(c.precision == p for c in combos)]
     handles += [Line2D([], [], marker="o", color=col, ls="none", mfc="none" if k == "none" else col,
                        label=f"ckpt {k}" + (" (hollow)" if k == "none" else ""))
-                for k, col in CKPT_COLORS.items() if any(c.checkpointing == k for c in combos)]
+                for k, col in CKPT_COLORS.items() if any(ckpt_kind(c.checkpointing) == k for c in combos)]
     for what, col in PLACEMENT_EDGES.items():
         if any(placement_of(c) == what for c in combos):
             handles.append(Line2D([], [], marker="o", color="white", mec=col, mew=1.5, ls="none", label=what))

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from labkit.autocast_ops import recompute_context_fn
 from labkit.models import blocks_name
-from labkit.validate import check_int
+from labkit.validate import ParameterError, check_int
 
 MATMUL_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 """Operators whose outputs selective checkpointing keeps by default (the expensive ones)."""
@@ -80,13 +80,19 @@ def op_level_policy():
 
 
 class CheckpointedSequential(nn.Sequential):
-    """An nn.Sequential that checkpoints its blocks in `segments` runs (all but the last, by default)."""
+    """An nn.Sequential that checkpoints its blocks in `segments` runs (all but the last, by default), or (every=k > 1)
+    every k-th block alone, the others kept whole."""
 
     def __init__(self, *blocks: nn.Module, segments: int, checkpoint_last: bool = False, selective: bool = False,
-                 op_level: bool = False):
+                 op_level: bool = False, every: int = 1):
         super().__init__(*blocks)
+        check_int("every", every, 1, len(blocks))
+        if every > 1 and (segments != len(blocks) or not checkpoint_last or selective or op_level):
+            raise ParameterError(f"every: {every} (layer-level checkpointing) takes segments = the {len(blocks)} blocks, "
+                                 "checkpoint_last=True (its rule decides the last block too) and no selective policy")
         self.sizes = segment_sizes(len(blocks), segments)
         self.checkpoint_last = bool(checkpoint_last)
+        self.every = every  # (> 1) torchtitan's layer-level selective: block i (from 0) checkpointed iff (i+1) % every == 0
         if op_level:  # torchtitan's policy counts its matmuls: a fresh one for every call
             self.context_fn = lambda: create_selective_checkpoint_contexts(op_level_policy())
         else:
@@ -103,7 +109,9 @@ class CheckpointedSequential(nn.Sequential):
         start = 0
         for j, size in enumerate(self.sizes):
             segment = self[start:start + size]  # a plain nn.Sequential over blocks start .. start+size-1
-            if j == len(self.sizes) - 1 and not self.checkpoint_last:
+            if self.every > 1 and (j + 1) % self.every:
+                x = segment(x)  # layer-level: a block between the checkpointed ones, kept whole
+            elif j == len(self.sizes) - 1 and not self.checkpoint_last:
                 x = segment(x)  # kept: its backward comes first, recomputing saves nothing
             else:
                 # (recompute_context_fn: a fake step planning a GPU recomputes with CUDA autocast's dtypes too)
@@ -113,17 +121,19 @@ class CheckpointedSequential(nn.Sequential):
 
     def extra_repr(self) -> str:
         mode = "op-level selective" if self.op_level else "selective" if self.context_fn is not None else "full"
+        mode += f", every {self.every}th block" if self.every > 1 else ""
         return f"sizes={self.sizes}, checkpoint_last={self.checkpoint_last}, {mode}"
 
 
 def checkpoint_blocks(model: nn.Module, segments: int, *, checkpoint_last: bool = False,
-                      selective: bool = False, op_level: bool = False) -> nn.Module:
+                      selective: bool = False, op_level: bool = False, every: int = 1) -> nn.Module:
     """Checkpoint a GPT's `blocks` (an MLP's `layers`) in `segments` runs, in place, and return it (selective: keep
-    matmul outputs; op_level: torchtitan's op-level policy, op_level_policy)."""
+    matmul outputs; op_level: torchtitan's op-level policy, op_level_policy; every=k > 1 with one block per segment:
+    every k-th block alone, torchtitan's layer-level selective checkpointing, `selective_ac_option = "k"`)."""
     name = blocks_name(model)
     blocks = list(getattr(model, name))
     setattr(model, name, CheckpointedSequential(*blocks, segments=segments, checkpoint_last=checkpoint_last,
-                                                selective=selective, op_level=op_level))
+                                                selective=selective, op_level=op_level, every=every))
     return model
 
 
