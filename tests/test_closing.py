@@ -459,7 +459,7 @@ def test_the_ranking_line_names_the_projection_the_measured_steps_lay_nearer():
     nearer = sum(abs(math.log(r["launches"] / r["measured"])) < abs(math.log(r["roofline"] / r["measured"]))
                  for r in rows)
     within = sum(abs(math.log(r["launches"] / r["measured"])) <= math.log(closing.NEAR) for r in rows)
-    assert f"nearer the with-launches prediction for {nearer} of {len(rows)} timed steps (within 1.25x of it for " \
+    assert f", {nearer} of {len(rows)} timed steps lay nearer the with-launches prediction (within 1.25x of it for " \
            f"{within};" in line
     assert closing.supported_projection(rows) == "launches"
     assert nearer > len(rows) / 2 and "read the with-launches figures" in line, line

@@ -551,15 +551,14 @@ def ranking_line(rows: list[dict], source: str) -> str:
     lay nearer and went the way of (faster or slower than the plain step): the ranking to read (chapters 08, 10)."""
     s = _projection_scores(rows)
     launches, work = s["launches"], s["roofline"]
-    text = (f"which projection to read: on the GPU run in {source} the measured step lay nearer the with-launches "
-            f"prediction for {launches['nearer']} of {len(rows)} timed steps (within {NEAR:.2f}x of it for "
-            f"{launches['within']}; the work alone: nearer for {work['nearer']}, within {NEAR:.2f}x for "
-            f"{work['within']}), and went its way (faster or slower than plain) for {launches['way']} of them (the work "
-            f"alone: {work['way']})")
+    text = (f"which projection to read: on the GPU run in {source}, {launches['nearer']} of {len(rows)} timed steps "
+            f"lay nearer the with-launches prediction (within {NEAR:.2f}x of it for {launches['within']}; the work "
+            f"alone: nearer for {work['nearer']}, within {NEAR:.2f}x for {work['within']}), and {launches['way']} were "
+            f"faster or slower than the plain step as it predicted ({work['way']} as the work alone predicted)")
     lead = supported_projection(rows)
     if lead == "launches":
-        return (text + ": at this size read the with-launches figures; the work alone is the bound once kernels "
-                "outlast their launches (large models: chapter 09)")
+        return (text + ": at this size read the with-launches figures; the work alone sets the pace once each kernel "
+                "takes longer than its launch (large models: chapter 09)")
     if lead == "roofline":
         return text + ": read the work-alone figures; the launches did not set these steps' pace"
     return text + ": neither projection leads; read both"
