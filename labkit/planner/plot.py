@@ -111,8 +111,9 @@ def draw_plan(p):
     fig, ax = plots.new_figure(width_in=7.5, height_in=3.8)
     for r in p.rows:
         c = r.combination
+        fill = CKPT_COLORS[ckpt_kind(c.checkpointing)]
         ax.plot(r.step_s * 1e3, r.peak_bytes / GiB, PRECISION_MARKERS[c.precision],
-                color=CKPT_COLORS[ckpt_kind(c.checkpointing)], mfc=CKPT_COLORS[ckpt_kind(c.checkpointing)] if r.fits else "none", ms=6,
+                color=fill, mfc=fill if r.fits else "none", ms=6,
                 mec=edge_of(c), mew=1.5 if edge_of(c) in PLACEMENT_EDGES.values() else 1)
     front = p.pareto
     if front:

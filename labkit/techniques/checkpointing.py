@@ -92,7 +92,8 @@ class CheckpointedSequential(nn.Sequential):
                                  "checkpoint_last=True (its rule decides the last block too) and no selective policy")
         self.sizes = segment_sizes(len(blocks), segments)
         self.checkpoint_last = bool(checkpoint_last)
-        self.every = every  # (> 1) torchtitan's layer-level selective: block i (from 0) checkpointed iff (i+1) % every == 0
+        self.every = every  # (> 1) torchtitan's layer-level selective: block i (from 0) checkpointed iff
+        #                     (i + 1) % every == 0
         if op_level:  # torchtitan's policy counts its matmuls: a fresh one for every call
             self.context_fn = lambda: create_selective_checkpoint_contexts(op_level_policy())
         else:
