@@ -29,13 +29,13 @@ class Efficiency:
     """The share of peak a published run achieved, counted as labkit.work counts (recomputation included)."""
 
     fraction: float  # the run's counted FLOPs per second over the datasheet peak of its precision
-    source: str  # the run (tests/data/published_runs.json id), its tokens/s and counted FLOPs per token
+    source: str  # the run (labkit/data/published_runs.json id), its tokens/s and counted FLOPs per token
     check: str  # a different published run the fraction predicts (tests/test_gpus.py): its tokens/s, the prediction
 
 
 # fms-fsdp's Llama 2 7B (no checkpointing, local batch 2 x 4096, bf16, eager) counts 47.16 GFLOP per token by
 # labkit.work (torch's formulas: 6 N and attention's products, its backward recomputing the scores); tokens/s times
-# that over the bf16 peak is the fraction. tests/test_gpus.py derives both again from tests/data/published_runs.json.
+# that over the bf16 peak is the fraction. tests/test_gpus.py derives both again from labkit/data/published_runs.json.
 A100_EFFICIENCY = Efficiency(0.559, "FMS-7B-A100-noAC-eager: 3,700 tokens/s per A100 x 47.16 GFLOP/token / 312 TFLOP/s",
                              "TT-A100-L2-13B-noAC-eager: 2,162 tokens/s published, 1,963 predicted (-9%)")
 H100_EFFICIENCY = Efficiency(0.358, "FMS-7B-H100-noAC-eager: 7,500 tokens/s per H100 x 47.16 GFLOP/token / 989 TFLOP/s",

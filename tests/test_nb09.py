@@ -49,14 +49,18 @@ def test_notebook_09_verdicts_with_another_size_and_budget(execute_notebook):
     assert fastest is not None and rows[fastest["micro_batch"], fastest["checkpointing"]]["fits_by"] == "replay"
     assert fastest["reserved_bytes"] < as_run["reserved_bytes"]
     _check_knobs(m["practitioner_knobs"], as_run, rows[2, "full"])
-    # its second fits column holds back the widest reserved-less-active share of Appendix C's FSDP2 runs, more than
-    # the plan's 10% reserve
+    # its second fits column holds back the widest reserved-less-active share of Appendix C's FSDP2 runs and the CUDA
+    # context with NCCL's buffers (their high end), more than the plan's 10% reserve; the row the replay refuses (the
+    # benchmark's) does not fit by it either
     from labkit.gpus import GPUS
-    from labkit.planner import published
+    from labkit.planner import overheads, published
     gaps = [(r["memory"]["peak_reserved_gib"] - r["memory"]["peak_active_gib"]) * 2**30
             / GPUS[r["plan"]["gpu"]].memory_bytes for r in published.published_runs()
             if "peak_active_gib" in r.get("memory", {}) and r["plan"]["parallel"].startswith("fsdp2")]
-    assert m["practitioner_fsdp2_held_share"] == math.ceil(max(gaps) * 100) / 100 > 0.10
+    outside = overheads.non_tensor_bytes("h100", 8, "fsdp2-reshard").total[1] / GPUS["h100"].memory_bytes
+    held = m["practitioner_fsdp2_held_share"]
+    assert held == math.ceil((max(gaps) + outside) * 100) / 100 > 0.10
+    assert as_run["peak_bytes"] > GPUS["h100"].memory_bytes * (1 - held)
 
 
 def _check_knobs(knobs: list, as_run: dict, full: dict) -> None:
@@ -69,7 +73,7 @@ def _check_knobs(knobs: list, as_run: dict, full: dict) -> None:
     step = {key: k["step_s"] - base["step_s"] for key, k in by.items()}
     assert peak["checkpointing", "none"] > 0 > step["checkpointing", "none"]  # keeps every activation, recomputes none
     assert peak["checkpointing", "full"] < 0 < step["checkpointing", "full"]  # recomputes every matmul too
-    layer = ("checkpointing", "every 2nd block whole")  # layer2: half the blocks as none's, half as full's
+    layer = ("checkpointing", "every 2nd block recomputed")  # layer2: half the blocks as none's, half as full's
     assert peak["checkpointing", "full"] < peak[layer] < peak["checkpointing", "none"]
     assert step["checkpointing", "none"] < step[layer] < step["checkpointing", "full"]
     assert peak["precision", "bf16 autocast over fp32 weights"] > 0 > peak["precision", "pure bf16"]  # autocast's bf16

@@ -48,7 +48,12 @@ CHECKPOINTING = ("none", "every", "full", "sqrt", "selective", "op")  # every bl
 #   backward comes first); every block, the last too (torchtitan's "full", transformers' gradient checkpointing); sqrt(n)
 #   segments; every block but the last, matmul outputs kept; torchtitan's op-level selective (every block, the last
 #   too: SDPA's outputs and every second matmul's kept, labkit.techniques.checkpointing.op_level_policy)
-PLAN_CHECKPOINTING = ("none", "every", "sqrt", "selective")  # a plan's choices unless it names others
+PLAN_CHECKPOINTING = ("none", "every", "sqrt", "selective")  # a CPU plan's choices unless it names others: the
+#   chapters' (02), each checked against the meter
+GPU_CHECKPOINTING = ("none", "full", "sqrt", "op")  # a GPU plan's: torchtitan's two modes (full, op-level selective)
+#   beside none and sqrt(n) (left out past FULL_MAX_LAYERS blocks)
+GPU_ADAM_IMPL = "fused"  # a GPU plan's Adam unless it names others: torchtitan's default (optimizer.implementation),
+#   and what torchtune's recipes set (fused=True); a CPU plan's: the chapters' for-loop, which the meter checks
 LAYER_LEVEL = re.compile(r"layer([0-9]+)")  # "layer<k>" (k >= 2): every k-th block checkpointed whole, the others kept
 #   (torchtitan's layer-level selective checkpointing, selective_ac_option="k": blocks k, 2k, ... counted from 1; its
 #   pull request 125 made "2" its first default). Planned at full depth: its blocks repeat every k, not every one
@@ -866,7 +871,7 @@ class _Asked:
 def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: int = 1024, batch: int = 8,
          precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "fast",
          offload=(False, True), optimizers=OPTIMIZER_PLACES, workers: int | None = None,
-         adam_impls=ADAM_IMPLS[:1], keep_logits: bool = True, parallels=tuple(COMM_UNITS),
+         adam_impls=None, keep_logits: bool = True, parallels=tuple(COMM_UNITS),
          micro_batches=None, reserved: bool = False, expandable_segments: bool = False) -> Plan:
     """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s.
 
@@ -874,7 +879,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     where it has bf16, torchtitan's default); offload: activation offload off (False) and/or on (True); optimizers:
     Adam's state on the "device" and/or the "host" (its step too; one device); workers: processes the fake steps run in
     (None: plan_workers()); adam_impls: Adam's implementations (labkit.train.ADAM_IMPLS), each a row of its own on the
-    device (they differ only in what the update allocates: no fake step more, two small ones for foreach); keep_logits:
+    device (they differ only in what the update allocates: no fake step more, two small ones for foreach; None: on a GPU
+    GPU_ADAM_IMPL, torchtitan's, on the CPU the chapters' for-loop); keep_logits:
     False frees the logits before backward in every row (torchtitan's step) instead of holding them (the chapters');
     parallels: the ways of running on the GPUs to plan (keys of COMM_UNITS; the others' fake steps are not run);
     micro_batches: the rows per micro-batch to plan (None: every one dividing a GPU's share of the batch); reserved:
@@ -885,7 +891,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     expandable_segments: that reserved peak under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True's rules (torchtitan's
     launcher sets it), else the allocator's default rules.
     """
-    ask = _asked(model_spec(model), gpu, gpus, seq_len, batch, precisions, checkpointing, reserve_fraction, depth,
+    ask = _asked(model_spec(_as_gpu_runs_it(model, gpu)), gpu, gpus, seq_len, batch, precisions, checkpointing,
+                 reserve_fraction, depth,
                  offload, optimizers, adam_impls, keep_logits, parallels, micro_batches)
     spec, workers = ask.spec, plan_workers() if workers is None else workers
     if expandable_segments and not reserved:
@@ -928,6 +935,17 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     return out
 
 
+def _as_gpu_runs_it(model, gpu):
+    """Return `model` as the device planned runs it: on a GPU a labkit GPT's attn="sdpa" is the kernel SDPA picks there
+    ("flash": flash in 16 bits, memory-efficient in fp32, labkit.models._cuda_attention), not this CPU's flash kernel,
+    which torchtitan's op-level save list does not name."""
+    name = gpu.name if isinstance(gpu, DeviceProfile) else gpu
+    cfg = PRESETS.get(model) if isinstance(model, str) else model
+    if name != "cpu" and isinstance(cfg, GPTConfig) and cfg.attn == "sdpa":
+        return replace(cfg, attn="flash")
+    return model
+
+
 def _asked(spec: ModelSpec, gpu, gpus, seq_len, batch, precisions, checkpointing, reserve_fraction, depth, offload,
            optimizers, adam_impls, keep_logits, parallels, micro_batches) -> _Asked:
     """Return plan()'s arguments checked (a ParameterError names a bad one and its choices, before any work)."""
@@ -960,7 +978,8 @@ def _asked(spec: ModelSpec, gpu, gpus, seq_len, batch, precisions, checkpointing
         check_choice("offload", o, (False, True))
     for o in optimizers:
         check_choice("optimizers", o, OPTIMIZER_PLACES)
-    adam_impls = tuple(adam_impls)
+    adam_impls = (("for-loop",) if device.name == "cpu" else (GPU_ADAM_IMPL,)) if adam_impls is None else \
+        tuple(adam_impls)
     if not adam_impls:
         raise ParameterError(f"adam_impls: give one or more of {ADAM_IMPLS}")
     for a in adam_impls:
@@ -969,8 +988,8 @@ def _asked(spec: ModelSpec, gpu, gpus, seq_len, batch, precisions, checkpointing
     if micro_batches is not None:
         micro_batches = check_int_list("micro_batches", list(micro_batches), 1, batch)
     if checkpointing is None:  # a transformers model's "full" is its one way to checkpoint: planned by default
-        checkpointing = tuple(c for c in spec.checkpointing
-                              if c in PLAN_CHECKPOINTING or "every" not in spec.checkpointing)
+        defaults = PLAN_CHECKPOINTING if device.name == "cpu" else GPU_CHECKPOINTING
+        checkpointing = tuple(c for c in spec.checkpointing if c in defaults or "every" not in spec.checkpointing)
     for c in checkpointing:
         _check_checkpointing(c, spec)
     return _Asked(spec, device, gpus, seq_len, batch, precisions, tuple(checkpointing), offload, optimizers,
@@ -1360,6 +1379,24 @@ def _row(p: Plan, device: DeviceProfile, rate: str, comb: Combination, peak: int
                p.seq_len * p.batch / step_s, accessed, host_s)
 
 
+def _at_published_share(p: Plan, best: Row | None) -> list:
+    """Return the line of the fastest row's time at a published run's achieved share of the GPU's peak (labkit.gpus:
+    the estimate chapter 09's section 4 checks against other published runs), or nothing where no share is published."""
+    profile = None if best is None or p.device == "cpu" else device_profile(p.device)
+    if profile is None or profile.efficiency is None:
+        return []
+    eff = profile.efficiency
+    own_s = best.compute_s / eff.fraction  # the roofline's compute at the achieved share
+    none_s, all_s = own_s + best.comm_s + best.host_s, max(own_s, best.comm_s) + best.host_s
+    tokens = p.batch * p.seq_len
+    return [f"at a published run's share of the {p.device}'s peak ({eff.fraction:.1%}, {eff.source.split(':')[0]}: "
+            f"labkit.gpus), the fastest takes {none_s * 1e3:,.0f} ms/step, {tokens / none_s:,.0f} tokens/s"
+            + (f", with its communication hidden {all_s * 1e3:,.0f} ms, {tokens / all_s:,.0f} tokens/s"
+               if best.comm_s > 0 else "")
+            + ": an estimate (chapter 09's section 4 checks it against other published runs, within 25%), where the "
+            "roofline above is a bound"]
+
+
 def format_plan(p: Plan, all_rows: bool = False) -> str:
     """Return the plan as a text table: the Pareto front (every row with all_rows) and the fastest that fits."""
     n = p.n_params  # "437,760" below a million, else "124.4 M" or "6.74 B"
@@ -1399,7 +1436,9 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
             "an estimate: roofline + " + " + ".join(f"{t * 1e3:,.2f} ms of {what}" for t, what in (
                 (best.comm_s, "communication"), (best.host_s, "host transfers")) if t > 0) + ", not overlapped"
             + (f"; {best.overlapped_s * 1e3:,.2f} ms/step with the communication hidden behind compute, as FSDP2's "
-               "prefetch and DDP's buckets at best hide it)" if best.comm_s > 0 else ")"))),
+               "prefetch and DDP's buckets at best hide it)" if best.comm_s > 0 else ")")))]
+    lines += _at_published_share(p, best)
+    lines += [
               "#: the row's place on the Pareto front (1: the fastest; blank: not on it, or a tie of a row on it); "
               "peak: per device" + ("; reserved: the caching allocator's reserved peak, the step's allocations "
                                     "replayed from an empty cache through its "
@@ -1487,14 +1526,16 @@ def main(argv=None) -> int:
                     help="ways of running on the GPUs to plan (default: all); fsdp2-reshard: FSDP2 resharding after "
                          "forward")
     ap.add_argument("--checkpointing", nargs="+", metavar="{" + ",".join(CHECKPOINTING) + ",layer<k>}", default=None,
-                    help=f"checkpointing choices to plan (default: {', '.join(PLAN_CHECKPOINTING)}; a transformers "
-                         "model: none, full); every: every block but the last; full: the last too (torchtitan's "
+                    help=f"checkpointing choices to plan (default: {', '.join(GPU_CHECKPOINTING)}, torchtitan's full "
+                         f"and op beside none and sqrt; --gpu cpu: {', '.join(PLAN_CHECKPOINTING)}, the chapters'; a "
+                         "transformers model: none, full); every: every block but the last; full: the last too (torchtitan's "
                          "full activation checkpointing); op: torchtitan's op-level selective (SDPA's and every "
                          "second matmul's outputs kept); layer<k>, e.g. layer2: torchtitan's layer-level selective, "
                          "every k-th block checkpointed whole, the others kept (a fake step of every block per row)")
-    ap.add_argument("--adam-impl", nargs="+", choices=ADAM_IMPLS, default=list(ADAM_IMPLS[:1]),
-                    help="Adam's implementations to plan, each a row of its own (foreach: CUDA's default; fused: "
-                         "torchtitan's)")
+    ap.add_argument("--adam-impl", nargs="+", choices=ADAM_IMPLS, default=None,
+                    help=f"Adam's implementations to plan, each a row of its own (default: {GPU_ADAM_IMPL}, "
+                         "torchtitan's and torchtune's recipes'; --gpu cpu: for-loop, the chapters'; foreach: torch's "
+                         "default on CUDA)")
     ap.add_argument("--logits-fp32", action="store_true",
                     help="a preset's logits upcast to fp32 before the loss (torchtitan's Llama; transformers' loss "
                          "does it already)")
@@ -1502,8 +1543,9 @@ def main(argv=None) -> int:
                     help="free the logits before backward, as torchtitan's step does (default: held, as "
                          "`logits, loss = model(x, y)` holds them)")
     ap.add_argument("--attention", choices=ATTENTION, default=None,
-                    help="a preset's attention: manual (T×T scores kept), sdpa (the kernel torch picks on the device), "
-                         "flash or efficient (CUDA's kernels: what each saves for backward)")
+                    help="a preset's attention: manual (T×T scores kept), sdpa (the kernel torch picks on the device: "
+                         "on a GPU flash, memory-efficient in fp32), flash or efficient (CUDA's kernels: what each "
+                         "saves for backward)")
     ap.add_argument("--reserved", action="store_true",
                     help="each Pareto-front row's reserved peak: its step's allocations at full depth (for a deep "
                          "model written out from fake steps of a few blocks, exact), replayed through the CUDA "
