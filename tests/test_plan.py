@@ -858,17 +858,19 @@ def test_fsdp2s_default_16_bits_are_its_mixed_precision_policy():
             "autocast (bf16) with fsdp2", f"{P.MIXED_POLICY} without fsdp2"} & set(alone.left_out)
 
 
-def test_a_gpu_plan_defaults_to_torchtitans_stack_and_a_cpu_plan_to_the_chapters(monkeypatch):
-    # a GPU plan: fused Adam, torchtitan's full and op beside none and sqrt, and SDPA as CUDA picks it (flash in 16 bits,
-    # memory-efficient in fp32: the tensors it saves and the op-level list's names), not this CPU's flash kernel
+def test_a_gpu_plan_defaults_to_torchtitans_stack_and_a_cpu_plan_to_the_chapters(monkeypatch, capsys):
+    # a GPU plan: fused Adam, torchtitan's full and op beside none and sqrt, SDPA as CUDA picks it (flash in 16 bits,
+    # memory-efficient in fp32: the tensors it saves and the op-level list's names), not this CPU's flash kernel, and
+    # a Llama preset in torchtitan's loop: its logits upcast to fp32 in the loss and freed before backward
     cfg = dataclasses.replace(DEEP_LLAMA, n_layer=2)
     monkeypatch.setitem(P.PRESETS, "tiny-llama", cfg)
     gpu = P.plan("tiny-llama", "h100", 1, 16, 2, precisions=("fp32", "bf16"), offload=(False,), optimizers=("device",))
-    assert gpu.model == "tiny-llama, flash attention"
+    assert gpu.model == "tiny-llama, fp32 logits, flash attention"
+    assert {r.combination.keep_logits for r in gpu.rows} == {False}
     assert {r.combination.adam_impl for r in gpu.rows} == {P.GPU_ADAM_IMPL} == {"fused"}
     assert {r.combination.checkpointing for r in gpu.rows} == set(P.GPU_CHECKPOINTING) == {"none", "full", "sqrt", "op"}
-    flash = P.plan(dataclasses.replace(cfg, attn="flash"), "h100", 1, 16, 2, precisions=("fp32", "bf16"),
-                   offload=(False,), optimizers=("device",))
+    flash = P.plan(dataclasses.replace(cfg, attn="flash", logits_fp32=True), "h100", 1, 16, 2, keep_logits=False,
+                   precisions=("fp32", "bf16"), offload=(False,), optimizers=("device",))
     assert [(r.combination, r.peak_bytes, r.flops) for r in gpu.rows] == \
         [(r.combination, r.peak_bytes, r.flops) for r in flash.rows]
     cpu_kernel = P.plan(cfg, cpu_profile(1 << 40), 1, 16, 2, precisions=("bf16",), checkpointing=("op",),
@@ -878,8 +880,17 @@ def test_a_gpu_plan_defaults_to_torchtitans_stack_and_a_cpu_plan_to_the_chapters
     # a CPU plan: the chapters' for-loop Adam and checkpointing choices, the model as written
     cpu = P.plan("tiny-llama", cpu_profile(1 << 40), 1, 16, 2, precisions=("fp32",), offload=(False,),
                  optimizers=("device",))
+    assert {r.combination.keep_logits for r in cpu.rows} == {True}
     assert cpu.model == "tiny-llama" and {r.combination.adam_impl for r in cpu.rows} == {"for-loop"}
     assert {r.combination.checkpointing for r in cpu.rows} == set(P.PLAN_CHECKPOINTING)
+    # a GPT-2 preset on a GPU runs nanoGPT's loop (logits held, as computed); the command's flags set either way
+    assert {r.combination.keep_logits for r in P.plan(SMALL, "h100", 1, 16, 2, checkpointing=("none",)).rows} == {True}
+    monkeypatch.setitem(P.PRESETS, "tiny-llama", dataclasses.replace(cfg, n_layer=1))
+    monkeypatch.setenv(P.PLAN_WORKERS_ENV, "1")
+    P.main(["--model", "tiny-llama", "--gpu", "h100", "--seq-len", "16", "--batch", "2", "--checkpointing", "none",
+            "--precision", "bf16", "--no-logits-fp32", "--no-free-logits", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "tiny-llama, flash attention" and {r["combination"]["keep_logits"] for r in out["rows"]} == {True}
 
 
 def test_the_fastest_row_is_also_given_at_a_published_runs_share_of_peak():

@@ -70,6 +70,11 @@ NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
     "gradients on the host during backward": "with the optimizer on the host the gradients stay on the device until "
                                              "the optimizer step (ZeRO-Offload moves them in buckets as they are "
                                              "reduced, lowering the peak by up to the gradients' bytes)",
+    "gradients accumulated in another dtype": "micro-batches accumulate into the gradients their precision gives "
+                                              "(fp32 under autocast and bf16-mp, reduce-scattered every micro-batch; "
+                                              "bf16 in bf16-pure): an fp32 buffer over bf16 weights (Megatron's "
+                                              "main_grad) and FSDP2's set_requires_gradient_sync(False) (unsharded "
+                                              "fp32 gradients between micro-batches) are not planned",
 }
 MIXED_POLICY = "bf16-mp"  # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), torchtitan's default:
 #                          fp32 shards, gradients and Adam state; bf16 gathered parameters, compute and activations
@@ -871,7 +876,7 @@ class _Asked:
 def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: int = 1024, batch: int = 8,
          precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "fast",
          offload=(False, True), optimizers=OPTIMIZER_PLACES, workers: int | None = None,
-         adam_impls=None, keep_logits: bool = True, parallels=tuple(COMM_UNITS),
+         adam_impls=None, keep_logits: bool | None = None, parallels=tuple(COMM_UNITS),
          micro_batches=None, reserved: bool = False, expandable_segments: bool = False) -> Plan:
     """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s.
 
@@ -881,7 +886,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     (None: plan_workers()); adam_impls: Adam's implementations (labkit.train.ADAM_IMPLS), each a row of its own on the
     device (they differ only in what the update allocates: no fake step more, two small ones for foreach; None: on a GPU
     GPU_ADAM_IMPL, torchtitan's, on the CPU the chapters' for-loop); keep_logits:
-    False frees the logits before backward in every row (torchtitan's step) instead of holding them (the chapters');
+    False frees the logits before backward in every row (torchtitan's step) instead of holding them (the chapters'; None:
+    as the model's loop does, torchtitans_loop: a Llama preset named on a GPU frees its fp32 logits, the rest hold them);
     parallels: the ways of running on the GPUs to plan (keys of COMM_UNITS; the others' fake steps are not run);
     micro_batches: the rows per micro-batch to plan (None: every one dividing a GPU's share of the batch); reserved:
     each Pareto-front row's `reserved_bytes`, from its allocations at full depth (_replay; single-device and FSDP2 rows with
@@ -891,9 +897,10 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     expandable_segments: that reserved peak under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True's rules (torchtitan's
     launcher sets it), else the allocator's default rules.
     """
+    if keep_logits is None:
+        keep_logits = not torchtitans_loop(model, gpu)
     ask = _asked(model_spec(_as_gpu_runs_it(model, gpu)), gpu, gpus, seq_len, batch, precisions, checkpointing,
-                 reserve_fraction, depth,
-                 offload, optimizers, adam_impls, keep_logits, parallels, micro_batches)
+                 reserve_fraction, depth, offload, optimizers, adam_impls, keep_logits, parallels, micro_batches)
     spec, workers = ask.spec, plan_workers() if workers is None else workers
     if expandable_segments and not reserved:
         raise ParameterError("expandable_segments: the rules of a reserved peak; pass reserved=True too")
@@ -935,12 +942,22 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     return out
 
 
+def torchtitans_loop(model, gpu) -> bool:
+    """Tell whether a plan of `model` on `gpu` runs torchtitan's training loop by default: a Llama preset (rotary
+    positions) named on a GPU, whose loss upcasts the logits to fp32 and whose step frees them before backward (`del
+    pred`). A GPT-2 preset runs nanoGPT's (`logits, loss = model(x, y)`: held, in the compute dtype), as a config does."""
+    name = gpu.name if isinstance(gpu, DeviceProfile) else gpu
+    return name != "cpu" and isinstance(model, str) and model in PRESETS and PRESETS[model].pos == "rope"
+
+
 def _as_gpu_runs_it(model, gpu):
     """Return `model` as the device planned runs it: on a GPU a labkit GPT's attn="sdpa" is the kernel SDPA picks there
     ("flash": flash in 16 bits, memory-efficient in fp32, labkit.models._cuda_attention), not this CPU's flash kernel,
-    which torchtitan's op-level save list does not name."""
+    which torchtitan's op-level save list does not name; a Llama preset's logits upcast to fp32 (torchtitans_loop)."""
     name = gpu.name if isinstance(gpu, DeviceProfile) else gpu
     cfg = PRESETS.get(model) if isinstance(model, str) else model
+    if torchtitans_loop(model, gpu):
+        cfg = model = replace(cfg, logits_fp32=True)
     if name != "cpu" and isinstance(cfg, GPTConfig) and cfg.attn == "sdpa":
         return replace(cfg, attn="flash")
     return model
@@ -1536,12 +1553,13 @@ def main(argv=None) -> int:
                     help=f"Adam's implementations to plan, each a row of its own (default: {GPU_ADAM_IMPL}, "
                          "torchtitan's and torchtune's recipes'; --gpu cpu: for-loop, the chapters'; foreach: torch's "
                          "default on CUDA)")
-    ap.add_argument("--logits-fp32", action="store_true",
-                    help="a preset's logits upcast to fp32 before the loss (torchtitan's Llama; transformers' loss "
-                         "does it already)")
-    ap.add_argument("--free-logits", action="store_true",
-                    help="free the logits before backward, as torchtitan's step does (default: held, as "
-                         "`logits, loss = model(x, y)` holds them)")
+    ap.add_argument("--logits-fp32", action=argparse.BooleanOptionalAction, default=None,
+                    help="a preset's logits upcast to fp32 before the loss (default: on a GPU a Llama preset's, as "
+                         "torchtitan's Llama does; a GPT-2 preset's not, as nanoGPT's; transformers' loss does it "
+                         "already)")
+    ap.add_argument("--free-logits", action=argparse.BooleanOptionalAction, default=None,
+                    help="free the logits before backward, as torchtitan's step does (default: on a GPU a Llama "
+                         "preset's, torchtitan's loop; else held, as nanoGPT's `logits, loss = model(x, y)` holds them)")
     ap.add_argument("--attention", choices=ATTENTION, default=None,
                     help="a preset's attention: manual (T×T scores kept), sdpa (the kernel torch picks on the device: "
                          "on a GPU flash, memory-efficient in fp32), flash or efficient (CUDA's kernels: what each "
@@ -1561,18 +1579,21 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
     model = args.model
-    if args.logits_fp32 and model not in PRESETS:
+    titan = torchtitans_loop(model, args.gpu)  # a Llama preset on a GPU: torchtitan's loop unless a flag says otherwise
+    if args.logits_fp32 is not None and model not in PRESETS:
         ap.error(f"--logits-fp32: a preset's option ({', '.join(PRESETS)}); a transformers model's loss upcasts "
                  "its logits already")
     if args.attention and model not in PRESETS:
         ap.error(f"--attention: a preset's option ({', '.join(PRESETS)}); a transformers config sets its own "
                  "(attn_implementation)")
-    if model in PRESETS and (args.logits_fp32 or args.attention):
-        model = replace(PRESETS[model], logits_fp32=args.logits_fp32, attn=args.attention or PRESETS[model].attn)
+    if model in PRESETS and (args.logits_fp32 is not None or args.attention):
+        model = replace(PRESETS[model], logits_fp32=titan if args.logits_fp32 is None else args.logits_fp32,
+                        attn=args.attention or PRESETS[model].attn)
     try:
         p = plan(model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
                  depth=args.depth, adam_impls=args.adam_impl, precisions=args.precision, checkpointing=args.checkpointing,
-                 parallels=args.parallel, keep_logits=not args.free_logits, reserved=args.reserved,
+                 parallels=args.parallel, keep_logits=not (titan if args.free_logits is None else args.free_logits),
+                 reserved=args.reserved,
                  expandable_segments=args.expandable_segments)
     except ParameterError as e:
         ap.error(str(e))
