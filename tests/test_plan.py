@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import os
 import time
 import types
@@ -905,3 +906,19 @@ def test_the_fastest_row_is_also_given_at_a_published_runs_share_of_peak():
     assert own_s > best.compute_s  # the estimate is slower than the bound
     cpu = P.plan(SMALL, cpu_profile(1 << 40), 1, 16, 2, checkpointing=("none",), precisions=("fp32",))
     assert "at a published run's share" not in P.format_plan(cpu)  # no published share for a CPU
+
+
+def test_fsdp2_rows_judged_by_the_reserve_alone_say_what_published_runs_kept():
+    from labkit.planner import runs
+    gaps = runs.fsdp2_gaps()
+    widest = max(g for gs in gaps.values() for g in gs)
+    assert 0.10 < widest < 0.5 and set(gaps) == {"h100"}  # the published FSDP2 runs with both peaks: H100s
+    kwargs = dict(checkpointing=("none",), parallels=("fsdp2",), offload=(False,), optimizers=("device",))
+    p = P.plan(dataclasses.replace(SMALL, n_layer=2), "h100", 2, 16, 2, **kwargs)
+    line = next(line for line in P.format_plan(p).splitlines() if line.startswith("fits, FSDP2 rows"))
+    assert " and ".join(f"{g:.1%}" for g in gaps["h100"]) + " of the h100's" in line
+    assert f"--reserve {math.ceil(widest * 100) / 100} or more" in line
+    roomy = P.plan(dataclasses.replace(SMALL, n_layer=2), "h100", 2, 16, 2, reserve_fraction=widest + 0.01, **kwargs)
+    assert "fits, FSDP2 rows" not in P.format_plan(roomy)  # a reserve above every published gap: nothing to say
+    ddp = P.plan(dataclasses.replace(SMALL, n_layer=2), "h100", 2, 16, 2, checkpointing=("none",), parallels=("ddp",))
+    assert "fits, FSDP2 rows" not in P.format_plan(ddp)

@@ -10,16 +10,14 @@ through the CUDA caching allocator's rules, labkit.planner.allocator); tokens/s 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from labkit import gpus
 from labkit.planner.plan import REPLAY_MARGIN
+from labkit.planner.runs import RUNS_PATH, fsdp2_gaps, published_runs  # noqa: F401 (this module's API too)
 
-RUNS_PATH = Path(__file__).parents[1] / "data" / "published_runs.json"
 GiB = 2**30
 TARGETS = {"peak active": 0.05, "peak allocated": 0.05, "peak reserved": REPLAY_MARGIN, "tokens/s per GPU": 0.25}
 """Largest relative error allowed for each kind of figure (issue 35): allocated and active peaks 5%, reserved 10%,
@@ -50,11 +48,6 @@ class Check:
     def within(self) -> bool | None:
         """Return whether the error is within the figure's target (None: no prediction)."""
         return None if self.error is None else abs(self.error) <= TARGETS[self.figure]
-
-
-def published_runs() -> list[dict]:
-    """Return the published runs (data/published_runs.json's rows)."""
-    return json.loads(RUNS_PATH.read_text())["rows"]
 
 
 def run_config(run: dict):
