@@ -1152,13 +1152,15 @@ def replayed(runs: list, workers: int | None = None) -> list:
     plan's fast depth reproduces by arithmetic (the bytes requested); the reserved and allocated peaks are its
     allocations replayed through the CUDA caching allocator's rules (labkit.planner.allocator: allocated counts each
     block handed out, rounded). Every run's step shared among `workers` processes (None: plan_workers()), whatever its
-    model. Exact for a single device or FSDP2 with Adam on the device and at most two micro-batches (else
+    model, run as a GPU plan runs it (_as_gpu_runs_it: "sdpa" as CUDA's kernel, a Llama preset's name in torchtitan's
+    loop). Exact for a single device or FSDP2 with Adam on the device and at most two micro-batches (else
     ParameterError: the row holds more than its fake step allocates)."""
     for _, comb, _ in runs:
         if comb.parallel in ("ddp", "zero1") or comb.optimizer != "device" or comb.accum_steps > 2:
             raise ParameterError(f"combination: {comb.parallel}, Adam on the {comb.optimizer}, {comb.accum_steps} "
                                  "micro-batches: its row holds more than its fake step allocates (DDP's buckets, Adam "
                                  "on the host, micro-batches beyond two); replayed takes single or fsdp2 rows only")
+    runs = [(_as_gpu_runs_it(model, "cuda"), comb, seq_len) for model, comb, seq_len in runs]  # (as a GPU plan runs it)
     jobs = {}  # the model's repr -> (model, its ModelSpec, its steps)
     for model, comb, seq_len in runs:
         job = jobs.setdefault(repr(model), (model, model_spec(model), []))
@@ -1467,7 +1469,7 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
             "" if best.reserved_bytes is None else f"{format_bytes(best.reserved_bytes)} reserved, ") +
         f"{best.step_s * 1e3:,.2f} ms/step, {best.tokens_per_s:,.0f} tokens/s, " + (
             "a roofline bound for eager, unfused PyTorch)" if best.comm_s + best.host_s == 0 else
-            "an estimate: roofline + " + " + ".join(f"{t * 1e3:,.2f} ms of {what}" for t, what in (
+            "the roofline's bound + " + " + ".join(f"{t * 1e3:,.2f} ms of {what}" for t, what in (
                 (best.comm_s, "communication"), (best.host_s, "host transfers")) if t > 0) + ", not overlapped"
             + (f"; {best.overlapped_s * 1e3:,.2f} ms/step with the communication hidden behind compute, as FSDP2's "
                "prefetch and DDP's buckets at best hide it)" if best.comm_s > 0 else ")")))]
@@ -1543,12 +1545,12 @@ def plan_json(p: Plan) -> dict:
 def main(argv=None) -> int:
     """Print the plan of `--model` on `--gpus` x `--gpu` (a table, or JSON with --json)."""
     ap = argparse.ArgumentParser(prog="python -m labkit.planner", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt2", help=f"a preset {tuple(PRESETS)} or a transformers config.json")
-    ap.add_argument("--gpu", default="a100-80gb", help="a GPU of labkit.gpus.GPUS or cpu (measured)")
-    ap.add_argument("--gpus", type=int, default=1, help="devices (data-parallel ranks at most)")
-    ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sample")
-    ap.add_argument("--batch", type=int, default=8, help="global batch: samples per optimizer step")
-    ap.add_argument("--reserve", type=float, default=RESERVE_FRACTION, help="share of device memory held back")
+    ap.add_argument("--model", default="gpt2", help=f"a preset {tuple(PRESETS)} or a transformers config.json (default: gpt2)")
+    ap.add_argument("--gpu", default="a100-80gb", help="a GPU of labkit.gpus.GPUS or cpu (measured; default: a100-80gb)")
+    ap.add_argument("--gpus", type=int, default=1, help="devices (data-parallel ranks at most; default: 1)")
+    ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default: 1024; torchtitan's Llama 3 8B runs 8192)")
+    ap.add_argument("--batch", type=int, default=8, help="global batch: samples per optimizer step (default: 8; each GPU takes its share)")
+    ap.add_argument("--reserve", type=float, default=RESERVE_FRACTION, help=f"share of device memory held back (default: {RESERVE_FRACTION})")
     ap.add_argument("--depth", choices=DEPTHS, default="fast",
                     help="fast: exact arithmetic over a few blocks; full: every block on fake tensors (the reference)")
     ap.add_argument("--precision", nargs="+", choices=PLAN_PRECISIONS, default=None,
