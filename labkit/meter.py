@@ -378,6 +378,8 @@ class MemoryMeter(TorchDispatchMode):
             st = _storage(u)
             if st is not None and id(st) not in records:
                 self._see(u, check_budget=False)
+                if self._handed_over and (rec := records.get(id(st))):  # after a collective: maybe a buffer made
+                    self._handed_over.append(rec)  # and freed on a library's thread (gloo's reduce-scatter result)
         out = func(*args, **(kwargs or {}))
         self._see_all((out,))
         if func.namespace in _COLLECTIVES:  # a communication library may hold these a moment longer: see settle
@@ -385,18 +387,17 @@ class MemoryMeter(TorchDispatchMode):
                                      if (rec := records.get(key)) is not None)
         return out
 
-    def settle(self, keep=(), timeout_s: float = 10.0) -> None:
+    def settle(self, keep=(), timeout_s: float = 10.0) -> int:
         """Wait up to timeout_s until the storages handed to collectives in this meter, those of `keep` and tracked
         states aside, are released (gloo's thread drops them a moment after the collective returns, on a loaded CPU
-        after the next steps: bytes read "at rest" could include an input the step had let go of); count the rest."""
+        later: "at rest" could count an input the step let go of); return the bytes still held then (0: none)."""
         self._classify()
         kept = {id(self._records.get(k)) for t in keep for k in _storage_ids(t)}
         deadline = time.perf_counter() + timeout_s
         held = [r for r in self._handed_over if r.category is None and not r.host and id(r) not in kept]
-        while any(r.free_seq is None for r in held):
-            if time.perf_counter() > deadline:
-                return
+        while (left := sum(r.nbytes for r in held if r.free_seq is None)) and time.perf_counter() <= deadline:
             time.sleep(0.002)
+        return left
 
     def _see_all(self, outs) -> None:
         for t in outs:

@@ -55,6 +55,28 @@ def label_gathered_parameters(modules) -> None:
         module.register_forward_pre_hook(_label_parameters)
 
 
+def _label_accumulated(module, args) -> None:
+    meter = active_meter()
+    if meter is None:
+        return
+    for m in module.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if hasattr(m, "_get_fsdp_state") else None
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)  # (fp32: the gradient stays on it)
+            for t in (fsdp_param.unsharded_accumulated_grad, None if unsharded is None else unsharded.grad):
+                if t is not None:
+                    meter.label(t, "gradients")
+
+
+def label_accumulated_gradients(model: torch.nn.Module) -> None:
+    """Make an open meter count the unsharded gradients FSDP2 accumulates between micro-batches without a
+    reduce-scatter (`set_requires_gradient_sync(False)`) as gradients, not activations (chapter 09).
+
+    A forward pre-hook on the root labels them at each micro-batch's start, while they are held.
+    """
+    model.register_forward_pre_hook(_label_accumulated)
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """Return a whole tensor from a DTensor shard (an all-gather on its mesh's device), or `t` itself (chapter 07)."""
     from torch.distributed.tensor import DTensor
@@ -87,11 +109,12 @@ class StepProbe:
     meter: MemoryMeter
     buckets: list = dataclasses.field(default_factory=list)  # DDP's flat buckets: handed to all-reduces, kept
     rest: dict[str, int] | None = None
+    unsettled_bytes: int = 0  # of the collectives' buffers, those still held when settle's wait ran out
 
     def at_rest(self) -> None:
         """Read the live bytes by category now (right after the optimizer step: every state exists), once the
         collectives' buffers the step let go of are released (`MemoryMeter.settle`)."""
-        self.meter.settle(keep=self.buckets)
+        self.unsettled_bytes = self.meter.settle(keep=self.buckets)
         self.rest = self.meter.current_split()
 
 
@@ -118,9 +141,10 @@ def measured_step(name: str, result: dict, model, optimizer, *inputs, buckets: d
                   budget_bytes: int | None = None):
     """Meter the step run in the body into `result` (chapter 07): states at rest, peak by category, sends, work.
 
-    `result` gains fits, states (at rest: parameters, gradients, optimizer_state, other), peak (the same and
-    activations), peak_phase, peak_activations_by_phase (`activations_by_phase`), comm_bytes and comm_calls (by collective), wire_bytes and work. DDP's `buckets`
-    (from `watch_ddp_buckets`) are tracked from the start and counted as "other" (as gradients under
+    `result` gains fits, states (at rest: parameters, gradients, optimizer_state, other), unsettled_bytes (of
+    "other", collectives' buffers still held when `MemoryMeter.settle` stopped waiting), peak (the same and
+    activations), peak_phase, peak_activations_by_phase (`activations_by_phase`), comm_bytes and comm_calls (by
+    collective), wire_bytes and work. DDP's `buckets` (from `watch_ddp_buckets`) are tracked from the start and counted as "other" (as gradients under
     gradient_as_bucket_view). A step the budget refuses leaves fits=False and the refused allocation instead of
     raising. The meter's summary goes back to the launcher under `name` (`labkit.dist.meter`).
     """
@@ -147,7 +171,7 @@ def measured_step(name: str, result: dict, model, optimizer, *inputs, buckets: d
     peak["activations"] -= bucket_bytes  # the meter counts untracked-category storage with the activations
     peak["other"] = bucket_bytes
     n = world_size()
-    result.update(fits=True, states=rest, peak=peak,
+    result.update(fits=True, states=rest, unsettled_bytes=probe.unsettled_bytes, peak=peak,
                   peak_phase=next(p.phase for p in meter.timeline if p.bytes == meter.peak_bytes),
                   peak_activations_by_phase=activations_by_phase(meter, buckets),
                   comm_bytes=dict(counter.bytes), comm_calls=dict(counter.calls), wire_bytes=counter.wire_bytes(n),

@@ -84,14 +84,37 @@ def test_at_rest_waits_until_a_collectives_buffer_the_step_let_go_of_is_released
         waited_s = time.perf_counter() - t0
     assert waited_s >= 0.25 and not held
     assert result["states"]["other"] == 2000  # the buffer released, the tensor no collective had still counted
-    with MemoryMeter("cpu") as meter:  # one a library never lets go of: counted after the timeout
+    assert result["unsettled_bytes"] == 0
+    with MemoryMeter("cpu") as meter:  # one a library never lets go of: counted after the timeout, and said
         stuck = torch.ones(1000)
         dist.all_reduce(stuck)
-        meter.settle(timeout_s=0.05)
+        assert meter.settle(timeout_s=0.05) == 4000
         assert meter.current_split()["activations"] == 4000
         t0 = time.perf_counter()
-        meter.settle(keep=[stuck], timeout_s=60)  # kept on purpose (DDP's buckets): no wait
+        assert meter.settle(keep=[stuck], timeout_s=60) == 0  # kept on purpose (DDP's buckets): no wait
         assert time.perf_counter() - t0 < 5
+
+
+def test_at_rest_waits_for_a_buffer_a_communication_library_made_on_its_own_thread(one_rank):
+    # gloo's reduce-scatter all-reduces into a buffer its worker thread allocates, copies the result out of it in
+    # Work.wait (where the meter first sees it) and frees it on that thread a moment later: here a thread does all three
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    held, result = [], {}
+    with sharded.measured_step("foreign", result, model, opt) as probe:
+        sent = torch.ones(10)
+        dist.all_reduce(sent)  # a collective first: what comes after may be the library's
+        worker = threading.Thread(target=lambda: held.append(torch.ones(1000)))  # 4,000 B the meter did not see made
+        worker.start()
+        worker.join()
+        sent.copy_(held[0][:10])  # first seen here, as an input
+        del sent
+        threading.Timer(0.3, held.clear).start()
+        t0 = time.perf_counter()
+        probe.at_rest()
+        waited_s = time.perf_counter() - t0
+    assert 0.25 <= waited_s < 5 and not held
+    assert result["states"]["other"] == 0 and result["unsettled_bytes"] == 0  # the buffer released, then read
 
 
 def test_measured_step_reports_a_budget_refusal_instead_of_raising(one_rank):
