@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 import labkit
 
 STEM = "09_will_it_fit"
@@ -48,7 +50,7 @@ def test_notebook_09_verdicts_with_another_size_and_budget(execute_notebook):
     fastest = m["practitioner_fastest"]
     assert fastest is not None and rows[fastest["micro_batch"], fastest["checkpointing"]]["fits_by"] == "replay"
     assert fastest["reserved_bytes"] < as_run["reserved_bytes"]
-    _check_knobs(m["practitioner_knobs"], as_run, rows[2, "full"])
+    _check_knobs(m["practitioner_knobs"], as_run, rows[2, "full"], m["practitioner_n_params"])
     # its second fits column holds back the widest reserved-less-active share of Appendix C's FSDP2 runs and the CUDA
     # context with NCCL's buffers (their high end), more than the plan's 10% reserve; the row the replay refuses (the
     # benchmark's) does not fit by it either
@@ -63,7 +65,7 @@ def test_notebook_09_verdicts_with_another_size_and_budget(execute_notebook):
     assert as_run["peak_bytes"] > GPUS["h100"].memory_bytes * (1 - held)
 
 
-def _check_knobs(knobs: list, as_run: dict, full: dict) -> None:
+def _check_knobs(knobs: list, as_run: dict, full: dict, n_params: int) -> None:
     """Appendix D's table of knobs, each set to another choice from the benchmarked row: what each one moves."""
     by = {(k["knob"], k["set_to"].split(" (")[0]): k for k in knobs}
     base = knobs[0]
@@ -83,3 +85,10 @@ def _check_knobs(knobs: list, as_run: dict, full: dict) -> None:
     assert peak["logits in the loss", "bf16"] < 0 < peak["logits", "held through backward"]
     gathered = "FSDP2", "parameters kept gathered after forward"
     assert peak[gathered] > 0 > step[gathered]  # one all-gather fewer a micro-batch: backward's
+    bf16_reduce = ("reduce-scatter", "in bf16")
+    assert peak[bf16_reduce] <= 0 and step[bf16_reduce] < 0  # no fp32 copy to send; half the reduce-scatter's bytes
+    each, last = ("micro-batches", "1 × 2, reduce-scattered after each"), ("micro-batches", "1 × 2, reduce-scattered "
+                                                                            "after the last only")
+    assert peak[each] < 0  # half the activations a micro-batch
+    held = peak[last] - peak[each]  # the whole fp32 gradients on every GPU, less the shard it holds either way
+    assert held == pytest.approx(4 * n_params * 7 / 8, rel=1e-3) and step[last] < step[each]  # one reduce-scatter

@@ -13,9 +13,10 @@ import torch
 from labkit import estimate, gpus
 from labkit.estimate import SHARED_DIR_ENV, estimate_training_memory, example_batch
 from labkit.example import running_example
-from labkit.gpus import GPUS, DeviceProfile
-from labkit.models import GPT, GPTConfig
+from labkit.gpus import GPUS, DeviceProfile, device_profile
+from labkit.models import GPT, GPTConfig, build_model
 from labkit.planner import plan as P
+from labkit.techniques.precision import amp_train_step
 from labkit.train import ADAM_IMPLS, make_optimizer, measure_step
 from labkit.validate import ParameterError
 
@@ -689,6 +690,148 @@ def test_mixed_policy_rows_are_what_two_real_ranks_measure(reshard, tmp_path):
     assert predicted < autocast
 
 
+SYNC_RANKS = '''
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+import labkit.dist as ld
+from labkit.estimate import example_batch
+from labkit.models import GPTConfig, build_model
+import labkit.planner.plan as P
+from labkit.sharded import label_accumulated_gradients
+from labkit.train import make_optimizer
+
+def main(config="", precision="fp32", grad_sync="last", reduce="fp32"):  # one rank: FSDP2, two micro-batches
+    cfg = eval(config, {"GPTConfig": GPTConfig})
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[reduce]) \\
+        if precision == P.MIXED_POLICY else MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    label_accumulated_gradients(model)
+    opt = make_optimizer("adam", model.parameters())
+    batch = example_batch(cfg, 4, 16)
+    step = P.Step(2, 2, 16, precision=precision, grad_sync=grad_sync, reduce_dtype=reduce)
+    P.plan_step(model, opt, batch, step)
+    with ld.meter("step") as meter:
+        meter.track(model, opt, *batch)
+        P.plan_step(model, opt, batch, step)
+
+if __name__ == "__main__":
+    ld.run(main)
+'''
+
+
+@pytest.mark.parametrize("precision, reduce, grad_sync", [("fp32", "fp32", "last"), (P.MIXED_POLICY, "fp32", "last"),
+                                                         (P.MIXED_POLICY, "bf16", "last"),
+                                                         (P.MIXED_POLICY, "bf16", "every")])
+def test_gradient_sync_and_reduce_dtype_are_what_two_real_ranks_measure(precision, reduce, grad_sync, tmp_path):
+    """FSDP2's set_requires_gradient_sync(False) before the first of two micro-batches, and MixedPrecisionPolicy's
+    reduce_dtype: the fake step's peak against two gloo ranks running it (within gloo's copy of a group's fp32
+    reduce-scatter input, as above) and its gradients at the peak to the byte. After the last micro-batch only, the
+    whole unsharded gradients are held at the peak in the reduce dtype (4 B a parameter in fp32, 2 in bf16)."""
+    import labkit.dist as ld
+    from labkit.models import build_model
+
+    script = tmp_path / "sync_ranks.py"
+    script.write_text(SYNC_RANKS)
+    runs = ld.launch(script, 2, params={"config": repr(DEEP_LLAMA), "precision": precision, "grad_sync": grad_sync,
+                                        "reduce": reduce}, echo=False, device="cpu")
+    spec = P.gpt_spec(DEEP_LLAMA)
+    step = P.Step(2, 2, 16, "none", precision, shard=(2, True), grad_sync=grad_sync, reduce_dtype=reduce)
+    predicted = P._extrapolated(spec, step, "full")
+    every = P._extrapolated(spec, P.Step(2, 2, 16, "none", precision, shard=(2, True)), "full")
+    model = build_model(DEEP_LLAMA)
+    n = sum(p.numel() for p in model.parameters())
+    in_blocks = {id(p) for p in model.blocks.parameters()}
+    groups = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    groups.append(sum(p.numel() for p in model.parameters() if id(p) not in in_blocks))
+    for r in runs:
+        measured = r.meters["step"]["peak_bytes"]
+        assert predicted[0] <= measured <= predicted[0] + max(groups) * 4, (predicted[0], measured)
+        assert r.meters["step"]["peak_split"]["gradients"] == predicted[1]["gradients"]
+    if grad_sync == "last":  # the whole gradients in the reduce dtype, none sharded yet
+        assert predicted[1]["gradients"] == (4 if reduce == "fp32" else 2) * n
+    if (grad_sync, reduce) == ("last", "fp32"):
+        assert every[1]["gradients"] == 4 * n // 2 and predicted[0] - every[0] == 4 * n - 4 * n // 2
+
+
+def test_a_plan_reduces_fsdp2s_gradients_after_the_last_micro_batch_when_asked(monkeypatch, capsys):
+    """grad_sync="last": FSDP2 rows of two or more micro-batches hold the whole unsharded gradients (their fake step
+    takes the fast depth exactly) and send one reduce-scatter a step instead of one a micro-batch; a row of one
+    micro-batch, and every unsharded row, is the same row as by default; the title, the command and a bad value say so."""
+    with monkeypatch.context() as m:
+        m.setattr(P, "FULL_MAX_LAYERS", 3)  # take the fast path on a small model
+        spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=SHARDED_DEEP))
+        step = P.Step(2, 2, 16, "every", P.MIXED_POLICY, shard=(2, True), grad_sync="last")
+        assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full") and _fitted(spec, step)
+    kwargs = dict(checkpointing=("none",), offload=(False,), optimizers=("device",), micro_batches=[2, 4], workers=1)
+    every, last = (P.plan(DEEP_LLAMA, "h100", 2, 16, 8, grad_sync=g, **kwargs) for g in ("every", "last"))
+    n, whole = every.n_params, 4 * every.n_params  # fp32 reduce-scatters, either precision
+    rows = {(r.combination.parallel, r.combination.precision, r.combination.micro_batch): r for r in every.rows}
+    for r in last.rows:
+        c = r.combination
+        e = rows[c.parallel, c.precision, c.micro_batch]
+        if c.parallel.startswith("fsdp2") and c.accum_steps > 1:
+            assert c.grad_sync == "last" and r.peak_bytes - e.peak_bytes == 4 * n - 4 * n // 2
+            ring = (c.ranks - 1) / c.ranks
+            assert r.comm_s == pytest.approx(e.comm_s - (c.accum_steps - 1) * ring * whole / h100_link(c.ranks))
+        else:
+            assert c.grad_sync == "every" and (r.peak_bytes, r.comm_s) == (e.peak_bytes, e.comm_s)
+    assert any(r.combination.grad_sync == "last" for r in last.rows)
+    assert "set_requires_gradient_sync" in P.format_plan(last) and "set_requires_gradient_sync" not in \
+        P.format_plan(every)
+    with pytest.raises(ParameterError, match="grad_sync"):
+        P.plan(DEEP_LLAMA, "h100", 2, 16, 8, grad_sync="never", **kwargs)
+    with pytest.raises(ParameterError, match="grad_sync"):  # one process: no FSDP2 reduce-scatter to put off
+        amp_train_step(build_model(DEEP_LLAMA), torch.optim.SGD(build_model(DEEP_LLAMA).parameters(), lr=0.1),
+                       [example_batch(DEEP_LLAMA, 1, 16)], precision="fp32", grad_sync="last")
+    asked = []
+    monkeypatch.setattr(P, "plan", lambda *a, **k: asked.append(k) or every)
+    monkeypatch.setattr(P, "format_plan", lambda *a, **k: "")
+    P.main(["--model", "llama-7b", "--gpus", "8", "--grad-sync", "last"])
+    P.main(["--model", "llama-7b", "--gpus", "8"])
+    assert [k["grad_sync"] for k in asked] == ["last", "every"]
+    with pytest.raises(SystemExit):
+        P.main(["--grad-sync", "never"])
+    assert "grad-sync" in capsys.readouterr().err
+
+
+def test_a_plan_reduce_scatters_mixed_precision_rows_in_bf16_when_asked(monkeypatch):
+    """reduce_dtype="bf16": MixedPrecisionPolicy's rows send their reduce-scatters in half the bytes (fake steps of
+    their own: the peak is the step's, checked against two ranks above); fp32 rows are the same rows; the title, the
+    command and a bad value say so."""
+    kwargs = dict(precisions=("fp32", P.MIXED_POLICY), checkpointing=("none",), offload=(False,), optimizers=("device",),
+                  micro_batches=[2], parallels=("fsdp2", "fsdp2-reshard"), workers=1)
+    fp32, bf16 = (P.plan(DEEP_LLAMA, "h100", 2, 16, 8, reduce_dtype=d, **kwargs) for d in P.REDUCE_DTYPES)
+    whole = 4 * fp32.n_params  # an fp32 reduce-scatter's bytes
+    assert len(fp32.rows) == len(bf16.rows) == 4
+    for a, b in zip(fp32.rows, bf16.rows):
+        assert a.combination == dataclasses.replace(b.combination, reduce_dtype="fp32")
+        c = b.combination
+        if c.precision == P.MIXED_POLICY:
+            ring = (c.ranks - 1) / c.ranks
+            assert c.reduce_dtype == "bf16" and c.accum_steps == 2
+            assert b.comm_s == pytest.approx(a.comm_s - c.accum_steps * ring * whole / 2 / h100_link(c.ranks))
+        else:
+            assert (c.reduce_dtype, b.peak_bytes, b.comm_s) == ("fp32", a.peak_bytes, a.comm_s)
+    assert "reduce-scatters in bf16" in P.format_plan(bf16) and "reduce-scatters in bf16" not in P.format_plan(fp32)
+    with pytest.raises(ParameterError, match="reduce_dtype"):
+        P.plan(DEEP_LLAMA, "h100", 2, 16, 8, reduce_dtype="fp16", **kwargs)
+    asked = []
+    monkeypatch.setattr(P, "plan", lambda *a, **k: asked.append(k) or fp32)
+    monkeypatch.setattr(P, "format_plan", lambda *a, **k: "")
+    P.main(["--model", "llama-7b", "--gpus", "8", "--reduce-dtype", "bf16"])
+    P.main(["--model", "llama-7b", "--gpus", "8"])
+    assert [k["reduce_dtype"] for k in asked] == ["bf16", "fp32"]
+
+
+def h100_link(ranks: int) -> float:
+    """Return the H100 profile's ring bandwidth among `ranks` GPUs, bytes/s."""
+    return device_profile("h100").link_bytes_per_s(ranks)
+
+
 def test_mixed_policy_rows_at_the_fast_depth_and_in_the_plan(monkeypatch):
     """The policy's fake steps take the fast depth exactly; plan() gives them FSDP2 rows only, at the bf16 rate, and
     says why the other rows run autocast."""
@@ -867,6 +1010,9 @@ def test_a_gpu_plan_defaults_to_torchtitans_stack_and_a_cpu_plan_to_the_chapters
     monkeypatch.setitem(P.PRESETS, "tiny-llama", cfg)
     gpu = P.plan("tiny-llama", "h100", 1, 16, 2, precisions=("fp32", "bf16"), offload=(False,), optimizers=("device",))
     assert gpu.model == "tiny-llama, fp32 logits, flash attention"
+    t4 = P.plan("tiny-llama", "t4", 1, 16, 2, precisions=("fp16",), checkpointing=("none",), offload=(False,),
+                optimizers=("device",))  # before Ampere SDPA runs the memory-efficient kernel: flash does not run
+    assert t4.model == "tiny-llama, fp32 logits, efficient attention"
     assert {r.combination.keep_logits for r in gpu.rows} == {False}
     assert {r.combination.adam_impl for r in gpu.rows} == {P.GPU_ADAM_IMPL} == {"fused"}
     assert {r.combination.checkpointing for r in gpu.rows} == set(P.GPU_CHECKPOINTING) == {"none", "full", "sqrt", "op"}
@@ -901,7 +1047,9 @@ def test_the_fastest_row_is_also_given_at_a_published_runs_share_of_peak():
     own_s = best.compute_s / eff.fraction
     line = next(line for line in P.format_plan(p).splitlines() if line.startswith("at a published run's share"))
     assert f"({eff.fraction:.1%}, FMS-7B-H100-noAC-eager" in line
-    assert f"{(own_s + best.comm_s) * 1e3:,.0f} ms/step, {p.batch * p.seq_len / (own_s + best.comm_s):,.0f} tokens/s" in line
+    tokens_per_s = p.batch * p.seq_len / (own_s + best.comm_s)
+    assert f"{(own_s + best.comm_s) * 1e3:,.0f} ms/step, {tokens_per_s:,.0f} tokens/s ({tokens_per_s / 2:,.0f} per GPU" \
+        in line
     assert f"hidden {max(own_s, best.comm_s) * 1e3:,.0f} ms" in line
     assert own_s > best.compute_s  # the estimate is slower than the bound
     cpu = P.plan(SMALL, cpu_profile(1 << 40), 1, 16, 2, checkpointing=("none",), precisions=("fp32",))
@@ -916,7 +1064,7 @@ def test_fsdp2_rows_judged_by_the_reserve_alone_say_what_published_runs_kept():
     kwargs = dict(checkpointing=("none",), parallels=("fsdp2",), offload=(False,), optimizers=("device",))
     p = P.plan(dataclasses.replace(SMALL, n_layer=2), "h100", 2, 16, 2, **kwargs)
     line = next(line for line in P.format_plan(p).splitlines() if line.startswith("fits, FSDP2 rows"))
-    assert " and ".join(f"{g:.1%}" for g in gaps["h100"]) + " of the h100's" in line
+    assert " and ".join(f"{g * 80:.1f} GiB ({g:.1%} of the h100 profile's 80 GiB)" for g in gaps["h100"]) in line
     assert f"--reserve {math.ceil(widest * 100) / 100} or more" in line
     roomy = P.plan(dataclasses.replace(SMALL, n_layer=2), "h100", 2, 16, 2, reserve_fraction=widest + 0.01, **kwargs)
     assert "fits, FSDP2 rows" not in P.format_plan(roomy)  # a reserve above every published gap: nothing to say

@@ -28,7 +28,7 @@ from labkit.autocast_ops import CudaAutocastOps, recompute_context_fn
 from labkit.children import ChildProcesses, die_with_parent
 from labkit.cpu import one_thread
 from labkit.estimate import MemoryEstimate, data_parallel_rank, example_batch, fake_sharded, fake_step, remembered
-from labkit.gpus import RESERVE_FRACTION, DeviceProfile, device_profile
+from labkit.gpus import GPUS, RESERVE_FRACTION, DeviceProfile, device_profile
 from labkit.meter import CATEGORIES, _inner, active_meter, format_bytes
 from labkit.models import ATTENTION, GPTConfig, blocks_of, build_model
 from labkit.planner.allocator import cpu_stream_tags, meter_events, replay
@@ -36,11 +36,12 @@ from labkit.planner.events import deeper, peak_bytes
 from labkit.planner.overheads import non_tensor_bytes
 from labkit.planner.runs import fsdp2_gaps
 from labkit.progress import progress
+from labkit.sharded import label_accumulated_gradients
 from labkit.techniques.accumulation import split_batch
 from labkit.techniques.checkpointing import checkpoint_blocks
 from labkit.techniques.hosttier import host_tier
 from labkit.techniques.offload import OffloadHooks
-from labkit.techniques.precision import PRECISIONS, amp_train_step
+from labkit.techniques.precision import GRAD_SYNCS, PRECISIONS, amp_train_step
 from labkit.train import ADAM_IMPLS, create_optimizer_state, make_optimizer, seeded_model
 from labkit.validate import ParameterError, check_choice, check_divides, check_float, check_int, check_int_list
 from labkit.work import WorkCounter
@@ -72,14 +73,16 @@ NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
                                              "the optimizer step (ZeRO-Offload moves them in buckets as they are "
                                              "reduced, lowering the peak by up to the gradients' bytes)",
     "gradients accumulated in another dtype": "micro-batches accumulate into the gradients their precision gives "
-                                              "(fp32 under autocast and bf16-mp, reduce-scattered every micro-batch; "
-                                              "bf16 in bf16-pure): an fp32 buffer over bf16 weights (Megatron's "
-                                              "main_grad) and FSDP2's set_requires_gradient_sync(False) (unsharded "
-                                              "fp32 gradients between micro-batches) are not planned",
+                                              "(fp32 under autocast and bf16-mp; bf16 in bf16-pure; with "
+                                              "grad_sync='last', FSDP2's unsharded ones in its reduce dtype): an fp32 "
+                                              "buffer over bf16 weights (Megatron's main_grad, DeepSpeed's "
+                                              "grad_accum_dtype) is not planned",
 }
 MIXED_POLICY = "bf16-mp"  # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), torchtitan's default:
 #                          fp32 shards, gradients and Adam state; bf16 gathered parameters, compute and activations
 PURE_BF16 = "bf16-pure"  # bf16 weights, gradients and Adam state, no autocast: torchtune's single-device default
+REDUCE_DTYPES = ("fp32", "bf16")  # MIXED_POLICY's reduce_dtype: fp32 (torchtitan's default,
+#   mixed_precision_reduce = "float32") or bf16 (MixedPrecisionPolicy's own when reduce_dtype is None: param_dtype's)
 PLAN_PRECISIONS = (*PRECISIONS, MIXED_POLICY, PURE_BF16)  # a plan's precisions: autocast's (bf16, fp16 over fp32
 #                                                           weights), FSDP2's policy, pure bf16
 GRADSCALER_BYTES = 16  # fp16 rows: bf16's fake step plus GradScaler's four 4-byte scalars
@@ -230,6 +233,8 @@ class Combination:
     optimizer: str = "device"  # one of OPTIMIZER_PLACES: Adam's state and step on the device, or on the host
     adam_impl: str = "for-loop"  # one of labkit.train.ADAM_IMPLS: for-loop, foreach (CUDA's default) or fused
     keep_logits: bool = True  # the logits held through backward (`logits, loss = model(...)`); False: freed before
+    grad_sync: str = "every"  # FSDP2 rows: reduce-scatter after every micro-batch, or the "last" only (GRAD_SYNCS)
+    reduce_dtype: str = "fp32"  # MIXED_POLICY rows: the dtype FSDP2 reduce-scatters in (REDUCE_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -251,6 +256,10 @@ class Step:
     keep_logits: bool = True  # the logits held through backward; False: freed before it (torchtitan's `del pred`)
     autocast_of: str = "cuda"  # whose autocast a 16-bit step's dtypes follow: "cuda" (autocast_ops.CudaAutocastOps on
     #                            the fake CPU step: a GPU's plan) or "cpu" (a plan of this CPU, checked against its meter)
+    grad_sync: str = "every"  # FSDP2's reduce-scatter after every micro-batch, or the "last" only (GRAD_SYNCS: the
+    #                           unsharded gradients accumulate between micro-batches in the reduce dtype)
+    reduce_dtype: str = "fp32"  # MIXED_POLICY: MixedPrecisionPolicy's reduce_dtype (REDUCE_DTYPES; bf16: the
+    #                             reduce-scatter's input is the bf16 gradients themselves, not an fp32 copy)
 
 
 REPLAY_MARGIN = 0.10  # a replayed reserved peak is trusted within this share: the error chapter 09's validation
@@ -336,7 +345,7 @@ def plan_step(model, optimizer, batch, step: Step, offload: OffloadHooks | None 
     #                                                       policy casts; pure bf16 weights compute in bf16 themselves)
     with offload if offload is not None else contextlib.nullcontext():
         return amp_train_step(model, optimizer, split_batch(batch, step.micro_batch), precision=precision,
-                              keep_logits=step.keep_logits)
+                              keep_logits=step.keep_logits, grad_sync=step.grad_sync)
 
 
 class _AtOptimizer(Exception):
@@ -506,8 +515,7 @@ def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bo
     tagging = []  # (tagged) the optimizer step's _OptimizerBlocks, made once the meter tracks the step's tensors
     count = not reserved and (spec.key is None or flops_key not in _FLOPS)  # (a replay's run counts no work: 2x faster)
     rows, n_micro, seq_len, shard = step.micro_batch * step.n_micro, step.n_micro, step.seq_len, step.shard
-    at_optimizer = []  # (bytes by category when the optimizer step started, (peak, split) so far)
-    replays = []  # the allocator's replay (reserved=True)
+    at_optimizer, replays = [], []  # (bytes by category at the optimizer step's start, (peak, split)); allocator replays
 
     def build():
         if shard is None:
@@ -517,6 +525,7 @@ def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bo
         else:
             model = meta_model
             model.to_empty(device="cpu")  # the meta shards become fake cpu ones: FSDP2's meta init
+            label_accumulated_gradients(model)  # (grad_sync "last": the unsharded gradients held between micro-batches)
             batch = tuple(torch.empty_like(t, device="cpu") for t in meta_batch)
         opt = make_optimizer("adam", model.parameters(), implementation=step.adam_impl)
         create_optimizer_state(opt)
@@ -617,12 +626,13 @@ def _built_in(step: Step):
 
 
 def _policy(step: Step):
-    """Return FSDP2's MixedPrecisionPolicy for a MIXED_POLICY step (bf16 gathered parameters, fp32 reduction), else
+    """Return FSDP2's MixedPrecisionPolicy for a MIXED_POLICY step (bf16 gathered parameters, its reduce dtype), else
     None."""
     if step.precision != MIXED_POLICY:
         return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                reduce_dtype=torch.bfloat16 if step.reduce_dtype == "bf16" else torch.float32)
 
 
 def layer_every(checkpointing: str) -> int:
@@ -870,6 +880,8 @@ class _Asked:
     rate: dict  # precision -> the compute rate it runs at (a key of the device's flops_per_s)
     autocast_of: str  # "cuda": a GPU's 16-bit steps take CUDA autocast's dtypes; "cpu": this CPU's own
     deep: bool = False  # past FULL_MAX_LAYERS at the fast depth: what only full depth gives is left out
+    grad_sync: str = "every"  # FSDP2 rows with micro-batches: one of GRAD_SYNCS
+    reduce_dtype: str = "fp32"  # MIXED_POLICY rows: one of REDUCE_DTYPES
     autocast_sharded: bool = True  # FSDP2 rows run autocast's 16 bits too (False: by default, where MIXED_POLICY is
     #                                their 16-bit row, as torchtitan's)
 
@@ -878,7 +890,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
          precisions=None, checkpointing=None, reserve_fraction: float = RESERVE_FRACTION, depth: str = "fast",
          offload=(False, True), optimizers=OPTIMIZER_PLACES, workers: int | None = None,
          adam_impls=None, keep_logits: bool | None = None, parallels=tuple(COMM_UNITS),
-         micro_batches=None, reserved: bool = False, expandable_segments: bool = False) -> Plan:
+         micro_batches=None, reserved: bool = False, expandable_segments: bool = False,
+         grad_sync: str = "every", reduce_dtype: str = "fp32") -> Plan:
     """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s.
 
     precisions: of PLAN_PRECISIONS (None: the GPU's of PRECISIONS, FSDP2's 16-bit rows MIXED_POLICY instead of autocast
@@ -896,12 +909,16 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     from it: the replayed reserve with REPLAY_MARGIN, plus the CUDA context and NCCL's buffers, within the GPU's
     memory (FITS_BY; a row that does not fit leaves the front and the rows that join it are replayed in turn);
     expandable_segments: that reserved peak under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True's rules (torchtitan's
-    launcher sets it), else the allocator's default rules.
+    launcher sets it), else the allocator's default rules; grad_sync: FSDP2 rows of two or more micro-batches
+    reduce-scatter their gradients after "every" one (FSDP2's default) or the "last" only (set_requires_gradient_sync(
+    False) before the others: the unsharded gradients held between micro-batches in the reduce dtype, fewer bytes sent);
+    reduce_dtype: the dtype MIXED_POLICY rows reduce-scatter in (REDUCE_DTYPES: fp32, torchtitan's default, or bf16).
     """
     if keep_logits is None:
         keep_logits = not torchtitans_loop(model, gpu)
     ask = _asked(model_spec(_as_gpu_runs_it(model, gpu)), gpu, gpus, seq_len, batch, precisions, checkpointing,
-                 reserve_fraction, depth, offload, optimizers, adam_impls, keep_logits, parallels, micro_batches)
+                 reserve_fraction, depth, offload, optimizers, adam_impls, keep_logits, parallels, micro_batches,
+                 grad_sync, reduce_dtype)
     spec, workers = ask.spec, plan_workers() if workers is None else workers
     if expandable_segments and not reserved:
         raise ParameterError("expandable_segments: the rules of a reserved peak; pass reserved=True too")
@@ -953,19 +970,22 @@ def torchtitans_loop(model, gpu) -> bool:
 
 def _as_gpu_runs_it(model, gpu):
     """Return `model` as the device planned runs it: on a GPU a labkit GPT's attn="sdpa" is the kernel SDPA picks there
-    ("flash": flash in 16 bits, memory-efficient in fp32, labkit.models._cuda_attention), not this CPU's flash kernel,
-    which torchtitan's op-level save list does not name; a Llama preset's logits upcast to fp32 (torchtitans_loop)."""
+    ("flash": flash in 16 bits, memory-efficient in fp32, labkit.models._cuda_attention; "efficient" before Ampere,
+    where flash does not run: the profiles without bf16, the T4), not this CPU's flash kernel, which torchtitan's
+    op-level save list does not name; a Llama preset's logits upcast to fp32 (torchtitans_loop)."""
     name = gpu.name if isinstance(gpu, DeviceProfile) else gpu
+    profile = gpu if isinstance(gpu, DeviceProfile) else GPUS.get(gpu)  # (None: "cuda", the device a check runs on)
     cfg = PRESETS.get(model) if isinstance(model, str) else model
     if torchtitans_loop(model, gpu):
         cfg = model = replace(cfg, logits_fp32=True)
     if name != "cpu" and isinstance(cfg, GPTConfig) and cfg.attn == "sdpa":
-        return replace(cfg, attn="flash")
+        return replace(cfg, attn="flash" if profile is None or profile.half == "bf16" else "efficient")
     return model
 
 
 def _asked(spec: ModelSpec, gpu, gpus, seq_len, batch, precisions, checkpointing, reserve_fraction, depth, offload,
-           optimizers, adam_impls, keep_logits, parallels, micro_batches) -> _Asked:
+           optimizers, adam_impls, keep_logits, parallels, micro_batches, grad_sync="every",
+           reduce_dtype="fp32") -> _Asked:
     """Return plan()'s arguments checked (a ParameterError names a bad one and its choices, before any work)."""
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
     check_int("gpus", gpus, 1, 1 if device.name == "cpu" else 4096)
@@ -1003,6 +1023,8 @@ def _asked(spec: ModelSpec, gpu, gpus, seq_len, batch, precisions, checkpointing
     for a in adam_impls:
         check_choice("adam_impls", a, ADAM_IMPLS)
     check_choice("keep_logits", keep_logits, (True, False))
+    check_choice("grad_sync", grad_sync, GRAD_SYNCS)
+    check_choice("reduce_dtype", reduce_dtype, REDUCE_DTYPES)
     if micro_batches is not None:
         micro_batches = check_int_list("micro_batches", list(micro_batches), 1, batch)
     if checkpointing is None:  # a transformers model's "full" is its one way to checkpoint: planned by default
@@ -1013,7 +1035,8 @@ def _asked(spec: ModelSpec, gpu, gpus, seq_len, batch, precisions, checkpointing
     return _Asked(spec, device, gpus, seq_len, batch, precisions, tuple(checkpointing), offload, optimizers,
                   adam_impls, keep_logits, parallels, micro_batches, rate,
                   "cpu" if device.name == "cpu" else "cuda",
-                  depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS, autocast_sharded)
+                  depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS, grad_sync,
+                  reduce_dtype, autocast_sharded)
 
 
 def _left_out(ask: _Asked) -> dict:
@@ -1066,7 +1089,8 @@ def _steps_needed(ask: _Asked, ranks_list: list, flat_ranks: list) -> dict:
         precisions += [MIXED_POLICY] * (shard is not None and MIXED_POLICY in ask.precisions)
         for rows in [batch // r for r in flat_ranks] if shard is None else [batch // shard[0]]:
             todo.update(dict.fromkeys(Step(mb, min(rows // mb, 2), ask.seq_len, c, p, o, shard, a, ask.keep_logits,
-                                           ask.autocast_of)
+                                           ask.autocast_of, ask.grad_sync if shard and rows > mb else "every",
+                                           ask.reduce_dtype if p == MIXED_POLICY else "fp32")
                                       for mb in _divisors(rows, rows) if ask.micro_batches is None
                                       or mb in ask.micro_batches for c in ask.checkpointing for p in precisions
                                       for o in (ask.offload if shard is None and c == "none" else (False,))
@@ -1101,7 +1125,7 @@ def _add_rows(out: Plan, ask: _Asked, fake: dict, flat_ranks: list, row_bytes: i
                     rank_split = {**at_split, "activations": at_split["activations"] + extra + buckets,
                                   "optimizer_state": at_split["optimizer_state"] - dropped}
                     comb = Combination(ranks, parallel, mb, rows // mb, c, prec, o, where, st.adam_impl,
-                                       ask.keep_logits)
+                                       ask.keep_logits, st.grad_sync, st.reduce_dtype)
                     whole = (2 if prec == PURE_BF16 else 4) * n if shard else param_bytes  # one whole copy's bytes
                     out.rows.append(_row(out, ask.device, ask.rate[prec], comb, at_peak + extra + buckets - dropped,
                                          rank_split, work, param_bytes, opt_bytes - dropped, whole))
@@ -1143,7 +1167,7 @@ def combination_fake_step(comb: Combination, seq_len: int, autocast_of: str = "c
     shard = (comb.ranks, comb.parallel == "fsdp2-reshard") if comb.parallel.startswith("fsdp2") else None
     return Step(comb.micro_batch, min(comb.accum_steps, 2), seq_len, comb.checkpointing,
                 "bf16" if comb.precision == "fp16" else comb.precision, comb.offload, shard, comb.adam_impl,
-                comb.keep_logits, autocast_of)
+                comb.keep_logits, autocast_of, comb.grad_sync, comb.reduce_dtype)
 
 
 def replayed(runs: list, workers: int | None = None) -> list:
@@ -1387,9 +1411,12 @@ def _row(p: Plan, device: DeviceProfile, rate: str, comb: Combination, peak: int
                     accessed / device.memory_bytes_per_s)
     ring = (comb.ranks - 1) / comb.ranks
     passes = COMM_UNITS[comb.parallel] * (comb.accum_steps if comb.parallel.startswith("fsdp2") else 1)
+    if comb.grad_sync == "last":  # FSDP2's reduce-scatter once a step, its all-gathers every micro-batch
+        passes -= comb.accum_steps - 1
     sent = passes * whole_param_bytes
-    if comb.precision == MIXED_POLICY:  # its all-gathers (every pass but the reduce-scatter) move bf16: half the bytes
-        sent -= (COMM_UNITS[comb.parallel] - 1) * comb.accum_steps * whole_param_bytes // 2
+    if comb.precision == MIXED_POLICY:  # its all-gathers move bf16, half the bytes; its reduce-scatters too in bf16
+        reduce_scatters = 1 if comb.grad_sync == "last" else comb.accum_steps
+        sent -= (passes - (0 if comb.reduce_dtype == "bf16" else reduce_scatters)) * whole_param_bytes // 2
     comm_s = ring * sent / device.link_bytes_per_s(comb.ranks)
     host_s = offloaded_per_micro * comb.accum_steps / device.host_bytes_per_s
     if on_host:
@@ -1411,6 +1438,7 @@ def _at_published_share(p: Plan, best: Row | None) -> list:
     tokens = p.batch * p.seq_len
     return [f"at a published run's share of the {p.device}'s peak ({eff.fraction:.1%}, {eff.source.split(':')[0]}: "
             f"labkit.gpus), the fastest takes {none_s * 1e3:,.0f} ms/step, {tokens / none_s:,.0f} tokens/s"
+            + (f" ({tokens / none_s / p.gpus:,.0f} per GPU, the figure torchtitan reports)" if p.gpus > 1 else "")
             + (f", with its communication hidden {all_s * 1e3:,.0f} ms, {tokens / all_s:,.0f} tokens/s"
                if best.comm_s > 0 else "")
             + ": an estimate (chapter 09's section 4 checks it against other published runs, within 25%), where the "
@@ -1426,9 +1454,10 @@ def _fsdp2_reserve_note(p: Plan) -> list:
     widest = max((g for gs in gaps.values() for g in gs), default=0.0)
     if widest <= p.reserve_fraction:
         return []
-    kept = "; ".join(f"{' and '.join(f'{g:.1%}' for g in gs)} of the {gpu}'s" for gpu, gs in gaps.items())
+    kept = "; ".join(" and ".join(f"{g * GPUS[gpu].memory_bytes / 2**30:.1f} GiB ({g:.1%} of the {gpu} profile's "
+                                  f"{GPUS[gpu].memory_bytes / 2**30:.0f} GiB)" for g in gs) for gpu, gs in gaps.items())
     return [f"fits, FSDP2 rows: the plan's {p.reserve_fraction:.0%} reserve is not verified for FSDP2, whose published "
-            f"runs kept {kept} memory reserved by the allocator but not active in tensors (labkit.planner.runs): "
+            f"runs kept {kept} reserved by the allocator but not active in tensors (labkit.planner.runs): "
             f"plan FSDP2 with --reserve {math.ceil(widest * 100) / 100} or more for that gap alone (the CUDA context "
             "and NCCL's buffers come on top), or with --reserved to judge the front by its allocator replay"]
 
@@ -1442,7 +1471,11 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
             + ("; rows replayed: judged by their replay" if any(r.fits_by != "reserve" for r in p.rows) else "")
             + "); "
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s"
-            + ("; the logits freed before backward" if any(not r.combination.keep_logits for r in p.rows) else ""))
+            + ("; the logits freed before backward" if any(not r.combination.keep_logits for r in p.rows) else "")
+            + ("; FSDP2's rows of micro-batches reduce-scatter after the last one only (set_requires_gradient_sync)"
+               if any(r.combination.grad_sync == "last" for r in p.rows) else "")
+            + (f"; {MIXED_POLICY} reduce-scatters in bf16 (reduce_dtype)"
+               if any(r.combination.reduce_dtype == "bf16" for r in p.rows) else ""))
     width = max([4, *(len(r.combination.precision) for r in p.rows)])
     with_reserved = any(r.reserved_bytes is not None for r in p.rows)  # (plan(reserved=True): a column of its own)
     cols = (f"{'#':>3} {'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>{width}} "
@@ -1542,8 +1575,8 @@ def plan_json(p: Plan) -> dict:
             "fastest": None if best is None else asdict(best), "pareto": [asdict(r) for r in p.pareto]}
 
 
-def main(argv=None) -> int:
-    """Print the plan of `--model` on `--gpus` x `--gpu` (a table, or JSON with --json)."""
+def _arguments() -> argparse.ArgumentParser:
+    """Return the command's parser: every knob of plan() with its default stated."""
     ap = argparse.ArgumentParser(prog="python -m labkit.planner", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2", help=f"a preset {tuple(PRESETS)} or a transformers config.json (default: gpt2)")
     ap.add_argument("--gpu", default="a100-80gb", help="a GPU of labkit.gpus.GPUS or cpu (measured; default: a100-80gb)")
@@ -1579,6 +1612,15 @@ def main(argv=None) -> int:
     ap.add_argument("--free-logits", action=argparse.BooleanOptionalAction, default=None,
                     help="free the logits before backward, as torchtitan's step does (default: on a GPU a Llama "
                          "preset's, torchtitan's loop; else held, as nanoGPT's `logits, loss = model(x, y)` holds them)")
+    ap.add_argument("--grad-sync", choices=GRAD_SYNCS, default="every",
+                    help="FSDP2 rows of two or more micro-batches: reduce-scatter the gradients after every one "
+                         "(default: FSDP2's and torchtitan's) or after the last only (model.set_requires_gradient_sync("
+                         "False) before the others: the whole unsharded gradients held between micro-batches in the "
+                         "reduce dtype, fp32 under bf16-mp; fewer bytes sent)")
+    ap.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default="fp32",
+                    help=f"{MIXED_POLICY} rows: MixedPrecisionPolicy's reduce_dtype (default: fp32, torchtitan's; "
+                         "bf16: the reduce-scatter sends half the bytes and takes the bf16 gradients as they are, "
+                         "and with --grad-sync last they accumulate in bf16)")
     ap.add_argument("--attention", choices=ATTENTION, default=None,
                     help="a preset's attention: manual (T×T scores kept), sdpa (the kernel torch picks on the device: "
                          "on a GPU flash, memory-efficient in fp32), flash or efficient (CUDA's kernels: what each "
@@ -1596,6 +1638,12 @@ def main(argv=None) -> int:
                          "default's")
     ap.add_argument("--all", action="store_true", help="print every combination, not only the Pareto front")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return ap
+
+
+def main(argv=None) -> int:
+    """Print the plan of `--model` on `--gpus` x `--gpu` (a table, or JSON with --json)."""
+    ap = _arguments()
     args = ap.parse_args(argv)
     model = args.model
     titan = torchtitans_loop(model, args.gpu)  # a Llama preset on a GPU: torchtitan's loop unless a flag says otherwise
@@ -1612,8 +1660,8 @@ def main(argv=None) -> int:
         p = plan(model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
                  depth=args.depth, adam_impls=args.adam_impl, precisions=args.precision, checkpointing=args.checkpointing,
                  parallels=args.parallel, keep_logits=not (titan if args.free_logits is None else args.free_logits),
-                 reserved=args.reserved,
-                 expandable_segments=args.expandable_segments)
+                 reserved=args.reserved, expandable_segments=args.expandable_segments, grad_sync=args.grad_sync,
+                 reduce_dtype=args.reduce_dtype)
     except ParameterError as e:
         ap.error(str(e))
     print(json.dumps(plan_json(p), indent=1) if args.json else format_plan(p, args.all))

@@ -20,6 +20,7 @@ from labkit.validate import ParameterError, check_choice, check_float
 from labkit.work import Work, count_work
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+GRAD_SYNCS = ("every", "last")  # FSDP2's reduce-scatter after every micro-batch (its default), or after the last only
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 FP16_MIN_SUBNORMAL = 2.0**-24  # smallest positive fp16 value (≈ 5.96e-8)
@@ -56,20 +57,29 @@ class AmpStep:
 
 def amp_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, *,
                    precision: str = "bf16", scaler: torch.amp.GradScaler | None = None,
-                   clip_norm: float | None = None, keep_logits: bool = True) -> AmpStep:
+                   clip_norm: float | None = None, keep_logits: bool = True, grad_sync: str = "every") -> AmpStep:
     """Run one optimizer step over the micro-batches `batches` under autocast, token-weighted; return an AmpStep.
 
     keep_logits: each micro-batch's logits held through its backward, as `logits, loss = model(x, y)` holds them (the
-    chapters' steps); False frees them before backward, as torchtitan's step does (`del pred`).
+    chapters' steps); False frees them before backward, as torchtitan's step does (`del pred`). grad_sync (an FSDP2
+    model's): "every" micro-batch's gradients reduce-scattered into the sharded ones (FSDP2's default), or only the
+    "last"'s (`set_requires_gradient_sync(False)` before the others: the whole unsharded gradients accumulate between
+    micro-batches, in the reduce dtype, and one reduce-scatter sends them).
     """
     batches = list(batches)  # the micro-batches (a count is `micro_batches` elsewhere in labkit)
     if not batches:
         raise ValueError("amp_train_step needs at least one micro-batch")
+    check_choice("grad_sync", grad_sync, GRAD_SYNCS)
+    if grad_sync == "last" and not hasattr(model, "set_requires_gradient_sync"):
+        raise ParameterError(f"grad_sync: 'last' skips FSDP2's reduce-scatters; {type(model).__name__} is not an "
+                             "FSDP2 module (torch.distributed.fsdp.fully_shard)")
     device = next(model.parameters()).device
     check_precision(precision, device)
     weights = [1.0] if len(batches) == 1 else token_weights(b[-1] for b in batches)
     loss_sum = 0.0
-    for batch, w in zip(batches, weights):
+    for i, (batch, w) in enumerate(zip(batches, weights)):
+        if grad_sync == "last":
+            model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter after the last micro-batch only
         with autocast(precision, device):
             logits, loss = model(*batch)  # fp32 loss: cross-entropy runs in fp32 under autocast
         if not keep_logits:
