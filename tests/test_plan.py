@@ -631,26 +631,29 @@ def test_adam_implementations_at_the_fast_depth_are_their_full_depth_steps(monke
 
 
 
-MIXED_RANKS = '''
+FSDP2_RANKS = '''
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import labkit.dist as ld
 from labkit.estimate import example_batch
 from labkit.models import GPTConfig, build_model
 import labkit.planner.plan as P
+from labkit.sharded import label_accumulated_gradients
 from labkit.train import make_optimizer
 
-def main(config="", reshard=True):  # one rank: FSDP2 under the bf16 policy, a warm-up step, a metered step
-    cfg = eval(config, {"GPTConfig": GPTConfig})
+def main(config="", reshard=True, precision=P.MIXED_POLICY, rows=2, grad_sync="every", reduce="fp32"):
+    cfg = eval(config, {"GPTConfig": GPTConfig})  # one rank: FSDP2 as the Step says, a warm-up step, a metered step
     torch.manual_seed(0)
     model = build_model(cfg)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[reduce]
+    policy = MixedPrecisionPolicy(torch.bfloat16, dtype) if precision == P.MIXED_POLICY else MixedPrecisionPolicy()
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
+    label_accumulated_gradients(model)
     opt = make_optimizer("adam", model.parameters())
-    batch = example_batch(cfg, 2, 16)
-    step = P.Step(2, precision=P.MIXED_POLICY)
+    batch = example_batch(cfg, rows, 16)
+    step = P.Step(2, rows // 2, 16, precision=precision, grad_sync=grad_sync, reduce_dtype=reduce)
     P.plan_step(model, opt, batch, step)
     with ld.meter("step") as meter:
         meter.track(model, opt, *batch)
@@ -674,7 +677,7 @@ def test_mixed_policy_rows_are_what_two_real_ranks_measure(reshard, tmp_path):
     from labkit.models import build_model
 
     script = tmp_path / "mixed_ranks.py"
-    script.write_text(MIXED_RANKS)
+    script.write_text(FSDP2_RANKS)
     runs = ld.launch(script, 2, params={"config": repr(DEEP_LLAMA), "reshard": reshard}, echo=False, device="cpu")
     spec = P.gpt_spec(DEEP_LLAMA)
     predicted = P._extrapolated(spec, P.Step(2, 1, 16, "none", P.MIXED_POLICY, shard=(2, reshard)), "full")[0]
@@ -690,39 +693,6 @@ def test_mixed_policy_rows_are_what_two_real_ranks_measure(reshard, tmp_path):
     assert predicted < autocast
 
 
-SYNC_RANKS = '''
-import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-import labkit.dist as ld
-from labkit.estimate import example_batch
-from labkit.models import GPTConfig, build_model
-import labkit.planner.plan as P
-from labkit.sharded import label_accumulated_gradients
-from labkit.train import make_optimizer
-
-def main(config="", precision="fp32", grad_sync="last", reduce="fp32"):  # one rank: FSDP2, two micro-batches
-    cfg = eval(config, {"GPTConfig": GPTConfig})
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[reduce]) \\
-        if precision == P.MIXED_POLICY else MixedPrecisionPolicy()
-    for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    label_accumulated_gradients(model)
-    opt = make_optimizer("adam", model.parameters())
-    batch = example_batch(cfg, 4, 16)
-    step = P.Step(2, 2, 16, precision=precision, grad_sync=grad_sync, reduce_dtype=reduce)
-    P.plan_step(model, opt, batch, step)
-    with ld.meter("step") as meter:
-        meter.track(model, opt, *batch)
-        P.plan_step(model, opt, batch, step)
-
-if __name__ == "__main__":
-    ld.run(main)
-'''
-
-
 @pytest.mark.parametrize("precision, reduce, grad_sync", [("fp32", "fp32", "last"), (P.MIXED_POLICY, "fp32", "last"),
                                                          (P.MIXED_POLICY, "bf16", "last"),
                                                          (P.MIXED_POLICY, "bf16", "every")])
@@ -735,9 +705,9 @@ def test_gradient_sync_and_reduce_dtype_are_what_two_real_ranks_measure(precisio
     from labkit.models import build_model
 
     script = tmp_path / "sync_ranks.py"
-    script.write_text(SYNC_RANKS)
-    runs = ld.launch(script, 2, params={"config": repr(DEEP_LLAMA), "precision": precision, "grad_sync": grad_sync,
-                                        "reduce": reduce}, echo=False, device="cpu")
+    script.write_text(FSDP2_RANKS)
+    runs = ld.launch(script, 2, params={"config": repr(DEEP_LLAMA), "precision": precision, "rows": 4,
+                                        "grad_sync": grad_sync, "reduce": reduce}, echo=False, device="cpu")
     spec = P.gpt_spec(DEEP_LLAMA)
     step = P.Step(2, 2, 16, "none", precision, shard=(2, True), grad_sync=grad_sync, reduce_dtype=reduce)
     predicted = P._extrapolated(spec, step, "full")
@@ -787,12 +757,7 @@ def test_a_plan_reduces_fsdp2s_gradients_after_the_last_micro_batch_when_asked(m
     with pytest.raises(ParameterError, match="grad_sync"):  # one process: no FSDP2 reduce-scatter to put off
         amp_train_step(build_model(DEEP_LLAMA), torch.optim.SGD(build_model(DEEP_LLAMA).parameters(), lr=0.1),
                        [example_batch(DEEP_LLAMA, 1, 16)], precision="fp32", grad_sync="last")
-    asked = []
-    monkeypatch.setattr(P, "plan", lambda *a, **k: asked.append(k) or every)
-    monkeypatch.setattr(P, "format_plan", lambda *a, **k: "")
-    P.main(["--model", "llama-7b", "--gpus", "8", "--grad-sync", "last"])
-    P.main(["--model", "llama-7b", "--gpus", "8"])
-    assert [k["grad_sync"] for k in asked] == ["last", "every"]
+    assert _given_by_command(monkeypatch, every, "--grad-sync", "last", "grad_sync") == ["last", "every"]
     with pytest.raises(SystemExit):
         P.main(["--grad-sync", "never"])
     assert "grad-sync" in capsys.readouterr().err
@@ -819,12 +784,19 @@ def test_a_plan_reduce_scatters_mixed_precision_rows_in_bf16_when_asked(monkeypa
     assert "reduce-scatters in bf16" in P.format_plan(bf16) and "reduce-scatters in bf16" not in P.format_plan(fp32)
     with pytest.raises(ParameterError, match="reduce_dtype"):
         P.plan(DEEP_LLAMA, "h100", 2, 16, 8, reduce_dtype="fp16", **kwargs)
+    assert _given_by_command(monkeypatch, fp32, "--reduce-dtype", "bf16", "reduce_dtype") == ["bf16", "fp32"]
+
+
+def _given_by_command(monkeypatch, planned, flag: str, value: str, field: str) -> list:
+    """Return what the command hands plan() as `field` with `flag value` and without the flag (plan() answers with
+    `planned`)."""
     asked = []
-    monkeypatch.setattr(P, "plan", lambda *a, **k: asked.append(k) or fp32)
-    monkeypatch.setattr(P, "format_plan", lambda *a, **k: "")
-    P.main(["--model", "llama-7b", "--gpus", "8", "--reduce-dtype", "bf16"])
-    P.main(["--model", "llama-7b", "--gpus", "8"])
-    assert [k["reduce_dtype"] for k in asked] == ["bf16", "fp32"]
+    with monkeypatch.context() as m:
+        m.setattr(P, "plan", lambda *a, **k: asked.append(k) or planned)
+        m.setattr(P, "format_plan", lambda *a, **k: "")
+        P.main(["--model", "llama-7b", "--gpus", "8", flag, value])
+        P.main(["--model", "llama-7b", "--gpus", "8"])
+    return [k[field] for k in asked]
 
 
 def h100_link(ranks: int) -> float:
