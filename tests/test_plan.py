@@ -737,7 +737,7 @@ def test_a_plan_reduces_fsdp2s_gradients_after_the_last_micro_batch_when_asked(m
         step = P.Step(2, 2, 16, "every", P.MIXED_POLICY, shard=(2, True), grad_sync="last")
         assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full") and _fitted(spec, step)
     kwargs = dict(checkpointing=("none",), offload=(False,), optimizers=("device",), micro_batches=[2, 4], workers=1)
-    every, last = (P.plan(DEEP_LLAMA, "h100", 2, 16, 8, grad_sync=g, **kwargs) for g in ("every", "last"))
+    every, last = (P.plan(DEEP_LLAMA, "h100", 2, 16, 8, grad_syncs=(g,), **kwargs) for g in ("every", "last"))
     n, whole = every.n_params, 4 * every.n_params  # fp32 reduce-scatters, either precision
     rows = {(r.combination.parallel, r.combination.precision, r.combination.micro_batch): r for r in every.rows}
     for r in last.rows:
@@ -752,12 +752,16 @@ def test_a_plan_reduces_fsdp2s_gradients_after_the_last_micro_batch_when_asked(m
     assert any(r.combination.grad_sync == "last" for r in last.rows)
     assert "set_requires_gradient_sync" in P.format_plan(last) and "set_requires_gradient_sync" not in \
         P.format_plan(every)
-    with pytest.raises(ParameterError, match="grad_sync"):
-        P.plan(DEEP_LLAMA, "h100", 2, 16, 8, grad_sync="never", **kwargs)
+    both = P.plan(DEEP_LLAMA, "h100", 2, 16, 8, grad_syncs=("every", "last"), **kwargs)  # a row each, where they differ
+    assert sorted((r.combination for r in both.rows), key=repr) == sorted(
+        {r.combination for r in every.rows + last.rows}, key=repr)
+    assert "last, fp32" in P.format_plan(both, all_rows=True)
+    with pytest.raises(ParameterError, match="grad_syncs"):
+        P.plan(DEEP_LLAMA, "h100", 2, 16, 8, grad_syncs=("never",), **kwargs)
     with pytest.raises(ParameterError, match="grad_sync"):  # one process: no FSDP2 reduce-scatter to put off
         amp_train_step(build_model(DEEP_LLAMA), torch.optim.SGD(build_model(DEEP_LLAMA).parameters(), lr=0.1),
                        [example_batch(DEEP_LLAMA, 1, 16)], precision="fp32", grad_sync="last")
-    assert _given_by_command(monkeypatch, every, "--grad-sync", "last", "grad_sync") == ["last", "every"]
+    assert _given_by_command(monkeypatch, every, "--grad-sync", "last", "grad_syncs") == [["last"], ["every"]]
     with pytest.raises(SystemExit):
         P.main(["--grad-sync", "never"])
     assert "grad-sync" in capsys.readouterr().err
@@ -769,7 +773,7 @@ def test_a_plan_reduce_scatters_mixed_precision_rows_in_bf16_when_asked(monkeypa
     command and a bad value say so."""
     kwargs = dict(precisions=("fp32", P.MIXED_POLICY), checkpointing=("none",), offload=(False,), optimizers=("device",),
                   micro_batches=[2], parallels=("fsdp2", "fsdp2-reshard"), workers=1)
-    fp32, bf16 = (P.plan(DEEP_LLAMA, "h100", 2, 16, 8, reduce_dtype=d, **kwargs) for d in P.REDUCE_DTYPES)
+    fp32, bf16 = (P.plan(DEEP_LLAMA, "h100", 2, 16, 8, reduce_dtypes=(d,), **kwargs) for d in P.REDUCE_DTYPES)
     whole = 4 * fp32.n_params  # an fp32 reduce-scatter's bytes
     assert len(fp32.rows) == len(bf16.rows) == 4
     for a, b in zip(fp32.rows, bf16.rows):
@@ -781,10 +785,10 @@ def test_a_plan_reduce_scatters_mixed_precision_rows_in_bf16_when_asked(monkeypa
             assert b.comm_s == pytest.approx(a.comm_s - c.accum_steps * ring * whole / 2 / h100_link(c.ranks))
         else:
             assert (c.reduce_dtype, b.peak_bytes, b.comm_s) == ("fp32", a.peak_bytes, a.comm_s)
-    assert "reduce-scatters in bf16" in P.format_plan(bf16) and "reduce-scatters in bf16" not in P.format_plan(fp32)
-    with pytest.raises(ParameterError, match="reduce_dtype"):
-        P.plan(DEEP_LLAMA, "h100", 2, 16, 8, reduce_dtype="fp16", **kwargs)
-    assert _given_by_command(monkeypatch, fp32, "--reduce-dtype", "bf16", "reduce_dtype") == ["bf16", "fp32"]
+    assert "every, bf16" in P.format_plan(bf16, all_rows=True) and "grads" not in P.format_plan(fp32, all_rows=True)
+    with pytest.raises(ParameterError, match="reduce_dtypes"):
+        P.plan(DEEP_LLAMA, "h100", 2, 16, 8, reduce_dtypes=("fp16",), **kwargs)
+    assert _given_by_command(monkeypatch, fp32, "--reduce-dtype", "bf16", "reduce_dtypes") == [["bf16"], ["fp32"]]
 
 
 def _given_by_command(monkeypatch, planned, flag: str, value: str, field: str) -> list:
@@ -985,6 +989,8 @@ def test_a_gpu_plan_defaults_to_torchtitans_stack_and_a_cpu_plan_to_the_chapters
     t4 = P.plan("tiny-llama", "t4", 1, 16, 2, precisions=("fp16",), checkpointing=("none",), offload=(False,),
                 optimizers=("device",))  # before Ampere SDPA runs the memory-efficient kernel: flash does not run
     assert t4.model == "tiny-llama, fp32 logits, efficient attention"
+    with pytest.raises(ParameterError, match="attention: CUDA's flash kernel runs on Ampere"):
+        P.plan(dataclasses.replace(cfg, attn="flash"), "t4", 1, 16, 2, precisions=("fp16",))
     assert {r.combination.keep_logits for r in gpu.rows} == {False}
     assert {r.combination.adam_impl for r in gpu.rows} == {P.GPU_ADAM_IMPL} == {"fused"}
     assert {r.combination.checkpointing for r in gpu.rows} == set(P.GPU_CHECKPOINTING) == {"none", "full", "sqrt", "op"}
@@ -1037,7 +1043,11 @@ def test_fsdp2_rows_judged_by_the_reserve_alone_say_what_published_runs_kept():
     p = P.plan(dataclasses.replace(SMALL, n_layer=2), "h100", 2, 16, 2, **kwargs)
     line = next(line for line in P.format_plan(p).splitlines() if line.startswith("fits, FSDP2 rows"))
     assert " and ".join(f"{g * 80:.1f} GiB ({g:.1%} of the h100 profile's 80 GiB)" for g in gaps["h100"]) in line
-    assert f"--reserve {math.ceil(widest * 100) / 100} or more" in line
+    assert f"on the h100's 80 GiB, plan FSDP2 with --reserve {math.ceil(widest * 100) / 100} or more" in line
+    t4 = P.plan(dataclasses.replace(SMALL, n_layer=2), "t4", 2, 16, 2, **kwargs)  # the same bytes of a smaller GPU
+    line = next(line for line in P.format_plan(t4).splitlines() if line.startswith("fits, FSDP2 rows"))
+    share = widest * GPUS["h100"].memory_bytes / GPUS["t4"].memory_bytes
+    assert f"on the t4's 15 GiB, plan FSDP2 with --reserve {math.ceil(share * 100) / 100} or more" in line
     roomy = P.plan(dataclasses.replace(SMALL, n_layer=2), "h100", 2, 16, 2, reserve_fraction=widest + 0.01, **kwargs)
     assert "fits, FSDP2 rows" not in P.format_plan(roomy)  # a reserve above every published gap: nothing to say
     ddp = P.plan(dataclasses.replace(SMALL, n_layer=2), "h100", 2, 16, 2, checkpointing=("none",), parallels=("ddp",))

@@ -259,7 +259,7 @@ class Step:
     grad_sync: str = "every"  # FSDP2's reduce-scatter after every micro-batch, or the "last" only (GRAD_SYNCS: the
     #                           unsharded gradients accumulate between micro-batches in the reduce dtype)
     reduce_dtype: str = "fp32"  # MIXED_POLICY: MixedPrecisionPolicy's reduce_dtype (REDUCE_DTYPES; bf16: the
-    #                             reduce-scatter's input is the bf16 gradients themselves, not an fp32 copy)
+    #                             reduce-scatter's buffer a bf16 copy of the gradients, half the fp32 one)
 
 
 REPLAY_MARGIN = 0.10  # a replayed reserved peak is trusted within this share: the error chapter 09's validation
@@ -880,8 +880,8 @@ class _Asked:
     rate: dict  # precision -> the compute rate it runs at (a key of the device's flops_per_s)
     autocast_of: str  # "cuda": a GPU's 16-bit steps take CUDA autocast's dtypes; "cpu": this CPU's own
     deep: bool = False  # past FULL_MAX_LAYERS at the fast depth: what only full depth gives is left out
-    grad_sync: str = "every"  # FSDP2 rows with micro-batches: one of GRAD_SYNCS
-    reduce_dtype: str = "fp32"  # MIXED_POLICY rows: one of REDUCE_DTYPES
+    grad_syncs: tuple = ("every",)  # FSDP2 rows with micro-batches: of GRAD_SYNCS, a row each
+    reduce_dtypes: tuple = ("fp32",)  # MIXED_POLICY rows: of REDUCE_DTYPES, a row each
     autocast_sharded: bool = True  # FSDP2 rows run autocast's 16 bits too (False: by default, where MIXED_POLICY is
     #                                their 16-bit row, as torchtitan's)
 
@@ -891,7 +891,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
          offload=(False, True), optimizers=OPTIMIZER_PLACES, workers: int | None = None,
          adam_impls=None, keep_logits: bool | None = None, parallels=tuple(COMM_UNITS),
          micro_batches=None, reserved: bool = False, expandable_segments: bool = False,
-         grad_sync: str = "every", reduce_dtype: str = "fp32") -> Plan:
+         grad_syncs=("every",), reduce_dtypes=("fp32",)) -> Plan:
     """Return the plan of every combination: per-device peak on fake tensors, verdict, roofline time, tokens/s.
 
     precisions: of PLAN_PRECISIONS (None: the GPU's of PRECISIONS, FSDP2's 16-bit rows MIXED_POLICY instead of autocast
@@ -909,16 +909,17 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     from it: the replayed reserve with REPLAY_MARGIN, plus the CUDA context and NCCL's buffers, within the GPU's
     memory (FITS_BY; a row that does not fit leaves the front and the rows that join it are replayed in turn);
     expandable_segments: that reserved peak under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True's rules (torchtitan's
-    launcher sets it), else the allocator's default rules; grad_sync: FSDP2 rows of two or more micro-batches
-    reduce-scatter their gradients after "every" one (FSDP2's default) or the "last" only (set_requires_gradient_sync(
-    False) before the others: the unsharded gradients held between micro-batches in the reduce dtype, fewer bytes sent);
-    reduce_dtype: the dtype MIXED_POLICY rows reduce-scatter in (REDUCE_DTYPES: fp32, torchtitan's default, or bf16).
+    launcher sets it), else the allocator's default rules; grad_syncs: FSDP2 rows of two or more micro-batches
+    reduce-scatter their gradients after "every" one (FSDP2's default) and/or the "last" only, a row each
+    (set_requires_gradient_sync(False) before the others: the unsharded gradients held between micro-batches in the
+    reduce dtype, fewer bytes sent); reduce_dtypes: the dtypes MIXED_POLICY rows reduce-scatter in, a row each
+    (REDUCE_DTYPES: fp32, torchtitan's default, and/or bf16).
     """
     if keep_logits is None:
         keep_logits = not torchtitans_loop(model, gpu)
     ask = _asked(model_spec(_as_gpu_runs_it(model, gpu)), gpu, gpus, seq_len, batch, precisions, checkpointing,
                  reserve_fraction, depth, offload, optimizers, adam_impls, keep_logits, parallels, micro_batches,
-                 grad_sync, reduce_dtype)
+                 grad_syncs, reduce_dtypes)
     spec, workers = ask.spec, plan_workers() if workers is None else workers
     if expandable_segments and not reserved:
         raise ParameterError("expandable_segments: the rules of a reserved peak; pass reserved=True too")
@@ -978,14 +979,18 @@ def _as_gpu_runs_it(model, gpu):
     cfg = PRESETS.get(model) if isinstance(model, str) else model
     if torchtitans_loop(model, gpu):
         cfg = model = replace(cfg, logits_fp32=True)
+    flash = profile is None or profile.half == "bf16"  # (flash runs from Ampere on: the profiles with bf16)
+    if name != "cpu" and isinstance(cfg, GPTConfig) and cfg.attn == "flash" and not flash:
+        raise ParameterError(f"attention: CUDA's flash kernel runs on Ampere GPUs and newer (sm80), not the "
+                             f"{name}; SDPA runs its memory-efficient kernel there: 'efficient' (or 'sdpa')")
     if name != "cpu" and isinstance(cfg, GPTConfig) and cfg.attn == "sdpa":
-        return replace(cfg, attn="flash" if profile is None or profile.half == "bf16" else "efficient")
+        return replace(cfg, attn="flash" if flash else "efficient")
     return model
 
 
 def _asked(spec: ModelSpec, gpu, gpus, seq_len, batch, precisions, checkpointing, reserve_fraction, depth, offload,
-           optimizers, adam_impls, keep_logits, parallels, micro_batches, grad_sync="every",
-           reduce_dtype="fp32") -> _Asked:
+           optimizers, adam_impls, keep_logits, parallels, micro_batches, grad_syncs=("every",),
+           reduce_dtypes=("fp32",)) -> _Asked:
     """Return plan()'s arguments checked (a ParameterError names a bad one and its choices, before any work)."""
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
     check_int("gpus", gpus, 1, 1 if device.name == "cpu" else 4096)
@@ -1023,8 +1028,12 @@ def _asked(spec: ModelSpec, gpu, gpus, seq_len, batch, precisions, checkpointing
     for a in adam_impls:
         check_choice("adam_impls", a, ADAM_IMPLS)
     check_choice("keep_logits", keep_logits, (True, False))
-    check_choice("grad_sync", grad_sync, GRAD_SYNCS)
-    check_choice("reduce_dtype", reduce_dtype, REDUCE_DTYPES)
+    grad_syncs, reduce_dtypes = tuple(grad_syncs), tuple(reduce_dtypes)
+    for name, given, choices in (("grad_syncs", grad_syncs, GRAD_SYNCS), ("reduce_dtypes", reduce_dtypes, REDUCE_DTYPES)):
+        if not given:
+            raise ParameterError(f"{name}: give one or more of {choices}")
+        for g in given:
+            check_choice(name, g, choices)
     if micro_batches is not None:
         micro_batches = check_int_list("micro_batches", list(micro_batches), 1, batch)
     if checkpointing is None:  # a transformers model's "full" is its one way to checkpoint: planned by default
@@ -1035,8 +1044,8 @@ def _asked(spec: ModelSpec, gpu, gpus, seq_len, batch, precisions, checkpointing
     return _Asked(spec, device, gpus, seq_len, batch, precisions, tuple(checkpointing), offload, optimizers,
                   adam_impls, keep_logits, parallels, micro_batches, rate,
                   "cpu" if device.name == "cpu" else "cuda",
-                  depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS, grad_sync,
-                  reduce_dtype, autocast_sharded)
+                  depth != "full" and spec.n_layer is not None and spec.n_layer > FULL_MAX_LAYERS, grad_syncs,
+                  reduce_dtypes, autocast_sharded)
 
 
 def _left_out(ask: _Asked) -> dict:
@@ -1089,12 +1098,13 @@ def _steps_needed(ask: _Asked, ranks_list: list, flat_ranks: list) -> dict:
         precisions += [MIXED_POLICY] * (shard is not None and MIXED_POLICY in ask.precisions)
         for rows in [batch // r for r in flat_ranks] if shard is None else [batch // shard[0]]:
             todo.update(dict.fromkeys(Step(mb, min(rows // mb, 2), ask.seq_len, c, p, o, shard, a, ask.keep_logits,
-                                           ask.autocast_of, ask.grad_sync if shard and rows > mb else "every",
-                                           ask.reduce_dtype if p == MIXED_POLICY else "fp32")
+                                           ask.autocast_of, g, rd)
                                       for mb in _divisors(rows, rows) if ask.micro_batches is None
                                       or mb in ask.micro_batches for c in ask.checkpointing for p in precisions
                                       for o in (ask.offload if shard is None and c == "none" else (False,))
-                                      for a in ask.adam_impls))
+                                      for a in ask.adam_impls
+                                      for g in (ask.grad_syncs if shard and rows > mb else ("every",))
+                                      for rd in (ask.reduce_dtypes if p == MIXED_POLICY else ("fp32",))))
     return todo
 
 
@@ -1426,6 +1436,12 @@ def _row(p: Plan, device: DeviceProfile, rate: str, comb: Combination, peak: int
                p.seq_len * p.batch / step_s, accessed, host_s)
 
 
+def _grads(c: Combination) -> str:
+    """Return an FSDP2 row's gradient sync and reduce dtype as the table's grads column shows them ("last, bf16"), or
+    "—" for a row without FSDP2's reduce-scatter."""
+    return f"{c.grad_sync}, {c.reduce_dtype}" if c.parallel.startswith("fsdp2") else "—"
+
+
 def _at_published_share(p: Plan, best: Row | None) -> list:
     """Return the line of the fastest row's time at a published run's achieved share of the GPU's peak (labkit.gpus:
     the estimate chapter 09's section 4 checks against other published runs), or nothing where no share is published."""
@@ -1440,7 +1456,7 @@ def _at_published_share(p: Plan, best: Row | None) -> list:
             f"labkit.gpus), the fastest takes {none_s * 1e3:,.0f} ms/step, {tokens / none_s:,.0f} tokens/s"
             + (f" ({tokens / none_s / p.gpus:,.0f} per GPU, the figure torchtitan reports)" if p.gpus > 1 else "")
             + (f", with its communication hidden {all_s * 1e3:,.0f} ms, {tokens / all_s:,.0f} tokens/s"
-               if best.comm_s > 0 else "")
+               + (f" ({tokens / all_s / p.gpus:,.0f} per GPU)" if p.gpus > 1 else "") if best.comm_s > 0 else "")
             + ": an estimate (chapter 09's section 4 checks it against other published runs, within 25%), where the "
             "roofline above is a bound"]
 
@@ -1451,20 +1467,23 @@ def _fsdp2_reserve_note(p: Plan) -> list:
     if not any(r.combination.parallel.startswith("fsdp2") and r.fits_by == "reserve" for r in p.rows):
         return []
     gaps = fsdp2_gaps()
-    widest = max((g for gs in gaps.values() for g in gs), default=0.0)
-    if widest <= p.reserve_fraction:
+    widest = max((g * GPUS[gpu].memory_bytes for gpu, gs in gaps.items() for g in gs), default=0) / p.memory_bytes
+    if widest <= p.reserve_fraction:  # (the widest gap in bytes, as a share of this plan's GPU)
         return []
     kept = "; ".join(" and ".join(f"{g * GPUS[gpu].memory_bytes / 2**30:.1f} GiB ({g:.1%} of the {gpu} profile's "
                                   f"{GPUS[gpu].memory_bytes / 2**30:.0f} GiB)" for g in gs) for gpu, gs in gaps.items())
     return [f"fits, FSDP2 rows: the plan's {p.reserve_fraction:.0%} reserve is not verified for FSDP2, whose published "
             f"runs kept {kept} reserved by the allocator but not active in tensors (labkit.planner.runs): "
-            f"plan FSDP2 with --reserve {math.ceil(widest * 100) / 100} or more for that gap alone (the CUDA context "
-            "and NCCL's buffers come on top), or with --reserved to judge the front by its allocator replay"]
+            + (f"on the {p.device}'s {p.memory_bytes / 2**30:.0f} GiB, plan FSDP2 with --reserve "
+               f"{math.ceil(widest * 100) / 100} or more for that gap alone (the CUDA context and NCCL's buffers come "
+               "on top), or" if widest < 1 else f"that gap alone exceeds the {p.device}'s memory: plan FSDP2")
+            + " with --reserved to judge the front by its allocator replay"]
 
 
 def format_plan(p: Plan, all_rows: bool = False) -> str:
     """Return the plan as a text table: the Pareto front (every row with all_rows) and the fastest that fits."""
     n = p.n_params  # "437,760" below a million, else "124.4 M" or "6.74 B"
+    with_grads = any((r.combination.grad_sync, r.combination.reduce_dtype) != ("every", "fp32") for r in p.rows)
     count = f"{n:,}" if n < 10**6 else f"{n / 1e6:.1f} M" if n < 10**9 else f"{n / 1e9:.2f} B"
     head = (f"{p.model} ({count} parameters) on {p.gpus} × {p.device}, seq_len {p.seq_len}, global batch {p.batch}: "
             f"budget {format_bytes(p.budget_bytes)} per device ({p.reserve_fraction:.0%} reserved"
@@ -1472,15 +1491,14 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
             + "); "
             f"{len(p.rows)} combinations, {p.fake_steps} run on fake tensors, {p.elapsed_s:.1f} s"
             + ("; the logits freed before backward" if any(not r.combination.keep_logits for r in p.rows) else "")
-            + ("; FSDP2's rows of micro-batches reduce-scatter after the last one only (set_requires_gradient_sync)"
-               if any(r.combination.grad_sync == "last" for r in p.rows) else "")
-            + (f"; {MIXED_POLICY} reduce-scatters in bf16 (reduce_dtype)"
-               if any(r.combination.reduce_dtype == "bf16" for r in p.rows) else ""))
+            + ("; grads: FSDP2's reduce-scatter after every micro-batch or the last only "
+               "(set_requires_gradient_sync(False) before the others), in its reduce dtype" if with_grads else ""))
     width = max([4, *(len(r.combination.precision) for r in p.rows)])
     with_reserved = any(r.reserved_bytes is not None for r in p.rows)  # (plan(reserved=True): a column of its own)
     cols = (f"{'#':>3} {'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>{width}} "
             f"{'offl':>4} "
-            f"{'opt':>6} {'adam':>8} {'peak':>10} " + (f"{'reserved':>10} " if with_reserved else "") +
+            f"{'opt':>6} {'adam':>8} " + (f"{'grads':>10} " if with_grads else "") + f"{'peak':>10} "
+            + (f"{'reserved':>10} " if with_reserved else "") +
             f"{'fits':>4} {'step (ms)':>10} {'comm (ms)':>10} {'host (ms)':>10} {'tokens/s':>10}")
     shown, title = (p.rows, "all combinations:") if all_rows else (
         p.pareto, "Pareto front (memory against predicted step time):")
@@ -1492,7 +1510,7 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
         c = r.combination
         lines.append(f"{front.get(id(r), ''):>3} {c.ranks:>5} {c.parallel:>13} {c.micro_batch:>5} {c.accum_steps:>5} "
                      f"{c.checkpointing:>9} {c.precision:>{width}} {'on' if c.offload else 'off':>4} {c.optimizer:>6} "
-                     f"{c.adam_impl:>8} {format_bytes(r.peak_bytes):>10} "
+                     f"{c.adam_impl:>8} " + (f"{_grads(c):>10} " if with_grads else "") + f"{format_bytes(r.peak_bytes):>10} "
                      + (f"{'—' if r.reserved_bytes is None else format_bytes(r.reserved_bytes):>10} "
                         if with_reserved else "") + f"{_fits_mark(r):>4} {r.step_s * 1e3:>10,.2f} "
                      f"{r.comm_s * 1e3:>10,.2f} {r.host_s * 1e3:>10,.2f} {r.tokens_per_s:>10,.0f}")
@@ -1612,15 +1630,15 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--free-logits", action=argparse.BooleanOptionalAction, default=None,
                     help="free the logits before backward, as torchtitan's step does (default: on a GPU a Llama "
                          "preset's, torchtitan's loop; else held, as nanoGPT's `logits, loss = model(x, y)` holds them)")
-    ap.add_argument("--grad-sync", choices=GRAD_SYNCS, default="every",
+    ap.add_argument("--grad-sync", nargs="+", choices=GRAD_SYNCS, default=["every"],
                     help="FSDP2 rows of two or more micro-batches: reduce-scatter the gradients after every one "
-                         "(default: FSDP2's and torchtitan's) or after the last only (model.set_requires_gradient_sync("
-                         "False) before the others: the whole unsharded gradients held between micro-batches in the "
-                         "reduce dtype, fp32 under bf16-mp; fewer bytes sent)")
-    ap.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default="fp32",
-                    help=f"{MIXED_POLICY} rows: MixedPrecisionPolicy's reduce_dtype (default: fp32, torchtitan's; "
-                         "bf16: the reduce-scatter sends half the bytes and takes the bf16 gradients as they are, "
-                         "and with --grad-sync last they accumulate in bf16)")
+                         "(default: FSDP2's and torchtitan's) and/or after the last only, a row each "
+                         "(model.set_requires_gradient_sync(False) before the others: the whole unsharded gradients "
+                         "held between micro-batches in the reduce dtype, fp32 under bf16-mp; fewer bytes sent)")
+    ap.add_argument("--reduce-dtype", nargs="+", choices=REDUCE_DTYPES, default=["fp32"],
+                    help=f"{MIXED_POLICY} rows: MixedPrecisionPolicy's reduce_dtype, a row each (default: fp32, "
+                         "torchtitan's; bf16: the reduce-scatter's buffer is a bf16 copy, half the fp32 one, and half "
+                         "the bytes sent; with --grad-sync last the gradients accumulate in bf16)")
     ap.add_argument("--attention", choices=ATTENTION, default=None,
                     help="a preset's attention: manual (T×T scores kept), sdpa (the kernel torch picks on the device: "
                          "on a GPU flash, memory-efficient in fp32), flash or efficient (CUDA's kernels: what each "
@@ -1660,8 +1678,8 @@ def main(argv=None) -> int:
         p = plan(model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
                  depth=args.depth, adam_impls=args.adam_impl, precisions=args.precision, checkpointing=args.checkpointing,
                  parallels=args.parallel, keep_logits=not (titan if args.free_logits is None else args.free_logits),
-                 reserved=args.reserved, expandable_segments=args.expandable_segments, grad_sync=args.grad_sync,
-                 reduce_dtype=args.reduce_dtype)
+                 reserved=args.reserved, expandable_segments=args.expandable_segments, grad_syncs=args.grad_sync,
+                 reduce_dtypes=args.reduce_dtype)
     except ParameterError as e:
         ap.error(str(e))
     print(json.dumps(plan_json(p), indent=1) if args.json else format_plan(p, args.all))
