@@ -132,15 +132,15 @@ def fake_mode(**kwargs) -> FakeTensorMode:
     return (LeanFakeTensorMode if lean else FakeTensorMode)(**kwargs)
 
 
-def fake_step(build, trace: bool = False) -> tuple:
-    """Meter one step of `build()` on fake tensors; return its peak bytes, split at the peak, split after it, n.
+def fake_step(build, trace: bool = False, mode=fake_mode) -> tuple:
+    """Meter one step of `build()` on fake tensors (in `mode(...)`); return its peak bytes, split at and after it, n.
 
     `build()` returns (model, attach, run): `attach(meter)` tracks the step's tensors, `run()` runs one step. With
     `trace`, a fifth item: (phase, tag, bytes by category) at every timeline event. Wrap it in `remembered` to count
     each step once.
     """
     # one thread: fake operators compute nothing, and a second thread only adds overhead (1.4x slower with 2)
-    with one_thread(), fake_mode(allow_non_fake_inputs=True):  # (FSDP2's meta shards enter as non-fake inputs)
+    with one_thread(), mode(allow_non_fake_inputs=True):  # (FSDP2's meta shards enter as non-fake inputs)
         model, attach, run = build()
         with MemoryMeter("cpu", timeline=trace, every_record=trace) as meter:
             attach(meter)

@@ -266,11 +266,22 @@ def tiny_batch(tiny_config):
 
 @pytest.fixture(scope="session")
 def student_copies(tmp_path_factory) -> Path:
-    """Build every chapter's student copy once per test process (nbgrader); return their folder."""
+    """Build every chapter's student copy once per test run (nbgrader: ~10 CPU-s; the first test process that asks
+    builds them for every xdist worker, under a lock); return their folder (read only: tests copy it)."""
+    import os
+
+    from filelock import FileLock
+
     from workbook import classroom
 
-    base = tmp_path_factory.mktemp("student-copies")
-    classroom.build_student_copies(NOTEBOOKS, base / "course", base / "student")
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, which every worker's own folder lies in
+    base = root / "student-copies"
+    with FileLock(str(root / "student-copies.lock")):
+        if not (base / "built").exists():
+            classroom.build_student_copies(NOTEBOOKS, base / "course", base / "student")
+            (base / "built").touch()
     return base / "student"
 
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.notebook
 
 @pytest.fixture(scope="module")
 def course(student_copies):
-    """Every chapter's student copy, built once per test process (conftest's `student_copies`, which the
+    """Every chapter's student copy, built once per test run (conftest's `student_copies`, which the
     whole-chapter tests run); return (course folder, student copies folder)."""
     return student_copies.parent / "course", student_copies
 

@@ -321,3 +321,38 @@ def test_the_lean_fake_mode_gives_the_plain_modes_figures_and_keys_what_decides_
     monkeypatch.undo()
     monkeypatch.setattr(estimate, "_KEYED_FIELDS", estimate._KEYED_FIELDS - {"is_neg"})  # a field not covered
     assert type(estimate.fake_mode()) is FakeTensorMode
+
+
+def test_the_fast_fake_mode_makes_the_outputs_torch_makes_and_the_same_figures(monkeypatch):
+    """labkit.fastfake (the planner's and the search's mode) makes a cached output as FakeTensor() does: the same
+    attributes, a view on its input's storage, every planner figure as FakeTensorMode's; a torch whose new fake
+    tensors carry another value gets the lean mode instead."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from labkit import estimate, fastfake
+    from labkit.planner import plan as P
+    made = []
+    monkeypatch.setattr(fastfake.LeanFakeTensorMode, "_get_output_tensor_from_cache_entry",
+                        lambda *a: made.append(a) or FakeTensorMode._get_output_tensor_from_cache_entry(*a))
+    with fastfake.fast_fake_mode() as mode:
+        assert type(mode) is fastfake.FastFakeTensorMode
+        x = torch.empty(4, 8)
+        first, again = x * 2, x * 2  # (the second from the cache: made here)
+        view, view_again = x.t(), x.t()
+        assert type(again) is FakeTensor and again.fake_mode is mode and again.device == torch.device("cpu")
+        assert vars(again).keys() == vars(first).keys() and again.stride() == (8, 1) and view_again.stride() == (1, 8)
+        assert view_again.untyped_storage()._cdata == x.untyped_storage()._cdata
+        assert x.add_(1) is x and x.add_(1) is x  # (in place, from the cache: the input itself, by torch's code)
+    assert len(made) == 1  # only the in-place hit went to torch's code
+    monkeypatch.undo()
+    cfg = replace(P.PRESETS["llama-7b"], n_layer=2, n_embd=32, n_head=2, mlp_hidden=64, vocab_size=256)
+    spec = P.gpt_spec(cfg)
+    steps = [P.Step(2, 2, 8, "every", "bf16"), P.Step(1, 1, 8, "selective", "bf16-pure", adam_impl="foreach"),
+             P.Step(1, 2, 8, "none", "bf16-mp", shard=(2, True)), P.Step(1, 1, 8, "none", "fp32", offload=True)]
+    fast = [P._count_fake_run(spec, step, 2, False, True)[:5] for step in steps]
+    monkeypatch.setattr(P, "fast_fake_mode", lambda **kw: FakeTensorMode(**kw))
+    assert fast == [P._count_fake_run(spec, step, 2, False, True)[:5] for step in steps]
+    monkeypatch.undo()
+    real = FakeTensor.__new__
+    monkeypatch.setattr(FakeTensor, "__new__", lambda *a, **k: setattr(t := real(*a, **k), "constant", 0) or t)
+    assert type(fastfake.fast_fake_mode()) is estimate.LeanFakeTensorMode  # (a value it would not set)

@@ -16,6 +16,7 @@ from labkit.cpu import bf16_native
 from labkit.data import MarkovTokens
 from labkit.device import as_device, resolve_device
 from labkit.estimate import example_batch, fake_step, remembered
+from labkit.fastfake import fast_fake_mode
 from labkit.gpus import step_time
 from labkit.meter import MemoryMeter, OutOfMemory
 from labkit.models import GPT
@@ -155,7 +156,7 @@ def predict_step(params: dict, config: StudyConfig) -> tuple[int, Work]:
             with counter:
                 step.step(batch)
         return step.model, lambda meter: step.attach(meter, batch), run
-    return remembered(key, lambda: (fake_step(build)[0], counter.work()))
+    return remembered(key, lambda: (fake_step(build, mode=fast_fake_mode)[0], counter.work()))
 
 
 def predict_peak_bytes(params: dict, config: StudyConfig) -> int:
