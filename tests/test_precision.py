@@ -345,3 +345,25 @@ def test_count_fake_step_counts_what_the_real_step_counts(tiny_config):
     assert fake32 == count_work(_autocast_step, model, opt, batch, None)  # operator for operator
     fake16 = P.count_fake_step(_autocast_step, tiny_config, torch.bfloat16, 2, 8)
     assert fake16.total_flops == fake32.total_flops and fake16.flops.get("fp32", 0) == 0  # every FLOP moved to bf16
+
+
+def test_a_micro_batch_that_fails_without_gradient_sync_leaves_the_model_syncing(tiny_gpt, tiny_batch):
+    """grad_sync="last" turns FSDP2's reduce-scatter off before all but the last micro-batch; a micro-batch that raises
+    (an OOM) turns it back on, as FSDP2 leaves a model by default."""
+    calls = []
+
+    model = tiny_gpt()
+
+    class Failing(type(model)):  # FSDP2's switch, recorded; the second micro-batch's forward fails
+        def set_requires_gradient_sync(self, on):
+            calls.append(on)
+
+        def forward(self, *batch):
+            if len(calls) > 1:
+                raise torch.OutOfMemoryError("the second micro-batch")
+            return super().forward(*batch)
+    model.__class__ = Failing
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(torch.OutOfMemoryError):
+        P.amp_train_step(model, opt, [tiny_batch(2)] * 3, precision="fp32", grad_sync="last")
+    assert calls == [False, False, True]  # off for the first two, on again after the failure

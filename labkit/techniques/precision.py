@@ -77,16 +77,20 @@ def amp_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
     check_precision(precision, device)
     weights = [1.0] if len(batches) == 1 else token_weights(b[-1] for b in batches)
     loss_sum = 0.0
-    for i, (batch, w) in enumerate(zip(batches, weights)):
+    try:
+        for i, (batch, w) in enumerate(zip(batches, weights)):
+            if grad_sync == "last":
+                model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter after the last one only
+            with autocast(precision, device):
+                logits, loss = model(*batch)  # fp32 loss: cross-entropy runs in fp32 under autocast
+            if not keep_logits:
+                del logits  # (what the loss saved for backward stays)
+            loss = loss.float() * w if w != 1.0 else loss.float()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            loss_sum += loss.detach()
+    finally:  # (a micro-batch that failed, an OOM: the model syncs again, as FSDP2 leaves it by default)
         if grad_sync == "last":
-            model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter after the last micro-batch only
-        with autocast(precision, device):
-            logits, loss = model(*batch)  # fp32 loss: cross-entropy runs in fp32 under autocast
-        if not keep_logits:
-            del logits  # (what the loss saved for backward stays)
-        loss = loss.float() * w if w != 1.0 else loss.float()
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_sum += loss.detach()
+            model.set_requires_gradient_sync(True)
     grad_norm = None
     if clip_norm is not None:
         if scaler is not None:
