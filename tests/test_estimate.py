@@ -343,6 +343,11 @@ def test_the_fast_fake_mode_makes_the_outputs_torch_makes_and_the_same_figures(m
         assert vars(again).keys() == vars(first).keys() and again.stride() == (8, 1) and view_again.stride() == (1, 8)
         assert view_again.untyped_storage()._cdata == x.untyped_storage()._cdata
         assert x.add_(1) is x and x.add_(1) is x  # (in place, from the cache: the input itself, by torch's code)
+        bypassed = FakeTensorMode.cache_bypasses["unsafe view"]
+        unsafe = [torch.ops.aten._unsafe_view(x, (8, 4)) for _ in range(2)]  # (torch's mode runs each anew)
+        assert FakeTensorMode.cache_bypasses["unsafe view"] == bypassed  # cached, as a view
+        assert unsafe[1].shape == (8, 4) and unsafe[1].stride() == (4, 1)
+        assert unsafe[1].untyped_storage()._cdata == x.untyped_storage()._cdata  # an alias, as torch's mode makes it
     assert len(made) == 1  # only the in-place hit went to torch's code
     monkeypatch.undo()
     cfg = replace(P.PRESETS["llama-7b"], n_layer=2, n_embd=32, n_head=2, mlp_hidden=64, vocab_size=256)
@@ -352,6 +357,10 @@ def test_the_fast_fake_mode_makes_the_outputs_torch_makes_and_the_same_figures(m
     fast = [P._count_fake_run(spec, step, 2, False, True)[:5] for step in steps]
     monkeypatch.setattr(P, "fast_fake_mode", lambda **kw: FakeTensorMode(**kw))
     assert fast == [P._count_fake_run(spec, step, 2, False, True)[:5] for step in steps]
+    monkeypatch.undo()
+    from torch._subclasses.fake_impls import op_implementations_dict
+    monkeypatch.setitem(op_implementations_dict, torch.ops.aten._unsafe_view.default, lambda *a: None)
+    assert not fastfake.fast_fake_mode().views_unsafe  # (a torch computing the two apart: each by its own code)
     monkeypatch.undo()
     real = FakeTensor.__new__
     monkeypatch.setattr(FakeTensor, "__new__", lambda *a, **k: setattr(t := real(*a, **k), "constant", 0) or t)
