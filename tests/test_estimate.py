@@ -362,6 +362,7 @@ def test_the_fast_fake_mode_makes_the_outputs_torch_makes_and_the_same_figures(m
     monkeypatch.setitem(op_implementations_dict, torch.ops.aten._unsafe_view.default, lambda *a: None)
     assert not fastfake.fast_fake_mode().views_unsafe  # (a torch computing the two apart: each by its own code)
     monkeypatch.undo()
+    assert fastfake.fast_fake_mode().views_unsafe  # (this torch: one function for both)
     real = FakeTensor.__new__
     monkeypatch.setattr(FakeTensor, "__new__", lambda *a, **k: setattr(t := real(*a, **k), "constant", 0) or t)
     assert type(fastfake.fast_fake_mode()) is estimate.LeanFakeTensorMode  # (a value it would not set)
