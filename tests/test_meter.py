@@ -501,9 +501,13 @@ def test_format_bytes():
 def test_the_meter_costs_at_most_1_3_times_the_dispatch_floor():
     """A running-example step inside the meter takes at most 1.3× the same step inside a mode that only forwards.
 
-    Timed in interleaved rounds (medians); a noisy machine gets up to three measurements, as
-    principle 8 asks: a real regression fails all three.
+    Timed in interleaved rounds (medians) by this process's CPU time: under a loaded suite a step's wall time holds
+    the time other processes took the core (1.41-1.71× in one run of `make test`, 2026-12-04); a noisy machine gets
+    up to three measurements, as principle 8 asks: a real regression fails all three.
     """
+    import statistics
+    import time
+
     from labkit.meter import DispatchFloor
 
     ex = labkit.running_example()
@@ -521,10 +525,19 @@ def test_the_meter_costs_at_most_1_3_times_the_dispatch_floor():
             meter.track(model, opt, *batch)
             labkit.train_step(model, opt, batch)
 
+    def on_cpu(fn, cpu_s: list):
+        def run():
+            t0 = time.process_time()
+            fn()
+            cpu_s.append(time.process_time() - t0)
+        return run
+
     ratios = []
     for _ in range(3):
-        t = labkit.measure_throughputs({"floor": floor, "meter": metered}, samples_per_step=ex.batch_size, steps=7)
-        ratios.append(t["meter"].step_s / t["floor"].step_s)
+        cpu_s = {"floor": [], "meter": []}  # (each list's first: the warm-up step)
+        labkit.measure_throughputs({name: on_cpu(fn, cpu_s[name]) for name, fn in (("floor", floor), ("meter", metered))},
+                                   samples_per_step=ex.batch_size, steps=7)
+        ratios.append(statistics.median(cpu_s["meter"][1:]) / statistics.median(cpu_s["floor"][1:]))
         if ratios[-1] <= 1.3:
             break
     assert min(ratios) <= 1.3, ratios
