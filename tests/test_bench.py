@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -98,6 +99,26 @@ def test_repeated_rounds_give_medians_with_their_range():
     assert rows[2] == "| chapter 00_a | 12.0 (11.0–14.0) | 60 |"
     assert rows[-1] == "| `make plan MODEL=llama-7b GPU=a100-80gb GPUS=8` | 31.0 (29.0–36.5) | 30 |"
     assert bench.combined("plan", [{"wall_s": 9.0, "exit_code": 0}]) == {"wall_s": 9.0, "exit_code": 0}  # one round
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the machine's busy time is read from Linux's /proc/stat")
+def test_the_machines_busy_time_holds_this_processs_own_work():
+    before, cpu_before = bench.machine_cpu_s(), time.process_time()
+    while time.process_time() - cpu_before < 0.5:  # half a CPU-second of work
+        sum(range(10_000))
+    assert bench.machine_cpu_s() - before >= 0.45  # (a clock tick's rounding below; other processes only add)
+
+
+def test_the_suites_cpu_line_sets_its_busy_time_beside_what_its_limit_allows():
+    suite = {"busy_cpu_s": 1585.2, "cores": 2, "wall_s": 800.3, "pytest_s": 792.7}
+    assert bench.cpu_line(suite) == ("during `make test`: the machine's 2 cores busy 1,585 CPU-s in 800 s (99% of them); "
+                                     "600 s of pytest allows 1,200 CPU-s at full use")
+    assert bench.cpu_line({**suite, "busy_cpu_s": None}) is None  # not read (no /proc/stat): no line
+    rounds = [{**suite, "busy_cpu_s": b, "wall_s": w, "pytest_s": w - 7, "counts": "9 passed", "exit_code": 0}
+              for b, w in ((1500.0, 760.0), (1600.0, 820.0), (1550.0, 790.0))]
+    both = bench.combined("suite", rounds)
+    assert (both["busy_cpu_s"], both["wall_s"], both["pytest_s"]) == (1550.0, 790.0, 783.0)
+    assert both["busy_cpu_runs_s"] == [1500.0, 1600.0, 1550.0] and both["pytest_runs_s"] == [753.0, 813.0, 783.0]
 
 
 def test_each_timed_command_compiles_into_a_fresh_inductor_cache(tmp_path):

@@ -7,7 +7,9 @@ variables when set, a bf16 matmul's time over fp32's), then a table: each chapte
 `workbook.runner` into OUT/run), `make plan MODEL=llama-7b GPU=a100-80gb GPUS=8` (the whole command) and the pytest
 time of `make test` (its closing line). With --repeats N the parts run N times, interleaved (chapters, plan,
 suite, then again), and each figure is their median, its range beside it: a shared machine's times vary by a fifth
-from run to run; a last line gives the fp32 matmul's time again after the parts, beside the first. Writes OUT/bench.json. Every timing figure reported with an issue comes with
+from run to run. Under the table: how busy the machine's cores were during `make test` (its CPU-seconds against
+what its 600 s allow at full use: where the cores are busy throughout, the suite's time is its CPU work over the
+cores), and the fp32 matmul's time again after the parts, beside the first. Writes OUT/bench.json. Every timing figure reported with an issue comes with
 this header: on an AVX-512/AMX machine, set ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2 to dispatch as a 2-core AVX2 machine does (the bf16/fp32 ratio then reads 30-50x).
 """
@@ -68,13 +70,39 @@ def bench_plan(out: Path) -> dict:
             "fastest": next((line for line in text.splitlines() if line.startswith("fastest that fits")), None)}
 
 
+def machine_cpu_s() -> float | None:
+    """Return the CPU-seconds every core of this machine has been busy since boot (Linux's /proc/stat), else None."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None  # (no /proc: macOS, Windows)
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and waiting for input/output
+    return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def bench_suite(out: Path) -> dict:
-    """Run `make test`; return its pytest time and counts (pytest's closing line) and the whole command's time."""
+    """Run `make test`; return its pytest time and counts (pytest's closing line), the whole command's time, and the
+    CPU-seconds every core of the machine was busy meanwhile (the suite's processes, its engines' daemons, and
+    anything else running: on a machine left alone, the suite's CPU work) with the machine's core count."""
+    busy_before = machine_cpu_s()
     wall_s, code, text = _timed(["make", "test"], out / "suite.log")
+    busy_after = machine_cpu_s()
     found = [m for m in PYTEST_LINE.finditer(text)]
     last = found[-1] if found else None
     return {"pytest_s": float(last["s"]) if last else None, "counts": last["counts"] if last else None,
-            "wall_s": wall_s, "exit_code": code}
+            "wall_s": wall_s, "exit_code": code, "cores": os.cpu_count(),
+            "busy_cpu_s": None if busy_before is None or busy_after is None else busy_after - busy_before}
+
+
+def cpu_line(suite: dict) -> str | None:
+    """Return the line that says how busy the machine was during `make test`, and what the suite's limit allows: at
+    full use, LIMITS_S["suite"] x the cores (None where the busy time could not be read)."""
+    busy, cores, wall = suite.get("busy_cpu_s"), suite.get("cores"), suite.get("wall_s")
+    if busy is None or not cores or not wall:
+        return None
+    return (f"during `make test`: the machine's {cores} cores busy {busy:,.0f} CPU-s in {wall:,.0f} s "
+            f"({busy / (wall * cores):.0%} of them); {LIMITS_S['suite']} s of pytest allows "
+            f"{LIMITS_S['suite'] * cores:,} CPU-s at full use")
 
 
 def combined(part: str, rounds: list) -> dict:
@@ -84,8 +112,9 @@ def combined(part: str, rounds: list) -> dict:
         return rounds[0]
     med = lambda xs: statistics.median(xs) if xs and None not in xs else None  # noqa: E731 (None: a round failed)
     out = {**rounds[-1], "exit_code": max(r["exit_code"] for r in rounds)}
-    key = {"chapters": "total_s", "plan": "wall_s", "suite": "pytest_s"}[part]
-    out[key], out[key.replace("_s", "_runs_s")] = med([r[key] for r in rounds]), [r[key] for r in rounds]
+    keys = {"chapters": ["total_s"], "plan": ["wall_s"], "suite": ["pytest_s", "wall_s", "busy_cpu_s"]}[part]
+    for key in keys:
+        out[key], out[key.replace("_s", "_runs_s")] = med([r.get(key) for r in rounds]), [r.get(key) for r in rounds]
     if part == "chapters":
         runs = {stem: [r["by_chapter_s"].get(stem) for r in rounds] for stem in rounds[0]["by_chapter_s"]}
         out["by_chapter_s"], out["by_chapter_runs_s"] = {stem: med(v) for stem, v in runs.items()}, runs
@@ -160,6 +189,8 @@ def main(argv=None) -> int:
     results["fp32_matmul_after_s"] = cpu_report(fresh=True).fp32_matmul_s
     (out / "bench.json").write_text(json.dumps(results, indent=1))
     print(table(results))
+    if "suite" in results and cpu_line(results["suite"]):
+        print(cpu_line(results["suite"]))
     print(drift_line(report.fp32_matmul_s, results["fp32_matmul_after_s"]))
     failed = [p for p in ("chapters", "plan", "suite") if p in results and results[p]["exit_code"] != 0]
     if failed:
