@@ -121,13 +121,18 @@ def test_the_suites_cpu_line_sets_its_busy_time_beside_what_its_limit_allows():
     assert both["busy_cpu_runs_s"] == [1500.0, 1600.0, 1550.0] and both["pytest_runs_s"] == [753.0, 813.0, 783.0]
 
 
-def test_each_timed_command_compiles_into_a_fresh_inductor_cache(tmp_path):
-    """A kernel cached under one vector level must not be reused under another (inductor does not key its cache by it)."""
+def test_each_timed_command_compiles_into_a_fresh_inductor_cache(tmp_path, monkeypatch):
+    """A kernel cached under one vector level must not be reused under another (inductor does not key its cache by it);
+    the command runs as typed in a shell, not as a sub-make of `make bench`."""
     stale = tmp_path / "inductor-cache" / "stale-kernel"
     stale.parent.mkdir()
     stale.write_text("built for another vector level")
-    code = "import os, pathlib; d = os.environ['TORCHINDUCTOR_CACHE_DIR']; print(d, list(pathlib.Path(d).glob('*')))"
+    for name in bench.MAKE_VARS:
+        monkeypatch.setenv(name, "1")  # as `make bench` sets them
+    code = ("import os, pathlib; d = os.environ['TORCHINDUCTOR_CACHE_DIR']; print(d, list(pathlib.Path(d).glob('*')), "
+            "[k for k in ('MAKELEVEL', 'MAKEFLAGS', 'MFLAGS') if k in os.environ])")
     wall_s, rc, text = bench._timed([sys.executable, "-c", code], tmp_path / "x.log")
     assert rc == 0 and wall_s > 0
     assert text.split()[0] == str(tmp_path / "inductor-cache") and "stale-kernel" not in text
+    assert text.rstrip().endswith("[]"), text  # no make variable reached it
     assert (tmp_path / "x.log").read_text() == text

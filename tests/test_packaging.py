@@ -240,7 +240,7 @@ def test_pip_installs_labkit_alone_and_the_library_imports_no_tooling():
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: make gpu-check runs for real")
 def test_make_gpu_check_without_cuda_exits_2_with_its_reason():
     import subprocess
-    proc = subprocess.run(["make", "-s", "gpu-check"], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(["make", "-s", "--no-print-directory", "gpu-check"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout.startswith("make gpu-check needs CUDA:") and proc.stdout.count("\n") == 1, proc.stdout
 

@@ -31,6 +31,7 @@ from workbook.runner import ROOT
 
 PARTS = ("cpu", "chapters", "plan", "suite")
 LIMITS_S = {"chapter": 60, "chapters": 360, "plan": 30, "suite": 600}  # issue 34's targets on the 2-core AVX2 machine
+MAKE_VARS = ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")  # what make hands the commands it runs
 PYTEST_LINE = re.compile(r"=+ (?P<counts>.*?) in (?P<s>[\d.]+)s")
 
 
@@ -40,12 +41,14 @@ def _timed(argv: list, log: Path) -> tuple[float, int, str]:
     torch.compile's kernels go to a fresh cache in log's folder: every run compiles as a new user's first run does,
     and no kernel built for another vector level is reused (inductor's cache is not keyed by ATEN_CPU_CAPABILITY: a
     kernel cached under the AVX2 variables and run without them crashed the process here, and the reverse gave
-    gradients 1e24 off).
+    gradients 1e24 off). The command runs as typed in a shell: without the variables `make bench` hands its sub-makes
+    (MAKE_VARS; a sub-make prints "Entering directory" lines a test of `make gpu-check`'s one line did not expect).
     """
     cache = log.parent / "inductor-cache"
     shutil.rmtree(cache, ignore_errors=True)
+    env = {k: v for k, v in os.environ.items() if k not in MAKE_VARS}  # as typed in a shell, not a sub-make of `make bench`
     t0 = time.perf_counter()
-    out = subprocess.run(argv, cwd=ROOT, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}, stdin=subprocess.DEVNULL,
+    out = subprocess.run(argv, cwd=ROOT, env={**env, "TORCHINDUCTOR_CACHE_DIR": str(cache)}, stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall_s = time.perf_counter() - t0
     log.write_text(out.stdout)
