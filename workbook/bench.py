@@ -46,7 +46,7 @@ def _timed(argv: list, log: Path) -> tuple[float, int, str]:
     """
     cache = log.parent / "inductor-cache"
     shutil.rmtree(cache, ignore_errors=True)
-    env = {k: v for k, v in os.environ.items() if k not in MAKE_VARS}  # as typed in a shell, not a sub-make of `make bench`
+    env = {k: v for k, v in os.environ.items() if k not in MAKE_VARS}
     t0 = time.perf_counter()
     out = subprocess.run(argv, cwd=ROOT, env={**env, "TORCHINDUCTOR_CACHE_DIR": str(cache)}, stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
