@@ -294,6 +294,7 @@ def test_fresh_study_names_differ_between_processes_and_seconds():
     assert name.startswith("fit-") and name.endswith(f"-{os.getpid()}")
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")  # study.ask(): a dead worker's trial
 def test_brute_force_passes_over_a_trial_killed_during_its_draw(config, storage):
     """A worker killed after drawing the technique, before the rest, leaves a FAIL trial with part of a setting."""
     space = config.space(only=search.MEMORY_KNOBS)
@@ -307,6 +308,7 @@ def test_brute_force_passes_over_a_trial_killed_during_its_draw(config, storage)
     search.check_params(drawn, space)
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")  # study.ask(): a dead worker's trial
 def test_a_brute_force_speed_study_tries_every_setting_once_passing_over_a_trial_killed_before_its_draw(config, storage):
     """Every setting once, no more (a trial a setting), though a worker killed between starting a trial and drawing
     its setting left a FAIL trial without params first. (One study for both: each runs every setting, ~25 s here.)"""
