@@ -431,8 +431,7 @@ def test_the_random_sequence_fragments_and_reuses():
     assert grown.segments == 2 and a.peak_reserved_bytes > grown.peak_reserved_bytes > grown.peak_allocated_bytes
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA: torch sees no CUDA device here (run `make "
-                    "gpu-check` on a machine with one)")
+@pytest.mark.cuda
 @pytest.mark.parametrize("conf", ["", "expandable_segments:True"])
 def test_the_replay_reserves_what_cudas_allocator_reserves(conf):
     # a process of its own: the comparison needs an allocator that holds nothing else, configured before CUDA starts

@@ -80,3 +80,11 @@ def test_an_installed_labkit_runs_its_own_rows_only(tmp_path, one_thread):
     assert rows == [c for c in gpucheck.CHECKS if c != "plan"]
     with pytest.raises(SystemExit):
         gpucheck.main(["--chapters", "04"])  # the notebooks row and its option are the repository's
+
+
+def test_the_precision_rows_note_says_what_gradscaler_did():
+    # the H200's gpu-check (2026-12-04): no step skipped, the scale stayed at 65536; its note had said steps were skipped
+    kept = gpucheck._scaler_note({"fp16_skipped_steps": 0, "fp16_initial_scale": 65536.0, "fp16_final_scale": 65536.0})
+    assert kept.startswith("GradScaler skipped no step") and "65536 at first, 65536 last" in kept
+    cut = gpucheck._scaler_note({"fp16_skipped_steps": 3, "fp16_initial_scale": 65536.0, "fp16_final_scale": 8192.0})
+    assert cut.startswith("GradScaler skipped 3 steps") and "from 65536 to 8192" in cut

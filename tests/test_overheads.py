@@ -1,5 +1,7 @@
 """labkit.planner.overheads: the bytes outside the caching allocator, against NCCL's and torch's documented figures."""
 
+import pytest
+
 from labkit.planner import overheads as O
 
 MiB = 2**20
@@ -36,3 +38,58 @@ def test_nccls_buffers_grow_with_channels_a_tree_and_nvls_heads():
     assert O.non_tensor_bytes("h100", 16, "fsdp2") is None  # across servers: the network's buffers, not modelled
     assert O.non_tensor_bytes("l4", 2, "ddp") is None  # PCIe GPUs: other transports, not modelled
     assert O.non_tensor_bytes("l4", 1, "single").total == O.CONTEXT_BYTES
+
+
+def test_a_process_with_a_process_group_is_given_nccls_start_up_measured_on_an_h200():
+    many = O.non_tensor_bytes("a100-80gb", 2, "ddp")
+    assert many.context == (O.CONTEXT_BYTES[0], O.NCCL_PROCESS_BYTES) and O.NCCL_PROCESS_BYTES > O.CONTEXT_BYTES[1]
+    assert many.total[1] == O.NCCL_PROCESS_BYTES + 2 * 32 * O.P2P_CHANNEL_BYTES
+
+
+OUTSIDE_THE_ALLOCATOR = """
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from labkit.models import GPT, GPTConfig
+
+def outside():  # what the GPU holds beyond the caching allocator's reserve
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return total - free - torch.cuda.memory_reserved()
+
+def warm(model, opt, cfg, amp):
+    for _ in range(3):
+        idx = torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda")
+        with torch.autocast("cuda", torch.bfloat16, enabled=amp):
+            model(idx, idx)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+cfg = GPTConfig(n_layer=12, n_embd=768, n_head=12, block_size=1024, vocab_size=50304, attn="sdpa")  # GPT-2 small
+model = GPT(cfg).cuda()
+warm(model, torch.optim.AdamW(model.parameters(), fused=True), cfg, amp=True)
+single = outside()
+del model
+torch.cuda.empty_cache()
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+model = GPT(cfg).cuda()
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+for block in model.blocks:
+    fully_shard(block, mp_policy=policy)
+fully_shard(model, mp_policy=policy)
+warm(model, torch.optim.AdamW(model.parameters(), foreach=True), cfg, amp=False)
+print(single, outside())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.cuda
+def test_what_a_gpu_holds_outside_the_allocator_is_within_the_modelled_high_ends():
+    # a process of its own: CUDA's context and NCCL's start-up are per process
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", OUTSIDE_THE_ALLOCATOR], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    single, with_nccl = map(int, out.stdout.split()[-2:])
+    assert 0 < single <= O.non_tensor_bytes("h100", 1, "single").context[1], single / MiB
+    assert single < with_nccl <= O.non_tensor_bytes("h100", 2, "fsdp2").context[1], with_nccl / MiB

@@ -210,14 +210,14 @@ def check_precision(setup: Setup) -> Row:
     if cuda:
         src = MarkovTokens(vocab_size=setup.cfg.vocab_size, seed=1)
         gen = torch.Generator().manual_seed(1)
-        results = []
+        initial_scale, results = scaler.get_scale(), []
         for _ in range(setup.train_steps):
             x, y = src.batch(setup.batch, setup.seq_len, generator=gen)
             results.append(amp_train_step(models["fp16"], opts["fp16"], [(x.to(setup.device), y.to(setup.device))],
                                           precision="fp16", scaler=scaler))
         skipped = sum(not r.stepped for r in results)
         figures.update(fp16_losses=[r.loss for r in results], fp16_skipped_steps=skipped,
-                       fp16_final_scale=results[-1].scale)
+                       fp16_initial_scale=initial_scale, fp16_final_scale=results[-1].scale)
     steps = {p: (lambda p=p: amp_train_step(models[p], opts[p], [batch], precision=p,
                                             scaler=scaler if p == "fp16" else None))  # the trained scale
              for p in precisions}
@@ -240,9 +240,17 @@ def check_precision(setup: Setup) -> Row:
                     f"{figures['fp16_skipped_steps']} skipped; " + measured)
         ok = ok and trained and figures["fp16_skipped_steps"] < setup.train_steps // 2
         expected += "; fp16 loss finite and falling, < half the steps skipped"
-    return Row("precision", measured, expected, ok,
-               "GradScaler skips the first steps while its scale (65536) comes down to what the gradients allow"
-               if cuda else "rehearsal on cpu: fp16 is never run on a CPU", figures)
+    return Row("precision", measured, expected, ok, _scaler_note(figures) if cuda else
+               "rehearsal on cpu: fp16 is never run on a CPU", figures)
+
+
+def _scaler_note(figures: dict) -> str:
+    """Say what GradScaler did in the fp16 run: how many steps it skipped and where its scale ended."""
+    skipped, first, last = (figures[k] for k in ("fp16_skipped_steps", "fp16_initial_scale", "fp16_final_scale"))
+    if skipped:
+        return (f"GradScaler skipped {skipped} steps (inf/NaN gradients) while its scale came down from {first:g} to "
+                f"{last:g}, what the gradients allow")
+    return f"GradScaler skipped no step: the gradients stayed finite at its scale ({first:g} at first, {last:g} last)"
 
 
 def check_checkpoint(setup: Setup) -> Row:
