@@ -109,6 +109,13 @@ def test_the_machines_busy_time_holds_this_processs_own_work():
     assert bench.machine_cpu_s() - before >= 0.45  # (a clock tick's rounding below; other processes only add)
 
 
+def test_the_machines_busy_time_leaves_out_idle_waits_and_the_hypervisors_steal(tmp_path):
+    stat = tmp_path / "stat"  # user nice system idle iowait irq softirq steal guest guest_nice, in clock ticks
+    stat.write_text("cpu  700 100 200 5000 300 20 30 900 0 0\ncpu0 350 50 100 2500 150 10 15 450 0 0\n")
+    assert bench.machine_cpu_s(stat) == (700 + 100 + 200 + 20 + 30) / os.sysconf("SC_CLK_TCK")
+    assert bench.machine_cpu_s(tmp_path / "absent") is None
+
+
 def test_the_suites_cpu_line_sets_its_busy_time_beside_what_its_limit_allows():
     suite = {"busy_cpu_s": 1585.2, "cores": 2, "wall_s": 800.3, "pytest_s": 792.7}
     assert bench.cpu_line(suite) == ("during `make test`: the machine's 2 cores busy 1,585 CPU-s in 800 s (99% of them); "
