@@ -56,10 +56,12 @@ def outside():  # what the GPU holds beyond the caching allocator's reserve
     free, total = torch.cuda.mem_get_info()
     return total - free - torch.cuda.memory_reserved()
 
+half = torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16  # (a T4: fp16)
+
 def warm(model, opt, cfg, amp):
     for _ in range(3):
-        idx = torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda")
-        with torch.autocast("cuda", torch.bfloat16, enabled=amp):
+        idx = torch.randint(0, cfg.vocab_size, (4, 1024), device="cuda")  # (B, T): gpu-check's batch
+        with torch.autocast("cuda", half, enabled=amp):
             model(idx, idx)[1].backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -72,7 +74,7 @@ del model
 torch.cuda.empty_cache()
 dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
 model = GPT(cfg).cuda()
-policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
 for block in model.blocks:
     fully_shard(block, mp_policy=policy)
 fully_shard(model, mp_policy=policy)
