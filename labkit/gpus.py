@@ -8,7 +8,7 @@ peak (chapters 00-10, the planner). `measure_cpu` profiles this CPU alike.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -88,39 +88,49 @@ PCIE5 = 64 * GB  # PCIe 5.0 x16, one direction
 DGX_A100_NIC = 200 / 8 * GB  # NVIDIA DGX A100 user guide: one 200 Gb/s HDR InfiniBand NIC per GPU (8 per server)
 DGX_H100_NIC = 400 / 8 * GB  # NVIDIA DGX H100 user guide: one 400 Gb/s NDR InfiniBand NIC per GPU (8 per server)
 
-# Dense (no sparsity) tensor-core figures with fp32 accumulation; fp32 is the non-tensor (no TF32) rate. Memory: the
-# datasheet's "GB" read as GiB, every card alike: a little more than torch reports (the H200 of data/gpu_run_h200.json:
-# 139.8 GiB of its 141), a gap the planner's reserve covers.
+# Dense (no sparsity) tensor-core figures with fp32 accumulation; fp32 is the non-tensor (no TF32) rate. Memory: what
+# CUDA offers a process, as torch reports it (`get_device_properties().total_memory`, the "total capacity" of its
+# out-of-memory message), not the datasheet's GB: the driver keeps the rest (ECC, its own reservations), 1-8% of the
+# card, more than the planner's reserve could spare. Cited per card; drivers differ by up to ~0.3 GiB.
 GPUS = {
-    # NVIDIA T4 datasheet: 16 GB GDDR6 (15,360 MiB usable: nvidia-smi's total, ECC on), 320 GB/s, fp32 8.1 TFLOPS,
-    # fp16 tensor 65 TFLOPS; no bf16; PCIe 3.0
+    # NVIDIA T4 datasheet: 16 GB GDDR6 (nvidia-smi: 15,360 MiB, ECC on; torch: "a total capacity of 14.75 GiB" on
+    # Colab's T4, hpcaitech/Open-Sora#697), 320 GB/s, fp32 8.1 TFLOPS, fp16 tensor 65 TFLOPS; no bf16; PCIe 3.0
     # (a T4 server, AWS g4dn.12xlarge: 4 GPUs, 50 Gb/s)
-    "t4": DeviceProfile("t4", 15360 * 2**20, {"fp32": 8.1 * TERA, "fp16": 65 * TERA}, 320 * GB, PCIE3, PCIE3,
+    "t4": DeviceProfile("t4", round(14.75 * GiB), {"fp32": 8.1 * TERA, "fp16": 65 * TERA}, 320 * GB, PCIE3, PCIE3,
                         gpus_per_node=4, node_bytes_per_s=50 / 8 * GB / 4),
-    # NVIDIA L4 datasheet: 24 GB, 300 GB/s, fp32 30.3 TFLOPS, bf16/fp16 tensor 121 TFLOPS dense (242 sparse); PCIe 4.0
-    "l4": DeviceProfile("l4", 24 * GiB, {"fp32": 30.3 * TERA, "bf16": 121 * TERA, "fp16": 121 * TERA},
+    # NVIDIA L4 datasheet: 24 GB (torch: 22.05 GiB, vllm-project/vllm#20214, vLLM's CI L4), 300 GB/s, fp32 30.3
+    # TFLOPS, bf16/fp16 tensor 121 TFLOPS dense (242 sparse); PCIe 4.0
+    "l4": DeviceProfile("l4", round(22.05 * GiB), {"fp32": 30.3 * TERA, "bf16": 121 * TERA, "fp16": 121 * TERA},
                         300 * GB, PCIE4, PCIE4),
-    # NVIDIA A10 datasheet (AWS's A10G publishes no per-format figures): 24 GB, 600 GB/s, fp32 31.2 TFLOPS,
-    # bf16/fp16 tensor 125 TFLOPS dense (250 sparse); PCIe 4.0
-    "a10g": DeviceProfile("a10g", 24 * GiB, {"fp32": 31.2 * TERA, "bf16": 125 * TERA, "fp16": 125 * TERA},
-                          600 * GB, PCIE4, PCIE4),
-    # NVIDIA Ada (AD102) whitepaper, RTX 4090: 24 GB, 1008 GB/s, fp32 82.6 TFLOPS, fp16/bf16 tensor with fp32
-    # accumulate 165.2 TFLOPS dense; PCIe 4.0, no NVLink
-    "rtx4090": DeviceProfile("rtx4090", 24 * GiB, {"fp32": 82.6 * TERA, "bf16": 165.2 * TERA, "fp16": 165.2 * TERA},
-                             1008 * GB, PCIE4, PCIE4),
-    # NVIDIA A100 datasheet (SXM): 40 GB HBM2 1555 GB/s; fp32 19.5 TFLOPS, bf16/fp16 tensor 312 TFLOPS dense;
+    # NVIDIA A10 datasheet (AWS's A10G publishes no per-format figures): 24 GB (torch on an AWS g5 A10G: 22.20 GiB,
+    # XavierXiao/Dreambooth-Stable-Diffusion#18), 600 GB/s, fp32 31.2 TFLOPS, bf16/fp16 tensor 125 TFLOPS dense
+    # (250 sparse); PCIe 4.0
+    "a10g": DeviceProfile("a10g", round(22.20 * GiB), {"fp32": 31.2 * TERA, "bf16": 125 * TERA,
+                                                       "fp16": 125 * TERA}, 600 * GB, PCIE4, PCIE4),
+    # NVIDIA Ada (AD102) whitepaper, RTX 4090: 24 GB (torch: 23.64 GiB, ali-vilab/VGen#104), 1008 GB/s, fp32 82.6
+    # TFLOPS, fp16/bf16 tensor with fp32 accumulate 165.2 TFLOPS dense; PCIe 4.0, no NVLink
+    "rtx4090": DeviceProfile("rtx4090", round(23.64 * GiB), {"fp32": 82.6 * TERA, "bf16": 165.2 * TERA,
+                                                             "fp16": 165.2 * TERA}, 1008 * GB, PCIE4, PCIE4),
+    # NVIDIA A100 datasheet (SXM): 40 GB HBM2 (CUDA's deviceQuery on an A100-SXM4-40GB: 42,298,834,944 B,
+    # bottlerocket-os/bottlerocket#3873) 1555 GB/s; fp32 19.5 TFLOPS, bf16/fp16 tensor 312 TFLOPS dense;
     # NVLink 600 GB/s (both directions: 300 each way); PCIe 4.0
-    "a100-40gb": DeviceProfile("a100-40gb", 40 * GiB, {"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
-                               1555 * GB, PCIE4, 300 * GB, efficiency=A100_EFFICIENCY, node_bytes_per_s=DGX_A100_NIC),
-    # NVIDIA A100 datasheet (SXM): 80 GB HBM2e 2039 GB/s; otherwise as the 40 GB card
-    "a100-80gb": DeviceProfile("a100-80gb", 80 * GiB, {"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
-                               2039 * GB, PCIE4, 300 * GB, efficiency=A100_EFFICIENCY, node_bytes_per_s=DGX_A100_NIC),
-    # NVIDIA H100 datasheet (SXM): 80 GB HBM3 3.35 TB/s; fp32 67 TFLOPS, bf16/fp16 tensor 989 TFLOPS dense
+    "a100-40gb": DeviceProfile("a100-40gb", 42_298_834_944, {"fp32": 19.5 * TERA, "bf16": 312 * TERA,
+                                                              "fp16": 312 * TERA}, 1555 * GB, PCIE4, 300 * GB,
+                               efficiency=A100_EFFICIENCY, node_bytes_per_s=DGX_A100_NIC),
+    # NVIDIA A100 datasheet (SXM): 80 GB HBM2e (deviceQuery on an A100-SXM4-80GB: 85,198,045,184 B, gist gengwg/
+    # 3520df2ebf8872e5ee4818367e3a4122; torch reported 79.14 GiB on another, lianqi1008/Control-GIC#6) 2039 GB/s;
+    # otherwise as the 40 GB card
+    "a100-80gb": DeviceProfile("a100-80gb", 85_198_045_184, {"fp32": 19.5 * TERA, "bf16": 312 * TERA,
+                                                              "fp16": 312 * TERA}, 2039 * GB, PCIE4, 300 * GB,
+                               efficiency=A100_EFFICIENCY, node_bytes_per_s=DGX_A100_NIC),
+    # NVIDIA H100 datasheet (SXM): 80 GB HBM3 (nvidia-smi 81,559 MiB; torch "a total capacity of 79.11 GiB",
+    # vllm-project/vllm#27508) 3.35 TB/s; fp32 67 TFLOPS, bf16/fp16 tensor 989 TFLOPS dense
     # (1979 sparse); NVLink 900 GB/s (450 each way); PCIe 5.0
-    "h100": DeviceProfile("h100", 80 * GiB, {"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
+    "h100": DeviceProfile("h100", round(79.11 * GiB), {"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
                           3350 * GB, PCIE5, 450 * GB, efficiency=H100_EFFICIENCY, node_bytes_per_s=DGX_H100_NIC),
-    # NVIDIA H200 datasheet (SXM): 141 GB HBM3e 4.8 TB/s; compute and links as the H100 SXM
-    "h200": DeviceProfile("h200", 141 * GiB, {"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
+    # NVIDIA H200 datasheet (SXM): 141 GB HBM3e (nvidia-smi 143,771 MiB; torch 139.8 GiB: the H200 of `make gpu-check`,
+    # data/gpu_run_h200.json) 4.8 TB/s; compute and links as the H100 SXM
+    "h200": DeviceProfile("h200", round(139.8 * GiB), {"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
                           4800 * GB, PCIE5, 450 * GB, node_bytes_per_s=DGX_H100_NIC),
 }
 
@@ -148,11 +158,13 @@ CUDA_NAMES = {"t4": ("T4",), "l4": ("L4",), "a10g": ("A10G", "A10"), "rtx4090": 
 
 
 def cuda_profile(device: str | torch.device = "cuda") -> DeviceProfile:
-    """Return the profile of the CUDA device a chapter runs on, matched by its name (ParameterError if none matches)."""
-    name = torch.cuda.get_device_properties(torch.device(device)).name
+    """Return the profile of the CUDA device a chapter runs on, matched by its name (ParameterError if none matches),
+    with the memory this card offers (its `total_memory`: the driver's version and ECC move it)."""
+    props = torch.cuda.get_device_properties(torch.device(device))
+    name = props.name
     for part, key in sorted(((p, k) for k, parts in CUDA_NAMES.items() for p in parts), key=lambda x: -len(x[0])):
         if part in name:  # the longest first: "A10" is inside "A100-SXM4-80GB"
-            return GPUS[key]
+            return replace(GPUS[key], memory_bytes=props.total_memory)
     raise ParameterError(f"GPU: no profile in labkit.gpus.GPUS matches this CUDA device ({name}); choose one of "
                          f"{tuple(GPUS)} or add its datasheet figures")
 

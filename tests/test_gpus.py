@@ -42,9 +42,14 @@ def test_the_bound_overlaps_everything_and_the_estimate_divides_compute_by_the_p
 def test_a_cuda_device_is_matched_to_its_profile_by_name(monkeypatch):
     for name, key in (("Tesla T4", "t4"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA H100 80GB HBM3", "h100"),
                       ("NVIDIA L4", "l4"), ("NVIDIA GeForce RTX 4090", "rtx4090")):
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, name=name: type("P", (), {"name": name}))
-        assert gpus.cuda_profile().name == key
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"name": "Quadro K600"}))
+        offered = gpus.GPUS[key].memory_bytes - 2**20  # another driver's total_memory for the same card
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device, name=name: type("P", (), {"name": name, "total_memory": offered}))
+        found = gpus.cuda_profile()
+        assert found.name == key and found.memory_bytes == offered  # the card's own total, not the profile's
+        assert found.memory_bytes_per_s == gpus.GPUS[key].memory_bytes_per_s  # its datasheet rates otherwise
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("P", (), {"name": "Quadro K600", "total_memory": 2**30}))
     with pytest.raises(ParameterError, match="GPU: no profile .* matches this CUDA device \\(Quadro K600\\)"):
         gpus.cuda_profile()
 

@@ -1042,12 +1042,14 @@ def test_fsdp2_rows_judged_by_the_reserve_alone_say_what_published_runs_kept():
     kwargs = dict(checkpointing=("none",), parallels=("fsdp2",), offload=(False,), optimizers=("device",))
     p = P.plan(dataclasses.replace(SMALL, n_layer=2), "h100", 2, 16, 2, **kwargs)
     line = next(line for line in P.format_plan(p).splitlines() if line.startswith("fits, FSDP2 rows"))
-    assert " and ".join(f"{g * 80:.1f} GiB ({g:.1%} of the h100 profile's 80 GiB)" for g in gaps["h100"]) in line
-    assert f"on the h100's 80 GiB, plan FSDP2 with --reserve {math.ceil(widest * 100) / 100} or more" in line
+    h100_gib = GPUS["h100"].memory_bytes / 2**30  # (79.1: what torch reports on an 80 GB H100)
+    assert " and ".join(f"{g * h100_gib:.1f} GiB ({g:.1%} of the h100 profile's {h100_gib:.1f} GiB)"
+                        for g in gaps["h100"]) in line
+    assert f"on the h100's {h100_gib:.1f} GiB, plan FSDP2 with --reserve {math.ceil(widest * 100) / 100} or more" in line
     t4 = P.plan(dataclasses.replace(SMALL, n_layer=2), "t4", 2, 16, 2, **kwargs)  # the same bytes of a smaller GPU
     line = next(line for line in P.format_plan(t4).splitlines() if line.startswith("fits, FSDP2 rows"))
     share = widest * GPUS["h100"].memory_bytes / GPUS["t4"].memory_bytes
-    assert f"on the t4's 15 GiB, plan FSDP2 with --reserve {math.ceil(share * 100) / 100} or more" in line
+    assert f"on the t4's {GPUS['t4'].memory_bytes / 2**30:.1f} GiB, plan FSDP2 with --reserve {math.ceil(share * 100) / 100} or more" in line
     roomy = P.plan(dataclasses.replace(SMALL, n_layer=2), "h100", 2, 16, 2, reserve_fraction=widest + 0.01, **kwargs)
     assert "fits, FSDP2 rows" not in P.format_plan(roomy)  # a reserve above every published gap: nothing to say
     ddp = P.plan(dataclasses.replace(SMALL, n_layer=2), "h100", 2, 16, 2, checkpointing=("none",), parallels=("ddp",))

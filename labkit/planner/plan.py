@@ -1472,10 +1472,10 @@ def _fsdp2_reserve_note(p: Plan) -> list:
     if widest <= p.reserve_fraction:  # (the widest gap in bytes, as a share of this plan's GPU)
         return []
     kept = "; ".join(" and ".join(f"{g * GPUS[gpu].memory_bytes / 2**30:.1f} GiB ({g:.1%} of the {gpu} profile's "
-                                  f"{GPUS[gpu].memory_bytes / 2**30:.0f} GiB)" for g in gs) for gpu, gs in gaps.items())
+                                  f"{GPUS[gpu].memory_bytes / 2**30:.1f} GiB)" for g in gs) for gpu, gs in gaps.items())
     return [f"fits, FSDP2 rows: the plan's {p.reserve_fraction:.0%} reserve is not verified for FSDP2, whose published "
             f"runs kept {kept} reserved by the allocator but not active in tensors (labkit.planner.runs): "
-            + (f"on the {p.device}'s {p.memory_bytes / 2**30:.0f} GiB, plan FSDP2 with --reserve "
+            + (f"on the {p.device}'s {p.memory_bytes / 2**30:.1f} GiB, plan FSDP2 with --reserve "
                f"{math.ceil(widest * 100) / 100} or more for that gap alone (the CUDA context and NCCL's buffers come "
                "on top), or" if widest < 1 else f"that gap alone exceeds the {p.device}'s memory: plan FSDP2")
             + " with --reserved to judge the front by its allocator replay"]

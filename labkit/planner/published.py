@@ -172,7 +172,7 @@ def _other_model(run: dict, profile) -> str:
     if run_gib is None or abs(run_gib / profile_gib - 1) < 0.02:
         return ""
     return (f"; the run's GPUs hold {run_gib:.0f} GiB, another model than the {run['gpu']} profile's "
-            f"{profile_gib:.0f} GiB ({run.get('gpu_note', 'its rates not published')}): priced at the profile's "
+            f"{profile_gib:.1f} GiB ({run.get('gpu_note', 'its rates not published')}): priced at the profile's "
             "datasheet rates, so this check crosses GPU models")
 
 
