@@ -1550,7 +1550,8 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
                                                        r.used_bytes[1] - r.reserved_bytes)
             by_extra.setdefault(extra, []).append(i)
         lines.append("used (what nvidia-smi would show) = reserved + the CUDA context + NCCL's buffers, ranges from "
-                     "published figures (labkit.planner.overheads: one process group, NCCL 2.22 or later with its "
+                     "published figures and an H200 of ours (labkit.planner.overheads: one process group, NCCL 2.22 or "
+                     "later with its "
                      "defaults, GPUs of one NVLink server): " + "; ".join(
                          f"row{'s' * (len(rows) > 1)} {', '.join(map(str, rows))}: not modelled (NCCL's buffers "
                          "past one server or between PCIe GPUs)" if extra is None else
@@ -1648,7 +1649,7 @@ def _arguments() -> argparse.ArgumentParser:
                     help="each Pareto-front row's reserved peak: its step's allocations at full depth (for a deep "
                          "model written out from fake steps of a few blocks, exact), replayed through the CUDA "
                          "caching allocator's default rules, and what the GPU would show used: that reserve plus the CUDA context and NCCL's "
-                         "buffers, ranges from published figures; and judges each replayed row by that figure, "
+                         "buffers, ranges from published figures and an H200 of ours; and judges each replayed row by that figure, "
                          "with a margin (a front row that does not fit leaves the front, and the rows that join it "
                          "are replayed in turn)")
     ap.add_argument("--expandable-segments", action="store_true",
