@@ -42,8 +42,9 @@ def test_nccls_buffers_grow_with_channels_a_tree_and_nvls_heads():
 
 def test_a_process_with_a_process_group_is_given_nccls_start_up_measured_on_an_h200():
     many = O.non_tensor_bytes("a100-80gb", 2, "ddp")
-    assert many.context == (O.CONTEXT_BYTES[0], O.NCCL_PROCESS_BYTES) and O.NCCL_PROCESS_BYTES > O.CONTEXT_BYTES[1]
-    assert many.total[1] == O.NCCL_PROCESS_BYTES + 2 * 32 * O.P2P_CHANNEL_BYTES
+    assert many.context == (O.CONTEXT_BYTES[1], O.NCCL_PROCESS_BYTES) and O.NCCL_PROCESS_BYTES > O.CONTEXT_BYTES[1]
+    assert many.total == (O.CONTEXT_BYTES[1] + 24 * O.P2P_CHANNEL_BYTES, O.NCCL_PROCESS_BYTES + 2 * 32 * O.P2P_CHANNEL_BYTES)
+    assert many.total[0] > O.non_tensor_bytes("a100-80gb", 1, "single").total[1]  # with NCCL, more than one GPU alone at either end
 
 
 OUTSIDE_THE_ALLOCATOR = """

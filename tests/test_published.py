@@ -35,6 +35,14 @@ def test_a_figure_without_a_prediction_says_why_in_the_target_column():
     assert " 96 fsdp1 (HSDP) " in row and row.endswith("±25% yes (estimate)")  # the run's GPUs and parallelism
 
 
+def test_a_memory_check_on_gpus_larger_than_their_profile_says_so_under_the_table():
+    larger = published.Check("TT-L31-8B-FSDP2-SAC-eager", "peak reserved", (82.4, 82.4), 78.9, "its replay")
+    footer = published.format_validation([larger]).splitlines()[-1]
+    assert "TT-L31-8B-FSDP2-SAC-eager: their h100s held 95.0 GiB, more than the h100 profile's 79.1 GiB" in footer
+    fms = published.Check("FMS-7B-H100-noAC-eager", "tokens/s per GPU", (7500, 7500), 7600.0, "from FMS-7B-A100")
+    assert "more than the" not in published.format_validation([fms]).splitlines()[-1]  # a speed check: no clause
+
+
 def test_a_grouped_query_attention_run_is_built_with_its_key_value_heads():
     run = dict(published.published_runs()[0], id="gqa")
     run["model"] = dict(run["model"], kv_heads=8)

@@ -45,7 +45,9 @@ def test_progress_names_each_kind_once_and_only_kinds_the_study_has():
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert legend == ["best that fits so far", "fits (metered)", "fits (predicted, not run here)", "the plain step's speed"]
     assert [len(c.get_offsets()) for c in ax.collections] == [3, 2]  # the failed trial has no speed: no point
-    assert list(ax.get_lines()[0].get_ydata()) == [0.9, 1.2, 1.2, 1.4, 1.4, 1.4]  # the best that fits so far
+    best = ax.get_lines()[0]
+    assert list(best.get_ydata()) == [0.9, 1.2, 1.2, 1.4, 1.4, 1.4]  # the best that fits so far
+    assert best.get_drawstyle() == "steps-post"  # it holds until a trial beats it: no slope between two trials
     assert "counted work alone" in ax.get_title()
     assert figure_problems(fig) == []
 

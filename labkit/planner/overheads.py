@@ -12,8 +12,9 @@ Sources (read for this module; the arithmetic is in the comments):
 - the context: pytorch/pytorch PR #86509 (lazy module loading, torch's default since 1.13: 287,047,680 B after one
   small tensor, before cuBLAS or attention kernels load); NVIDIA/nccl#1685 (8 x H100: 1.06 GB per GPU used outside
   torch after NCCL's start-up, before any all-to-all). With lazy loading the context grows as kernels first run
-  (CUDA Programming Guide, "Lazy Loading"). That high end holds NCCL's start-up already, so adding NCCL's buffers to
-  it may count part of them twice: the range leans high. vLLM reports 1.79 GiB outside torch for one H100 serving a
+  (CUDA Programming Guide, "Lazy Loading"). nccl#1685's figure, the lowest published for a process with NCCL started,
+  is the low end of such a process's context; it does not say whether that process had connected its rings already
+  (if it had, the low end counts their fewest channels' buffers twice: it leans high). vLLM reports 1.79 GiB outside torch for one H100 serving a
   model (vllm PR #10511): an inference server's libraries, higher still.
 - NCCL: its source (`src/transport/p2p.cc`, `src/include/device.h`, `src/transport/nvls.cc`, NCCL 2.22 on) and
   nccl#1685's measured buffers (10,485,760 and 2,097,152 B per channel).
@@ -21,7 +22,8 @@ Sources (read for this module; the arithmetic is in the comments):
   used minus `memory_reserved()` was 618.8 MiB after one small tensor, 766.8 MiB after three bf16 steps of GPT-2 small
   (inside the context's range), and 1,324.8 MiB after NCCL started (`init_process_group` with `device_id`) and three
   FSDP2 steps on one rank: NCCL's start-up alone, before any connection to a peer, took 558 MiB there, and the whole
-  stood above nccl#1685's 1.06 GB. A process with a process group is given that figure as its high end.
+  stood above nccl#1685's 1.06 GB. A process with a process group is given that figure as its context's high end. With
+  one rank NCCL connects no peer, so that figure holds none of the connection buffers modelled below: they add to it.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def non_tensor_bytes(gpu: str, ranks: int, parallel: str, gpus_per_node: int = 8
         return NonTensorBytes(CONTEXT_BYTES, (0, 0))
     if ranks > gpus_per_node or gpu not in NVLINK_GPUS:
         return None
-    context = (CONTEXT_BYTES[0], max(CONTEXT_BYTES[1], NCCL_PROCESS_BYTES))
+    context = (CONTEXT_BYTES[1], max(CONTEXT_BYTES[1], NCCL_PROCESS_BYTES))  # measured with NCCL started: 8 x H100
+    #   (nccl#1685) and our one H200 rank
     ring = tuple(c * P2P_CHANNEL_BYTES for c in RING_CHANNELS)  # one connection per channel, each way of the ring
     high = 2 * ring[1]  # a tree's connections too, the same again: small all-reduces take it (DDP's buckets,
     #                     gradient clipping's norm, a logged loss)

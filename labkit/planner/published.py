@@ -225,5 +225,22 @@ def format_validation(checks: list[Check]) -> str:
                  "estimate, not the plan's step time; error: to the "
                  "nearer end of a published range (0 inside it); target: the largest error allowed"
                  + "".join(f"; {NOT_A_CHECK[m]}" for m in dict.fromkeys(not_a_check(c) for c in checks
-                                                                       if c.within is None)))
+                                                                       if c.within is None))
+                 + _larger_gpus([c for c in checks if "peak" in c.figure and c.predicted is not None]))
     return "\n".join(lines)
+
+
+def _larger_gpus(memory_checks: list[Check]) -> str:
+    """Return a clause naming the memory checks' runs whose GPUs held more than their profile's, else ""."""
+    runs = {r["id"]: r for r in published_runs()}
+    larger = {}  # (gpu, its GiB) -> the runs on such GPUs
+    for c in memory_checks:
+        run = runs.get(c.run, {})
+        if run.get("gpu_memory_gib") is None:
+            continue
+        run_gib, profile_gib = run["gpu_memory_gib"], gpus.GPUS[run["gpu"]].memory_bytes / 2**30
+        if run_gib > 1.02 * profile_gib:
+            larger.setdefault((run["gpu"], run_gib, profile_gib), []).append(c.run)
+    return "".join(f"; {', '.join(dict.fromkeys(ids))}: their {gpu}s held {run_gib:.1f} GiB, more than the {gpu} "
+                   f"profile's {profile_gib:.1f} GiB, so a published peak above {profile_gib:.1f} GiB could run there"
+                   for (gpu, run_gib, profile_gib), ids in larger.items())

@@ -49,8 +49,9 @@ def draw_progress(fig, ax, trials, speed_on: str, order: str = "TPE") -> None:
         if feasible(t):
             best = max(best, t.value)
         curve.append(best or float("nan"))
-    ax.plot([t.number for t in trials], curve, color="black", lw=1,
-            label="best that fits so far" if best else None)  # no entry before a trial fits: it draws nothing yet
+    ax.step([t.number for t in trials], curve, where="post", color="black", lw=1,
+            label="best that fits so far" if best else None)  # a step: the best changes at a trial, not between
+    #   two; no entry before a trial fits (it draws nothing yet)
     kinds = [trial_kind(t) for t in trials]
     for kind in ("fits (metered)", "fits (predicted, not run here)", "does not fit"):  # finished trials have a speed
         points = [t for t, k in zip(trials, kinds) if k == kind]
