@@ -233,14 +233,20 @@ def format_validation(checks: list[Check]) -> str:
 def _larger_gpus(memory_checks: list[Check]) -> str:
     """Return a clause naming the memory checks' runs whose GPUs held more than their profile's, else ""."""
     runs = {r["id"]: r for r in published_runs()}
-    larger = {}  # (gpu, its GiB) -> the runs on such GPUs
+    larger = {}  # (gpu, its GiB, the profile's) -> [(run, whether its GiB is assumed)] on such GPUs
     for c in memory_checks:
         run = runs.get(c.run, {})
         if run.get("gpu_memory_gib") is None:
             continue
         run_gib, profile_gib = run["gpu_memory_gib"], gpus.GPUS[run["gpu"]].memory_bytes / 2**30
         if run_gib > 1.02 * profile_gib:
-            larger.setdefault((run["gpu"], run_gib, profile_gib), []).append(c.run)
-    return "".join(f"; {', '.join(dict.fromkeys(ids))}: their {gpu}s held {run_gib:.1f} GiB, more than the {gpu} "
-                   f"profile's {profile_gib:.1f} GiB, so a published peak above {profile_gib:.1f} GiB could run there"
-                   for (gpu, run_gib, profile_gib), ids in larger.items())
+            assumed = run.get("gpu_note", "").startswith("assumed")  # (not published for that run: its hosts')
+            larger.setdefault((run["gpu"], run_gib, profile_gib), []).append((c.run, assumed))
+    clauses = []
+    for (gpu, run_gib, profile_gib), ids in larger.items():
+        assumed = ", ".join(dict.fromkeys(i for i, a in ids if a))
+        clauses.append(f"; {', '.join(dict.fromkeys(i for i, _ in ids))}: their {gpu}s held {run_gib:.1f} GiB"
+                       + (f" ({assumed}: assumed, its hosts' figure)" if assumed else "")
+                       + f", more than the {gpu} profile's {profile_gib:.1f} GiB, so a published peak above "
+                       f"{profile_gib:.1f} GiB could run there")
+    return "".join(clauses)
