@@ -14,8 +14,8 @@ Sources (read for this module; the arithmetic is in the comments):
   torch after NCCL's start-up, before any all-to-all). With lazy loading the context grows as kernels first run
   (CUDA Programming Guide, "Lazy Loading"). nccl#1685's figure, the lowest published for a process with NCCL started,
   is the low end of such a process's context; it does not say whether that process had connected its rings already
-  (if it had, the low end counts their fewest channels' buffers twice: it leans high). vLLM reports 1.79 GiB outside torch for one H100 serving a
-  model (vllm PR #10511): an inference server's libraries, higher still.
+  (if it had, the low end counts their fewest channels' buffers twice: it leans high). vLLM reports 1.79 GiB outside
+  torch for one H100 serving a model (vllm PR #10511): an inference server's libraries, higher still.
 - NCCL: its source (`src/transport/p2p.cc`, `src/include/device.h`, `src/transport/nvls.cc`, NCCL 2.22 on) and
   nccl#1685's measured buffers (10,485,760 and 2,097,152 B per channel).
 - Measured here (`make gpu-check`'s session, 2026-12-04; one H200, torch 2.11.0+cu130, NCCL 2.28.9): `mem_get_info`'s
