@@ -162,15 +162,24 @@ def throughput_checks(runs: list[dict]) -> list[Check]:
                              f"{eff.fraction:.3f} of the {run['gpu']}'s bf16 peak (from {eff.source.split(':')[0]}; "
                              "FLOPs counted as run, recomputation included: assumed the same share with and without "
                              f"checkpointing) over {counted / 1e9:.2f} GFLOP per token counted, recomputation included"
-                             + _other_model(run, profile)))
+                             + _other_model(run)))
     return out
 
 
-def _other_model(run: dict, profile) -> str:
+def _gpu_memory_gib(run: dict) -> tuple[float, float] | None:
+    """Return (the run's GPU memory, its profile's) in GiB where the run gives its own and the two differ by 2% or
+    more, else None."""
+    if (run_gib := run.get("gpu_memory_gib")) is None:
+        return None
+    profile_gib = gpus.GPUS[run["gpu"]].memory_bytes / 2**30
+    return None if abs(run_gib / profile_gib - 1) < 0.02 else (run_gib, profile_gib)
+
+
+def _other_model(run: dict) -> str:
     """Return a clause saying the run's GPUs are another model than its profile's (their memory differs), else ""."""
-    run_gib, profile_gib = run.get("gpu_memory_gib"), profile.memory_bytes / 2**30
-    if run_gib is None or abs(run_gib / profile_gib - 1) < 0.02:
+    if (gib := _gpu_memory_gib(run)) is None:
         return ""
+    run_gib, profile_gib = gib
     return (f"; the run's GPUs hold {run_gib:.0f} GiB, another model than the {run['gpu']} profile's "
             f"{profile_gib:.1f} GiB ({run.get('gpu_note', 'its rates not published')}): priced at the profile's "
             "datasheet rates, so this check crosses GPU models")
@@ -235,11 +244,11 @@ def _larger_gpus(memory_checks: list[Check]) -> str:
     runs = {r["id"]: r for r in published_runs()}
     larger = {}  # (gpu, its GiB, the profile's) -> [(run, whether its GiB is assumed)] on such GPUs
     for c in memory_checks:
-        run = runs.get(c.run, {})
-        if run.get("gpu_memory_gib") is None:
+        run = runs.get(c.run)
+        if run is None or (gib := _gpu_memory_gib(run)) is None:
             continue
-        run_gib, profile_gib = run["gpu_memory_gib"], gpus.GPUS[run["gpu"]].memory_bytes / 2**30
-        if run_gib > 1.02 * profile_gib:
+        run_gib, profile_gib = gib
+        if run_gib > profile_gib:
             assumed = run.get("gpu_note", "").startswith("assumed")  # (not published for that run: its hosts')
             larger.setdefault((run["gpu"], run_gib, profile_gib), []).append((c.run, assumed))
     clauses = []
