@@ -9,7 +9,8 @@ time of `make test` (its closing line). With --repeats N the parts run N times, 
 suite, then again), and each figure is their median, its range beside it: a shared machine's times vary by a fifth
 from run to run. Under the table: how busy the machine's cores were during `make test` (its CPU-seconds against
 what its 600 s allow at full use: where the cores are busy throughout, the suite's time is its CPU work over the
-cores), and the fp32 matmul's time again after the parts, beside the first. Writes OUT/bench.json. Every timing figure reported with an issue comes with
+cores) and where they went by kind of process (its last round's; `workbook.cpumap`), and the fp32 matmul's time
+again after the parts, beside the first. Writes OUT/bench.json. Every timing figure reported with an issue comes with
 this header: on an AVX-512/AMX machine, set ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2 to dispatch as a 2-core AVX2 machine does (the bf16/fp32 ratio then reads 30-50x).
 """
@@ -17,6 +18,7 @@ MKL_ENABLE_INSTRUCTIONS=AVX2 to dispatch as a 2-core AVX2 machine does (the bf16
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -27,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from workbook.cpumap import CpuMap, cpu_map_lines
 from workbook.runner import ROOT
 
 PARTS = ("cpu", "chapters", "plan", "suite")
@@ -87,15 +90,18 @@ def machine_cpu_s(stat: Path = Path("/proc/stat")) -> float | None:
 def bench_suite(out: Path) -> dict:
     """Run `make test`; return its pytest time and counts (pytest's closing line), the whole command's time, and the
     CPU-seconds every core of the machine was busy meanwhile (the suite's processes, its engines' daemons, and
-    anything else running: on a machine left alone, the suite's CPU work) with the machine's core count."""
+    anything else running: on a machine left alone, the suite's CPU work) with the machine's core count, and where
+    that CPU time went by kind of process (workbook.cpumap)."""
     busy_before = machine_cpu_s()
-    wall_s, code, text = _timed(["make", "test"], out / "suite.log")
+    with CpuMap() if busy_before is not None else contextlib.nullcontext() as cpu:  # (no /proc: no map)
+        wall_s, code, text = _timed(["make", "test"], out / "suite.log")
     busy_after = machine_cpu_s()
     found = [m for m in PYTEST_LINE.finditer(text)]
     last = found[-1] if found else None
     return {"pytest_s": float(last["s"]) if last else None, "counts": last["counts"] if last else None,
             "wall_s": wall_s, "exit_code": code, "cores": os.cpu_count(),
-            "busy_cpu_s": None if busy_before is None or busy_after is None else busy_after - busy_before}
+            "busy_cpu_s": None if busy_before is None or busy_after is None else busy_after - busy_before,
+            "cpu_by_kind": None if cpu is None else cpu.by_kind()}
 
 
 def cpu_line(suite: dict) -> str | None:
@@ -195,6 +201,8 @@ def main(argv=None) -> int:
     print(table(results))
     if "suite" in results and cpu_line(results["suite"]):
         print(cpu_line(results["suite"]))
+    if "suite" in results and results["suite"].get("cpu_by_kind"):
+        print("\n".join(cpu_map_lines(results["suite"]["cpu_by_kind"], results["suite"]["busy_cpu_s"])))
     print(drift_line(report.fp32_matmul_s, results["fp32_matmul_after_s"]))
     failed = [p for p in ("chapters", "plan", "suite") if p in results and results[p]["exit_code"] != 0]
     if failed:
