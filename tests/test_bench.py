@@ -150,11 +150,12 @@ def test_each_timed_command_compiles_into_a_fresh_inductor_cache(tmp_path, monke
     ("/x/.venv/bin/python -m ipykernel_launcher -f /tmp/k.json", "/tmp/ci/build/nbval", "nbval's kernels"),
     ("/x/.venv/bin/python -m ipykernel_launcher -f /tmp/k.json", "/tmp/pytest-of-root/pytest-3/popen-gw0/t0/student",
      "other kernels"),
-    ("/x/python -B -c from multiprocessing.forkserver import main; main(3, 5, ['torch'])", "/tmp", "torch.distributed"),
-    ("/x/python -m labkit.tools.search worker --storage sqlite:///s.db --study s", "/tmp", "chapter 08's search"),
+    ("/x/python -B -c from multiprocessing.forkserver import main; main(3, 5, ['torch'])", "/tmp", "forked from a fork"),
+    ("/x/python -m labkit.tools.search trial --config {}", "/tmp", "labkit's search commands"),
     ("/usr/lib/chromium/chromium --type=renderer", "/", "Chromium and JupyterLab"),
     ("/x/python -m jupyterlab --ServerApp.root_dir=/tmp/n", "/tmp/n", "Chromium and JupyterLab"),
     ("/x/site-packages/ray/core/src/ray/raylet/raylet --node-ip-address=192.0.2.2", "/", "Ray Tune's"),
+    ("ray::ImplicitFunc.train", "/tmp/ray/session_1", "Ray Tune's"),  # (a Ray worker renames itself)
     ("/x/python /x/site-packages/pip/__pip-runner__.py install torch", "/tmp", "pip"),
     ("/usr/lib/gcc/x86_64-linux-gnu/12/cc1plus -quiet", "/tmp", "compilers"),
     ("/x/.venv/bin/python -u -c import sys;exec(eval(sys.stdin.readline()))", "/tmp/ci", "pytest and its workers"),
@@ -169,7 +170,6 @@ def test_the_map_holds_the_cpu_time_of_processes_started_while_it_samples_and_no
     """(Other processes of the suite start meanwhile: only these two are looked at.)"""
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\ntime.sleep(1.0)"
     before = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])  # started before: not counted
-    time.sleep(0.2)  # (the map counts from a clock tick before its start)
     try:
         with cpumap.CpuMap(every_s=0.1) as cpu_map:
             during = subprocess.Popen([sys.executable, "-c", burn])
@@ -180,15 +180,14 @@ def test_the_map_holds_the_cpu_time_of_processes_started_while_it_samples_and_no
     seen = {int(pid): figures for (pid, _), figures in cpu_map.processes.items()}
     assert before.pid not in seen
     kind, cpu_s = seen[during.pid]
-    assert kind == cpumap.OTHER and 0.5 <= cpu_s <= 2.0, seen[during.pid]
-    assert cpu_map.by_kind()[cpumap.OTHER]["cpu_s"] >= cpu_s
+    assert kind == cpumap.kind_of(f"{sys.executable} -c {burn}", os.getcwd()) and 0.5 <= cpu_s <= 2.0, seen[during.pid]
 
 
 def test_the_maps_lines_give_each_kinds_share_and_the_total_beside_the_machines_busy_time():
     by_kind = {"pytest and its workers (the tests' own code)": {"cpu_s": 600.0, "processes": 3},
                cpumap.OTHER: {"cpu_s": 200.0, "processes": 40}}
     assert cpumap.cpu_map_lines(by_kind, 1000.0) == [
-        "where `make test`'s CPU went (800 CPU-s in processes sampled each second, 80% of the machine's busy 1,000):",
+        "where `make test`'s CPU went (800 CPU-s in processes sampled each second, 80% of the machine's 1,000 busy CPU-s):",
         "      600 CPU-s  75%  pytest and its workers (the tests' own code) (3 processes)",
         "      200 CPU-s  25%  other processes (40 processes)"]
     assert cpumap.cpu_map_lines({}, 1000.0) == []

@@ -202,7 +202,8 @@ def main(argv=None) -> int:
     if "suite" in results and cpu_line(results["suite"]):
         print(cpu_line(results["suite"]))
     if "suite" in results and results["suite"].get("cpu_by_kind"):
-        print("\n".join(cpu_map_lines(results["suite"]["cpu_by_kind"], results["suite"]["busy_cpu_s"])))
+        suite = results["suite"]  # (the map is the last round's: beside that round's busy time, not the median)
+        print("\n".join(cpu_map_lines(suite["cpu_by_kind"], suite.get("busy_cpu_runs_s", [suite["busy_cpu_s"]])[-1])))
     print(drift_line(report.fp32_matmul_s, results["fp32_matmul_after_s"]))
     failed = [p for p in ("chapters", "plan", "suite") if p in results and results[p]["exit_code"] != 0]
     if failed:

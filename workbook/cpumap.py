@@ -2,7 +2,9 @@
 
 Linux only (/proc). A thread reads each process's CPU time (utime + stime) every `every_s` seconds and keeps the last
 figure of each process started after sampling began, whoever its parent: daemons that leave the command's tree
-(Ray's, a PostgreSQL server) are counted too. A process that ends between two samples loses what it ran since the
+(Ray's, a PostgreSQL server) are counted too, and those already running when it starts are not. A process is
+classified by its command line at its last sample (a forked child shows its parent's until it runs a program of its
+own; a process forked from a fork server never does). A process that ends between two samples loses what it ran since the
 last one, and one shorter than a sample may be missed: the map's total falls somewhat below the machine's busy time.
 """
 
@@ -16,11 +18,12 @@ from pathlib import Path
 KINDS = (  # (kind, a pattern over its command line, one over its working directory or None): the first that matches
     ("nbval's kernels (the chapters' defaults)", re.compile(r"ipykernel"), re.compile(r"/build/nbval$")),
     ("other kernels (chapters with other parameters, runner, classroom)", re.compile(r"ipykernel"), None),
-    ("torch.distributed ranks and forked workers", re.compile(r"multiprocessing\.forkserver|torch\.distributed\.run"),
+    ("forked from a fork server (torch.distributed ranks, chapter 08's search workers)",
+     re.compile(r"multiprocessing\.forkserver|torch\.distributed\.run"), None),
+    ("labkit's search commands run as programs (trials, workers)", re.compile(r"labkit\.tools\.search|labkit\.search"),
      None),
-    ("chapter 08's search workers and trials", re.compile(r"labkit\.tools\.search|labkit\.search"), None),
     ("Chromium and JupyterLab (the browser tests)", re.compile(r"chromium|jupyter[-_]?lab|jupyter_server"), None),
-    ("Ray Tune's daemons and actors", re.compile(r"/ray/|raylet|gcs_server|--node-ip-address"), None),
+    ("Ray Tune's daemons and actors", re.compile(r"/ray/|ray::|raylet|gcs_server|--node-ip-address"), None),
     ("pip (the packaging tests)", re.compile(r"\bpip\b|__pip-runner__"), None),
     ("compilers (torch.compile's C++)", re.compile(r"cc1plus|\bg\+\+|\bgcc\b"), None),
     ("pytest and its workers (the tests' own code)", re.compile(r"pytest|exec\(eval\(sys\.stdin"), None),
@@ -56,7 +59,7 @@ class CpuMap:
     def __init__(self, every_s: float = 1.0, proc: Path = Path("/proc")):
         self.every_s, self.proc = every_s, proc
         self.processes: dict[tuple[str, int], list] = {}  # (pid, start ticks) -> [kind, CPU-seconds last read]
-        self._stop, self._thread, self._since = threading.Event(), None, None
+        self._stop, self._thread, self._before = threading.Event(), None, set()
 
     def sample(self) -> None:
         """Read every process started since sampling began; keep its CPU time."""
@@ -64,22 +67,20 @@ class CpuMap:
             if not pid.isdigit() or int(pid) == os.getpid():
                 continue
             read = _read(pid, self.proc)
-            if read is None or read[0] < self._since:
+            if read is None or (pid, read[0]) in self._before:
                 continue
             start, cpu_s, cmdline, cwd = read
             key = (pid, start)
-            if key in self.processes:
-                self.processes[key][1] = max(self.processes[key][1], cpu_s)
-            elif cmdline:  # (a process with no command line yet, or a zombie: read at the next sample)
-                self.processes[key] = [kind_of(cmdline, cwd), cpu_s]
+            if cmdline:  # (none: a zombie, its CPU time kept from the sample before)
+                self.processes[key] = [kind_of(cmdline, cwd), max(cpu_s, self.processes.get(key, ("", 0.0))[1])]
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
             self.sample()
 
     def __enter__(self) -> CpuMap:
-        uptime_s = float((self.proc / "uptime").read_text().split()[0])
-        self._since = int(uptime_s * os.sysconf("SC_CLK_TCK")) - 1  # (a tick's rounding)
+        self._before = {(pid, read[0]) for pid in os.listdir(self.proc) if pid.isdigit()
+                        and (read := _read(pid, self.proc)) is not None}  # (by their start, not a clock: no boot time)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -109,5 +110,5 @@ def cpu_map_lines(by_kind: dict, busy_cpu_s: float | None) -> list[str]:
              for kind, e in by_kind.items()]
     seen = f"{total:,.0f} CPU-s in processes sampled each second"
     if busy_cpu_s:
-        seen += f", {total / busy_cpu_s:.0%} of the machine's busy {busy_cpu_s:,.0f}"
+        seen += f", {total / busy_cpu_s:.0%} of the machine's {busy_cpu_s:,.0f} busy CPU-s"
     return [f"where `make test`'s CPU went ({seen}):"] + lines
