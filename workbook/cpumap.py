@@ -71,8 +71,10 @@ class CpuMap:
                 continue
             start, cpu_s, cmdline, cwd = read
             key = (pid, start)
-            if cmdline:  # (none: a zombie, its CPU time kept from the sample before)
+            if cmdline:
                 self.processes[key] = [kind_of(cmdline, cwd), max(cpu_s, self.processes.get(key, ("", 0.0))[1])]
+            elif key in self.processes:  # (a zombie: no command line, its final CPU time; its kind from before)
+                self.processes[key][1] = max(cpu_s, self.processes[key][1])
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
