@@ -67,7 +67,7 @@ def test_bf16_peaks_match_the_meter_within_one_percent():
 def test_layer_level_rows_match_the_meter_and_recompute_their_blocks_share(monkeypatch):
     """layer<k>, torchtitan's layer-level selective checkpointing (every k-th block whole): its rows within 1% of real
     steps; its recomputed FLOPs are its blocks' share of full checkpointing's (blocks 2 and 4 of 4 for layer2, 3 for
-    layer3), its peak between full's and none's; a deep model plans it at full depth (its blocks repeat every k)."""
+    layer3), its peak between full's and none's."""
     ex = running_example(batch_size=4, seq_len=32)  # 4 blocks
     p = P.plan(ex.config, cpu_profile(ex.budget_bytes), 1, ex.seq_len, ex.batch_size, reserve_fraction=0.0,
                precisions=("fp32", "bf16"), offload=(False,), optimizers=("device",), micro_batches=(4,),
@@ -79,11 +79,26 @@ def test_layer_level_rows_match_the_meter_and_recompute_their_blocks_share(monke
         assert two.flops - none.flops == (full.flops - none.flops) * 2 // 4 > 0
         assert three.flops - none.flops == (full.flops - none.flops) // 4
         assert full.peak_bytes < two.peak_bytes < none.peak_bytes and two.peak_bytes <= three.peak_bytes
-    monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)  # (DEEP's 4 blocks: past it, the fast path's model)
-    spec = P.gpt_spec(DEEP)
-    step = P.Step(2, 2, 16, "layer2", "fp32")
-    assert not P._fast(spec, step, "fast")
-    assert P._extrapolated(spec, step, "fast") == P._extrapolated(spec, step, "full")
+
+
+def test_layer_level_fast_depth_equals_a_full_depth_run(monkeypatch):
+    """layer<k> at the fast depth: two small runs k blocks apart, holding whole groups of k blocks (one recomputed, k - 1
+    kept) past those standing apart, the last block recomputed or kept as at full depth; byte for byte the full depth,
+    with accumulation and FSDP2 (its first two and last blocks apart)."""
+    monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)  # take the fast path on a small model
+    for n_layer, checkpointing, precision, shard, micro_batch, runs in (
+            (6, "layer2", "fp32", None, 3, ((2, 4), (0, False), 2)),  # (the last block recomputed; a line in rows)
+            (10, "layer3", "bf16", None, 1, ((4, 7), (1, False), 3)),  # (the last kept: its group's place, the first apart)
+            (9, "layer2", P.MIXED_POLICY, (2, True), 1, ((5, 7), (2, True), 2))):
+        spec = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=n_layer))
+        step = P.Step(micro_batch, 2, 16, checkpointing, precision, shard=shard)
+        assert P._fast(spec, step, "fast") and P._fit_depths(spec, step)[0] == runs
+        fast = P._extrapolated(spec, step, "fast")
+        assert P._FITS[spec.key, dataclasses.replace(step, micro_batch=0)] is not None  # no fallback
+        assert fast == P._extrapolated(spec, step, "full")
+    deep = P.gpt_spec(dataclasses.replace(DEEP_LLAMA, n_layer=13))  # layer10: the small runs would take 13 and 23 blocks
+    assert P._fit_depths(deep, P.Step(1, 2, 16, "layer10", "fp32"))[0][0] == (13, 23)
+    assert not P._fast(deep, P.Step(1, 2, 16, "layer10", "fp32"), "fast")  # (its one full-depth run instead)
 
 
 def test_a_gpu_plan_takes_cuda_autocasts_dtypes():

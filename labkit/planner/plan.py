@@ -59,7 +59,8 @@ GPU_ADAM_IMPL = "fused"  # a GPU plan's Adam unless it names others: torchtitan'
 #   and what torchtune's recipes set (fused=True); a CPU plan's: the chapters' for-loop, which the meter checks
 LAYER_LEVEL = re.compile(r"layer([0-9]+)")  # "layer<k>" (k >= 2): every k-th block checkpointed whole, the others kept
 #   (torchtitan's layer-level selective checkpointing, selective_ac_option="k": blocks k, 2k, ... counted from 1; its
-#   pull request 125 made "2" its first default). Planned at full depth: its blocks repeat every k, not every one
+#   pull request 125 made "2" its first default). Its blocks repeat every k, not every one: the fast depth's two runs
+#   are k blocks apart (_fit_depths)
 OPTIMIZER_PLACES = ("device", "host")  # Adam's state and step on the device; on the host (ZeRO-Offload style, one device)
 OFFLOAD_MIN_BYTES = 0  # activation offload moves every saved tensor but the parameters: rows stay exact lines
 NOT_MODELLED = {  # combinations left out of every plan, and why (never guessed)
@@ -704,10 +705,13 @@ def _extrapolated(spec: ModelSpec, step: Step, depth: str = "fast", one_size: bo
 def _fast(spec: ModelSpec, step: Step, depth: str) -> bool:
     """Return whether `step` takes _fit's small runs at depth="fast": past FULL_MAX_LAYERS blocks, or wherever its two
     small runs take fewer blocks than one full-depth run (the same figures: exact arithmetic, tests/test_plan.py)."""
-    if depth == "full" or spec.n_layer is None or step.checkpointing not in FAST_DEPTHS:
+    if depth == "full" or spec.n_layer is None or not (step.checkpointing in FAST_DEPTHS
+                                                       or layer_every(step.checkpointing)):
         return False
-    return spec.n_layer > min(FULL_MAX_LAYERS, sum(FAST_DEPTHS[step.checkpointing] if step.shard is None
-                                                    else SHARDED_DEPTHS))
+    depths = _fit_depths(spec, step)[0][0]
+    if layer_every(step.checkpointing) and depths[1] >= spec.n_layer:
+        return False  # (layer<k> with k near the depth: its small runs as deep as the model)
+    return spec.n_layer > min(FULL_MAX_LAYERS, sum(depths))
 
 
 def _with_rise(peak: int, split: dict, at_optimizer: dict, rise: int) -> tuple:
@@ -749,10 +753,12 @@ def _host_optimizer(peak_before: int, split_before: dict, at_optimizer: dict) ->
     return peak - state, {**split, "optimizer_state": 0}
 
 
-def _keyed(events, n_layer: int, apart: tuple) -> list:
+def _keyed(events, n_layer: int, apart: tuple, period: int = 1) -> list:
     """Return [(key, block index or None, bytes by category)]: a traced step's rises, keyed alike at every depth.
 
-    apart: (first, last): the first `first` blocks and (last=True) the last are positions of their own.
+    apart: (first, last): the first `first` blocks and (last=True) the last are positions of their own. period: the
+    blocks repeat every `period` (layer<k>: k): the index counts groups of that many blocks, the key holds the place in
+    the group.
     """
     out, runs, prev, j, before = [], {}, None, 0, 0
     for phase, tag, split in events:
@@ -771,7 +777,8 @@ def _keyed(events, n_layer: int, apart: tuple) -> list:
         if before <= now:
             continue
         block = isinstance(pos, int)
-        out.append(((micro, phase, "block" if block else pos, runs[here], j), pos if block else None, split))
+        kind = ("block" if period == 1 else ("block", pos % period)) if block else pos
+        out.append(((micro, phase, kind, runs[here], j), pos // period if block else None, split))
         j += 1
     return out
 
@@ -781,13 +788,15 @@ def _line(lo, hi, steps: int) -> tuple:
     return tuple(a + (b - a) * steps for a, b in zip(lo, hi))
 
 
-def _full_depth_events(small, big, n_layer: int, depths, apart: tuple) -> list | None:
-    """Return the full depth's candidate events [(key, bytes by category)] in time order from runs at FAST_DEPTHS
-    (None: the runs do not repeat block by block)."""
+def _full_depth_events(small, big, n_layer: int, depths, apart: tuple, period: int = 1) -> list | None:
+    """Return the full depth's candidate events [(key, bytes by category)] in time order from runs at `depths`, one
+    `period` apart (_fit_depths; None: the runs do not repeat block by block, or every `period` blocks)."""
     d0, d1 = depths
-    n0, n1, n = (d - sum(apart) for d in (d0, d1, n_layer))  # blocks keyed as blocks
-    keyed = _keyed(big, d1, apart)
-    at0 = {(k, i): v for k, i, v in _keyed(small, d0, apart)}
+    n0, n1, n = ((d - sum(apart)) // period for d in (d0, d1, n_layer))  # blocks (groups of `period`) keyed as blocks
+    if any((d - sum(apart)) % period for d in (d0, d1, n_layer)) or d1 - d0 != period:
+        return None
+    keyed = _keyed(big, d1, apart, period)
+    at0 = {(k, i): v for k, i, v in _keyed(small, d0, apart, period)}
     at1 = {(k, i): v for k, i, v in keyed}
     blocks = {k for k, i in at1 if i is not None}
     if ({k for k, i in at0 if i is None} != {k for k, i in at1 if i is None}
@@ -797,13 +806,13 @@ def _full_depth_events(small, big, n_layer: int, depths, apart: tuple) -> list |
     out = []
     for k, i, v in keyed:
         if i is None:
-            out.append((k, _line(at0[k, i], v, n_layer - d0)))
+            out.append((k, _line(at0[k, i], v, n - n0)))
             continue
         step = tuple(b - a for a, b in zip(at1[k, 0], at1[k, 1]))  # one block further in
         if any(at[k, b] != tuple(x + s * b for x, s in zip(at[k, 0], step))
                for at, m in ((at0, n0), (at1, n1)) for b in range(m)):
             return None
-        first = _line(at0[k, 0], at1[k, 0], n_layer - d0)
+        first = _line(at0[k, 0], at1[k, 0], n - n0)
         if i == 0:
             out.append((k, first))
         elif i == n1 - 1:
@@ -811,27 +820,49 @@ def _full_depth_events(small, big, n_layer: int, depths, apart: tuple) -> list |
     return out
 
 
+def _fit_depths(spec: ModelSpec, step: Step) -> list:
+    """Return [(depths, apart, period)], what _fit tries in turn: its two small runs' blocks, which blocks stand apart
+    in them ((first, last): the first `first`, and with last=True the last) and every how many blocks the rest repeat.
+
+    Every block alike (period 1): FAST_DEPTHS (FSDP2's: SHARDED_DEPTHS), one block apart, each `apart` keyed on the same
+    two runs. layer<k>: the blocks repeat every k (k - 1 kept, one recomputed), so the runs are k blocks apart and hold
+    whole groups of k past the blocks standing apart, as the full depth does (the same place in a group for its last).
+    """
+    aparts = ((0, False), (0, True), (2, True))
+    k = layer_every(step.checkpointing)
+    if not k:
+        depths = FAST_DEPTHS[step.checkpointing] if step.shard is None else SHARDED_DEPTHS
+        return [(depths, apart, 1) for apart in aparts]
+    out = []
+    for first, last in aparts if step.shard is None else aparts[::-1]:  # (FSDP2: its first two blocks stand apart)
+        first += (spec.n_layer - first - last) % k  # the fewest blocks apart that leave whole groups of k
+        out.append(((first + last + k, first + last + 2 * k), (first, last), k))
+    return out
+
+
 def _fit(spec: ModelSpec, step: Step, micro_batches: tuple):
-    """Return {rows: full-depth figures of `step` at micro-batches of that many rows} from traced runs at FAST_DEPTHS
-    (None: inexact).
+    """Return {rows: full-depth figures of `step` at micro-batches of that many rows} from traced runs at the depths
+    _fit_depths gives (None: inexact).
 
     micro_batches (1, 2, 3): the line _at_rows draws to any other size; where 1 and 2 rows raise the bytes at other
     events, it goes through 2 and 3, else 3 is not run. One size alone: that size's own runs (two, not six).
     """
-    L, shard = spec.n_layer, step.shard
-    d0, d1 = depths = FAST_DEPTHS[step.checkpointing] if shard is None else SHARDED_DEPTHS
-    rows = {}
+    L, rows = spec.n_layer, {}
     for mb in micro_batches:
         if mb == 3 and 1 in rows and [k for k, _ in rows[1][0]] == [k for k, _ in rows[2][0]]:
             break
-        runs = [_fake_run(spec, replace(step, micro_batch=mb), d, trace=True, whole=False) for d in depths]
-        events = next((e for apart in ((0, False), (0, True), (2, True))
-                       if (e := _full_depth_events(runs[0][5], runs[1][5], L, depths, apart)) is not None), None)
-        if events is None:
+        at = {}  # depth -> its run (each depth run once, whichever ways of keying its blocks are tried)
+        for depths, apart, period in _fit_depths(spec, step):
+            runs = [at[d] if d in at else at.setdefault(d, _fake_run(spec, replace(step, micro_batch=mb), d,
+                                                                        trace=True, whole=False)) for d in depths]
+            if (events := _full_depth_events(runs[0][5], runs[1][5], L, depths, apart, period)) is not None:
+                break
+        else:
             return None
         at_opt = [tuple(r[2]["at_optimizer"][c] for c in CATEGORIES) for r in runs]
-        rows[mb] = (events, _line(*at_opt, L - d0), _line(runs[0][4], runs[1][4], L - d0),
-                    _line((runs[0][3],), (runs[1][3],), L - d0)[0])
+        groups = (L - depths[0]) // period  # groups of `period` blocks past the small run's
+        rows[mb] = (events, _line(*at_opt, groups), _line(runs[0][4], runs[1][4], groups),
+                    _line((runs[0][3],), (runs[1][3],), groups)[0])
     if 3 in rows and 2 in rows and [k for k, _ in rows[2][0]] != [k for k, _ in rows[3][0]]:
         return None
     return rows
