@@ -277,10 +277,13 @@ def _opening(nb: dict) -> dict:
 
 
 # every module of the package, imported; the files pip installed, listed (no __pycache__)
-INSTALLED = ("import importlib, pathlib, pkgutil, labkit; root = pathlib.Path(labkit.__file__).parent; "
+INSTALLED = ("import importlib, json, pathlib, pkgutil, torch, labkit; root = pathlib.Path(labkit.__file__).parent; "
              "[importlib.import_module(m.name) for m in pkgutil.walk_packages(labkit.__path__, 'labkit.')]; "
-             "print('\\n'.join(sorted(p.relative_to(root).as_posix() for p in root.rglob('*') "
-             "if p.is_file() and '__pycache__' not in p.parts)))")
+             "from labkit.search.storage import default_build_dir; "
+             "print(json.dumps({'torch': [torch.__version__, torch.__file__], 'labkit': labkit.__file__, "
+             "'build_dir': str(default_build_dir()), 'files': sorted(p.relative_to(root).as_posix() "
+             "for p in root.rglob('*') if p.is_file() and '__pycache__' not in p.parts)}))")  # (one process: each
+#   start imports torch, seconds on two cores)
 
 
 @pytest.mark.notebook
@@ -300,10 +303,7 @@ def test_a_chapter_runs_from_an_empty_folder_in_a_fresh_environment(tmp_path):
     (folder / HOSTED_CHAPTER).write_text(json.dumps(_opening(json.loads((NOTEBOOKS / HOSTED_CHAPTER).read_text()))))
     probe = "import torch, importlib.util; print(torch.__version__, torch.__file__, importlib.util.find_spec('labkit'))"
 
-    def torch_here() -> str:
-        return subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True, cwd=folder).stdout
-
-    before = torch_here()
+    before = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True, cwd=folder).stdout
     assert before.endswith(" None\n"), before  # labkit cannot be imported before the first cell runs
     kernel = tmp_path / "jupyter" / "kernels" / "python3"  # the user's kernel dir comes before any system one
     kernel.mkdir(parents=True)
@@ -322,20 +322,16 @@ def test_a_chapter_runs_from_an_empty_folder_in_a_fresh_environment(tmp_path):
     said = "".join("".join(o.get("text", "")) for o in cells[1]["outputs"])
     assert re.fullmatch(rf"labkit from {re.escape(str(env))}/lib/python[\d.]+/site-packages/labkit; torch==\S+ as it was\n",
                         said), said  # installed into the environment, its torch kept
-    after = torch_here()
-    assert after.split()[:2] == before.split()[:2], (before, after)  # same torch version, same files
-    where = subprocess.run([python, "-c", "import labkit; print(labkit.__file__)"], capture_output=True, text=True,
-                           check=True, cwd=folder).stdout
-    assert where.startswith(str(env)), where  # installed into the fresh environment, not this checkout's
     installed = subprocess.run([python, "-c", INSTALLED], capture_output=True, text=True, cwd=folder, env=environ)
     assert installed.returncode == 0, installed.stderr[-3000:]  # every module imports in the fresh environment
+    after = json.loads(installed.stdout)
+    assert after["torch"] == before.split()[:2], (before, after["torch"])  # same torch version, same files
+    assert after["labkit"].startswith(str(env)), after["labkit"]  # installed into the fresh environment, not ours
     ours = sorted(p.relative_to(ROOT / "labkit").as_posix() for p in (ROOT / "labkit").rglob("*")
                   if "__pycache__" not in p.parts and (p.suffix == ".py" or p.parent.name == "data" and p.is_file()))
-    assert installed.stdout.split() == ours  # pip installed every module of the package and its data (published runs)
+    assert after["files"] == ours  # pip installed every module of the package and its data (published runs)
     assert "data/published_runs.json" in ours
-    made = subprocess.run([python, "-c", "from labkit.search.storage import default_build_dir; print(default_build_dir())"],
-                          capture_output=True, text=True, check=True, cwd=folder, env=environ).stdout.strip()
-    assert made == str(folder / "build" / "search"), made  # the chapters write beside the notebook
+    assert after["build_dir"] == str(folder / "build" / "search"), after["build_dir"]  # the chapters write beside the notebook
     check = subprocess.run([python, "-m", "labkit.tools.gpucheck"], capture_output=True, text=True, cwd=folder, env=environ)
     assert check.returncode == 2 and check.stdout.startswith("make gpu-check needs CUDA:"), check.stdout + check.stderr
     print(f"hosted path: chapter {HOSTED_CHAPTER[:2]}'s opening with the install in {seconds:.1f} s")
