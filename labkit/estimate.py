@@ -132,8 +132,8 @@ def fake_mode(**kwargs) -> FakeTensorMode:
     return (LeanFakeTensorMode if lean else FakeTensorMode)(**kwargs)
 
 
-def fake_step(build, trace: bool = False, mode=fake_mode) -> tuple:
-    """Meter one step of `build()` on fake tensors (in `mode(...)`); return its peak bytes, split at and after it, n.
+def fake_step(build, trace: bool = False, mode=fake_mode, meter_class=MemoryMeter) -> tuple:
+    """Meter one step of `build()` on fake tensors (in `mode(...)`, by a `meter_class`); return its peak, split, n.
 
     `build()` returns (model, attach, run): `attach(meter)` tracks the step's tensors, `run()` runs one step. With
     `trace`, a fifth item: (phase, tag, bytes by category) at every timeline event. Wrap it in `remembered` to count
@@ -142,7 +142,7 @@ def fake_step(build, trace: bool = False, mode=fake_mode) -> tuple:
     # one thread: fake operators compute nothing, and a second thread only adds overhead (1.4x slower with 2)
     with one_thread(), mode(allow_non_fake_inputs=True):  # (FSDP2's meta shards enter as non-fake inputs)
         model, attach, run = build()
-        with MemoryMeter("cpu", timeline=trace, every_record=trace) as meter:
+        with meter_class("cpu", timeline=trace, every_record=trace) as meter:
             attach(meter)
             kept = run()  # what the step returns (the last logits and loss) is held when its bytes are counted
             states = meter.current_split()

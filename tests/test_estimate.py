@@ -366,3 +366,27 @@ def test_the_fast_fake_mode_makes_the_outputs_torch_makes_and_the_same_figures(m
     real = FakeTensor.__new__
     monkeypatch.setattr(FakeTensor, "__new__", lambda *a, **k: setattr(t := real(*a, **k), "constant", 0) or t)
     assert type(fastfake.fast_fake_mode()) is estimate.LeanFakeTensorMode  # (a value it would not set)
+
+
+def test_direct_dispatch_modes_leave_out_torchs_wrapper_and_give_the_same_figures(monkeypatch):
+    """fastfake.direct_dispatch (the fake steps' meter and work counter): __torch_dispatch__ called as written, not
+    through the wrapper torch puts around every dispatch mode's; a fake step's bytes and counted work as with the
+    wrapped classes (autocast with checkpointing, FSDP2)."""
+    from labkit import fastfake
+    from labkit.meter import MemoryMeter
+    from labkit.planner import plan as P
+    from labkit.work import WorkCounter
+    for mode_class in (MemoryMeter, WorkCounter):
+        direct = fastfake.direct_dispatch(mode_class)
+        assert issubclass(direct, mode_class) and direct is fastfake.direct_dispatch(mode_class)
+        assert hasattr(mode_class.__torch_dispatch__, "__wrapped__")  # (torch's wrapper, on the class itself)
+        assert not hasattr(direct.__torch_dispatch__, "__wrapped__")
+    cfg = replace(P.PRESETS["llama-7b"], n_layer=2, n_embd=32, n_head=2, mlp_hidden=64, vocab_size=256)
+    spec = P.gpt_spec(cfg)
+    steps = [P.Step(2, 2, 8, "every", "bf16"), P.Step(1, 2, 8, "none", "bf16-mp", shard=(2, True))]
+    monkeypatch.setattr(P, "_FLOPS", {})  # (each step's work counted in both rounds)
+    direct = [P._count_fake_run(spec, step, 2, False, True)[:5] for step in steps]
+    monkeypatch.setattr(P, "direct_dispatch", lambda mode_class: mode_class)
+    monkeypatch.setattr(P, "_FLOPS", {})
+    assert direct == [P._count_fake_run(spec, step, 2, False, True)[:5] for step in steps]
+    assert all(figures[4][0] + figures[4][1] > 0 for figures in direct)  # (work counted: FLOPs, fp32 and 16-bit)

@@ -28,9 +28,9 @@ from labkit.autocast_ops import CudaAutocastOps, recompute_context_fn
 from labkit.children import ChildProcesses, die_with_parent
 from labkit.cpu import one_thread
 from labkit.estimate import MemoryEstimate, data_parallel_rank, example_batch, fake_sharded, fake_step, remembered
-from labkit.fastfake import fast_fake_mode
+from labkit.fastfake import direct_dispatch, fast_fake_mode
 from labkit.gpus import GPUS, RESERVE_FRACTION, DeviceProfile, device_profile
-from labkit.meter import CATEGORIES, _inner, active_meter, format_bytes
+from labkit.meter import CATEGORIES, MemoryMeter, _inner, active_meter, format_bytes
 from labkit.models import ATTENTION, GPTConfig, blocks_of, build_model
 from labkit.planner.allocator import cpu_stream_tags, meter_events, replay
 from labkit.planner.events import deeper, peak_bytes
@@ -531,7 +531,7 @@ def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bo
             batch = tuple(torch.empty_like(t, device="cpu") for t in meta_batch)
         opt = make_optimizer("adam", model.parameters(), implementation=step.adam_impl)
         create_optimizer_state(opt)
-        counter = WorkCounter()
+        counter = direct_dispatch(WorkCounter)()
         hooks = OffloadHooks(model, min_bytes=OFFLOAD_MIN_BYTES) if step.offload else None
 
         def at_optimizer_step(*_):  # keep what the step holds where its optimizer step starts (its bytes: by formula)
@@ -571,13 +571,13 @@ def _count_fake_run(spec: ModelSpec, step: Step, n_layer, trace: bool, whole: bo
         return model, attach, run
     try:
         if shard is None:
-            peak, split, states, n, *events = fake_step(build, trace, fast_fake_mode)
+            peak, split, states, n, *events = fake_step(build, trace, fast_fake_mode, direct_dispatch(MemoryMeter))
         else:
             with torch.device("meta"), _built_in(step):  # FSDP2 splits every parameter N ways: cheap on meta
                 meta_model, meta_batch = spec.build(n_layer, rows, seq_len)  # tensors only
             _checkpoint(meta_model, step.checkpointing)
             with fake_sharded(meta_model, _repeated_blocks(meta_model), *shard, mp_policy=_policy(step)):
-                peak, split, states, n, *events = fake_step(build, trace, fast_fake_mode)
+                peak, split, states, n, *events = fake_step(build, trace, fast_fake_mode, direct_dispatch(MemoryMeter))
     except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as e:
         raise ParameterError(f"model: {spec.name} cannot run on fake tensors ({type(e).__name__}: {e}); make the "
                              "operation independent of tensor values or pass a callable that builds a model "

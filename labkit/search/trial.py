@@ -16,7 +16,7 @@ from labkit.cpu import bf16_native
 from labkit.data import MarkovTokens
 from labkit.device import as_device, resolve_device
 from labkit.estimate import example_batch, fake_step, remembered
-from labkit.fastfake import fast_fake_mode
+from labkit.fastfake import direct_dispatch, fast_fake_mode
 from labkit.gpus import step_time
 from labkit.meter import MemoryMeter, OutOfMemory
 from labkit.models import GPT
@@ -145,7 +145,7 @@ def predict_step(params: dict, config: StudyConfig) -> tuple[int, Work]:
     (remembered by setting)."""
     check_setting(params, config)
     key = ("setting", *_memory_key(params, config))
-    counter = WorkCounter()
+    counter = direct_dispatch(WorkCounter)()
 
     def build():  # on "cpu": fake CUDA autograd aborts a CPU-only build (SettingStep takes CUDA autocast's dtypes)
         step = SettingStep(params, config, "cpu")
@@ -156,7 +156,8 @@ def predict_step(params: dict, config: StudyConfig) -> tuple[int, Work]:
             with counter:
                 step.step(batch)
         return step.model, lambda meter: step.attach(meter, batch), run
-    return remembered(key, lambda: (fake_step(build, mode=fast_fake_mode)[0], counter.work()))
+    meter = direct_dispatch(MemoryMeter)  # (nothing compiled in a fake step: torch's wrapper left out)
+    return remembered(key, lambda: (fake_step(build, mode=fast_fake_mode, meter_class=meter)[0], counter.work()))
 
 
 def predict_peak_bytes(params: dict, config: StudyConfig) -> int:
