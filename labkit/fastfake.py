@@ -74,8 +74,9 @@ def direct_dispatch(mode_class: type) -> type:
     compiled and the wrapper costs ~5% of the step (every operator and every fake tensor's device query passes it)."""
     if mode_class not in _DIRECT:
         raw = mode_class.__dict__["__torch_dispatch__"]
-        _DIRECT[mode_class] = type(mode_class.__name__, (mode_class,), {
-            "__torch_dispatch__": getattr(raw, "__wrapped__", raw), "__module__": mode_class.__module__,
-            "_should_skip_dynamo": classmethod(lambda cls: False), "__doc__": mode_class.__doc__})
+        raw = raw.__wrapped__ if mode_class._should_skip_dynamo() else raw  # (torch wrapped it: functools.wraps)
+        _DIRECT[mode_class] = type(f"Direct{mode_class.__name__}", (mode_class,), {
+            "__torch_dispatch__": raw, "__module__": mode_class.__module__, "__doc__": mode_class.__doc__,
+            "_should_skip_dynamo": classmethod(lambda cls: False)})
     return _DIRECT[mode_class]
 

@@ -303,16 +303,17 @@ def test_a_chapter_runs_from_an_empty_folder_in_a_fresh_environment(tmp_path):
     (folder / HOSTED_CHAPTER).write_text(json.dumps(_opening(json.loads((NOTEBOOKS / HOSTED_CHAPTER).read_text()))))
     probe = "import torch, importlib.util; print(torch.__version__, torch.__file__, importlib.util.find_spec('labkit'))"
 
-    before = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True, cwd=folder).stdout
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "JUPYTER", "VIRTUAL_ENV"))}
+    environ.update({**OFFLINE, hosted.SOURCE_ENV: str(_labkit_source(tmp_path)), "JUPYTER_DATA_DIR": str(tmp_path / "jupyter"),
+                    "PATH": f"{env / 'bin'}:{environ.get('PATH', '')}", "LABKIT_BATCH": "1"})
+    before = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True, cwd=folder,
+                            env=environ).stdout
     assert before.endswith(" None\n"), before  # labkit cannot be imported before the first cell runs
     kernel = tmp_path / "jupyter" / "kernels" / "python3"  # the user's kernel dir comes before any system one
     kernel.mkdir(parents=True)
     (kernel / "kernel.json").write_text(json.dumps({"argv": [str(python), "-m", "ipykernel_launcher", "-f",
                                                              "{connection_file}"],
                                                     "display_name": "Python 3 (ipykernel)", "language": "python"}))
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "JUPYTER", "VIRTUAL_ENV"))}
-    environ.update({**OFFLINE, hosted.SOURCE_ENV: str(_labkit_source(tmp_path)), "JUPYTER_DATA_DIR": str(tmp_path / "jupyter"),
-                    "PATH": f"{env / 'bin'}:{environ.get('PATH', '')}", "LABKIT_BATCH": "1"})
     t0 = time.perf_counter()
     proc = subprocess.run([python, "-m", "papermill", HOSTED_CHAPTER, "out.ipynb", "--cwd", str(folder)],
                           cwd=folder, env=environ, capture_output=True, text=True, timeout=600)
@@ -324,7 +325,10 @@ def test_a_chapter_runs_from_an_empty_folder_in_a_fresh_environment(tmp_path):
                         said), said  # installed into the environment, its torch kept
     installed = subprocess.run([python, "-c", INSTALLED], capture_output=True, text=True, cwd=folder, env=environ)
     assert installed.returncode == 0, installed.stderr[-3000:]  # every module imports in the fresh environment
-    after = json.loads(installed.stdout)
+    try:
+        after = json.loads(installed.stdout.splitlines()[-1])  # (its last line: what an import printed comes before)
+    except (IndexError, ValueError):
+        pytest.fail(f"the probe's last line is not its JSON: {installed.stdout[-3000:]}")
     assert after["torch"] == before.split()[:2], (before, after["torch"])  # same torch version, same files
     assert after["labkit"].startswith(str(env)), after["labkit"]  # installed into the fresh environment, not ours
     ours = sorted(p.relative_to(ROOT / "labkit").as_posix() for p in (ROOT / "labkit").rglob("*")

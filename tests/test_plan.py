@@ -86,6 +86,7 @@ def test_layer_level_fast_depth_equals_a_full_depth_run(monkeypatch):
     kept) past those standing apart, the last block recomputed or kept as at full depth; byte for byte the full depth,
     with accumulation and FSDP2 (its first two and last blocks apart)."""
     monkeypatch.setattr(P, "FULL_MAX_LAYERS", 3)  # take the fast path on a small model
+    monkeypatch.setattr(P, "_FITS", {})  # (each fit made here)
     for n_layer, checkpointing, precision, shard, micro_batch, runs in (
             (6, "layer2", "fp32", None, 3, ((2, 4), (0, False), 2)),  # (the last block recomputed; a line in rows)
             (10, "layer3", "bf16", None, 1, ((4, 7), (1, False), 3)),  # (the last kept: its group's place, the first apart)

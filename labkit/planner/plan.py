@@ -853,6 +853,8 @@ def _fit(spec: ModelSpec, step: Step, micro_batches: tuple):
             break
         at = {}  # depth -> its run (each depth run once, whichever ways of keying its blocks are tried)
         for depths, apart, period in _fit_depths(spec, step):
+            if depths[1] > L:
+                continue  # (layer<k> past the first way of keying: runs deeper than the model)
             runs = [at[d] if d in at else at.setdefault(d, _fake_run(spec, replace(step, micro_batch=mb), d,
                                                                         trace=True, whole=False)) for d in depths]
             if (events := _full_depth_events(runs[0][5], runs[1][5], L, depths, apart, period)) is not None:
