@@ -533,9 +533,9 @@ def test_roofline_counts_recomputation_and_the_bytes_it_moves():
 def test_fake_steps_shared_among_worker_processes_give_the_same_plan(monkeypatch):
     """Two worker processes (this one, and a child forked from the fork server, which never ran a fake step; the fast depth past
     FULL_MAX_LAYERS, accumulation, FSDP2): every row as in this process, in the same order (the work of 2 accumulated
-    micro-batches is counted apart from 1's)."""
-    cfg = dataclasses.replace(DEEP_LLAMA, n_layer=P.FULL_MAX_LAYERS + 1, attn="manual")  # (CUDA's flash kernel, which a
-    #   GPU plan runs for "sdpa", counts 912 bytes more of 20 MB accessed in a forked worker than here: not yet explained)
+    micro-batches is counted apart from 1's); the child runs the model as the GPU does (SDPA's "sdpa" as CUDA's flash
+    kernel), as this process does."""
+    cfg = dataclasses.replace(DEEP_LLAMA, n_layer=P.FULL_MAX_LAYERS + 1, attn="sdpa")
     monkeypatch.setattr(P, "MIN_GROUPS_PER_WORKER", 1)  # 4 groups: shared among the 2 workers all the same
     monkeypatch.delenv(SHARED_DIR_ENV, raising=False)  # (the session's shared fake steps would make both plans one)
     kwargs = dict(gpu="h100", gpus=2, seq_len=16, batch=2, precisions=("bf16",), checkpointing=("every",),
@@ -562,6 +562,18 @@ def test_fake_steps_shared_among_worker_processes_give_the_same_plan(monkeypatch
     here = P.plan(cfg, workers=1, **kwargs)
     assert len(here.rows) >= 8 and here.fake_steps == shared.fake_steps
     assert [dataclasses.asdict(r) for r in shared.rows] == [dataclasses.asdict(r) for r in here.rows]
+
+
+def test_a_worker_that_would_run_another_model_stops_the_plan(monkeypatch):
+    """A worker process rebuilds each job's model and refuses one that is not the model its ModelSpec describes (a
+    GPU plan's fake steps run the model as the GPU runs it: "sdpa" as CUDA's flash kernel)."""
+    monkeypatch.setattr(P, "MIN_GROUPS_PER_WORKER", 1)
+    monkeypatch.delenv(SHARED_DIR_ENV, raising=False)
+    cfg = dataclasses.replace(DEEP_LLAMA, n_layer=1, attn="sdpa")
+    spec = P.model_spec(dataclasses.replace(cfg, attn="flash"))
+    steps = [P.Step(1, 1, 16, "none", "fp32"), P.Step(1, 1, 16, "full", "fp32")]
+    with pytest.raises(RuntimeError, match=r"exit code 1:[\s\S]*a plan worker rebuilt .* where the plan runs"):
+        P._fake_steps_of([(cfg, spec, steps)], "fast", 2)
 
 
 def test_plan_workers_come_from_the_environment(monkeypatch):

@@ -951,7 +951,8 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
     """
     if keep_logits is None:
         keep_logits = not torchtitans_loop(model, gpu)
-    ask = _asked(model_spec(_as_gpu_runs_it(model, gpu)), gpu, gpus, seq_len, batch, precisions, checkpointing,
+    as_run = _as_gpu_runs_it(model, gpu)  # (what the fake steps run, here and in a worker process, which rebuilds it)
+    ask = _asked(model_spec(as_run), gpu, gpus, seq_len, batch, precisions, checkpointing,
                  reserve_fraction, depth, offload, optimizers, adam_impls, keep_logits, parallels, micro_batches,
                  grad_syncs, reduce_dtypes)
     spec, workers = ask.spec, plan_workers() if workers is None else workers
@@ -982,7 +983,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
         raise ParameterError(f"parallels: none of {ask.parallels} runs on {gpus} GPU(s) of this model here "
                              f"({', '.join(left_out) or 'nothing left out'})")
     run = list(dict.fromkeys(same.get(st, st) for st in todo))
-    fake = _fake_steps(model, spec, run, depth, workers)
+    fake = _fake_steps(as_run, spec, run, depth, workers)
     fake = {st: fake[same.get(st, st)] for st in todo}
     out.fake_steps = len({replace(st, adam_impl=ADAM_IMPLS[0]) for st in run})  # (Adam's implementations: one)
     if "foreach" in ask.adam_impls and gpus > 1:
@@ -990,7 +991,7 @@ def plan(model, gpu: str | DeviceProfile = "a100-80gb", gpus: int = 1, seq_len: 
                                                "the whole list a foreach update allocates here: not modelled")
     replayable = _add_rows(out, ask, fake, flat_ranks, row_bytes)
     if reserved:
-        _judged_by_replay(out, ask, model, replayable, workers, expandable_segments)
+        _judged_by_replay(out, ask, as_run, replayable, workers, expandable_segments)
     out.elapsed_s = time.perf_counter() - t0
     return out
 
@@ -1353,12 +1354,17 @@ def _run_claimed(specs, groups: list, depth: str, claims: str, bar=None) -> list
 
 
 def _worker_main(task_path: str, out_path: str) -> None:
-    """Run the plan groups (a pickled (models, groups, depth, claims folder)) this worker claims first (_run_claimed)
-    and pickle their figures to out_path."""
+    """Run the plan groups (a pickled ([(model, its ModelSpec's key)], groups, depth, claims folder)) this worker
+    claims first (_run_claimed) and pickle their figures to out_path."""
     die_with_parent()
     with open(task_path, "rb") as f:
         models, groups, depth, claims = pickle.load(f)
-    out = _run_claimed(functools.cache(lambda j: model_spec(models[j])), groups, depth, claims)
+
+    specs = [model_spec(model) for model, _ in models]  # each job's model rebuilt here: the one the plan runs, by key
+    for spec, (_, key) in zip(specs, models):
+        if spec.key != key:
+            raise RuntimeError(f"a plan worker rebuilt {spec.key} where the plan runs {key}")
+    out = _run_claimed(specs.__getitem__, groups, depth, claims)
     with open(out_path + ".part", "wb") as f:
         pickle.dump(out, f)
     os.replace(out_path + ".part", out_path)
@@ -1401,7 +1407,7 @@ def _fake_steps_of(jobs: list, depth: str, workers: int) -> list:
             task, claims, paths = os.path.join(tmp, "task"), os.path.join(tmp, "claims"), []
             os.mkdir(claims)
             with open(task, "wb") as f:  # every group for every worker: each runs those it claims first
-                pickle.dump(([m for m, *_ in jobs], groups, depth, claims), f)
+                pickle.dump(([(m, spec.key) for m, spec, _ in jobs], groups, depth, claims), f)
             for k in range(workers - 1):  # this process is the last worker
                 result, log = os.path.join(tmp, f"result{k}"), os.path.join(tmp, f"log{k}")
                 open(log, "w").close()  # (there even if the worker fails before it writes)
