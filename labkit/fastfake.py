@@ -79,4 +79,3 @@ def direct_dispatch(mode_class: type) -> type:
             "__torch_dispatch__": raw, "__module__": mode_class.__module__, "__doc__": mode_class.__doc__,
             "_should_skip_dynamo": classmethod(lambda cls: False)})
     return _DIRECT[mode_class]
-
