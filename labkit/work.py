@@ -14,6 +14,7 @@ a time on a GPU; the planner counts its fake steps alike. One `WorkCounter` (a d
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -134,10 +135,15 @@ def host_copy(nbytes: int):
             counter.counting_bytes = counting
 
 
-try:
-    from torch.distributed.tensor import DTensor as _DTENSOR
-except ImportError:  # a torch built without distributed
-    _DTENSOR = None
+_DTENSOR = None  # DTensor's class, once torch.distributed.tensor is imported (0.6 s of a process's start: not here)
+
+
+def _dtensor_class():
+    """Return DTensor's class, or None while torch.distributed.tensor is not imported (then no tensor is one)."""
+    global _DTENSOR
+    if _DTENSOR is None:
+        _DTENSOR = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return _DTENSOR
 _WRITTEN: dict = {}  # operator -> the positions of the arguments it writes in place and does not return
 
 
@@ -193,7 +199,8 @@ class WorkCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _DTENSOR is not None and not self._under_fake and any(issubclass(t, _DTENSOR) for t in types):
+        dtensor = None if self._under_fake else _dtensor_class()
+        if dtensor is not None and any(issubclass(t, dtensor) for t in types):
             return self._on_shards(func, args, kwargs)  # (the planner's fake steps: as before, the global shape, where
             #                                              it counts no bytes: FSDP2's optimizer step)
         if self._in_dtensor and any(issubclass(t, FakeTensor) for t in types):  # (set on real tensors only)
