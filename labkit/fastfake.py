@@ -5,8 +5,9 @@ FakeTensor(), which checks its arguments and sets fifteen attributes one by one:
 (2026-12-04). FastFakeTensorMode makes a dense output as FakeTensor() would, in one go; anything else, and any torch
 whose new fake tensors differ from what it expects, goes through torch's own code. It also runs `aten._unsafe_view`
 (every matmul of a 3-d input ends in one) as `aten.view`, which torch's fake mode computes alike but caches (it runs
-each unsafe view anew: 22 ms of a 3-block Llama-style fake step of 300, 2026-12-04). direct_dispatch gives the
-step's meter and work counter without the wrapper torch puts around every dispatch mode's __torch_dispatch__.
+each unsafe view anew: 22 ms of a 3-block Llama-style fake step of 300, 2026-12-04). direct_dispatch gives the mode
+itself, the step's meter and its work counter without the wrapper torch puts around every dispatch mode's
+__torch_dispatch__.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ class FastFakeTensorMode(LeanFakeTensorMode):
 
 
 def fast_fake_mode(**kwargs) -> FakeTensorMode:
-    """Return a FastFakeTensorMode(**kwargs) where this torch's FakeTensor() sets what it expects (its device, its mode,
-    the rest None), else fake_mode(**kwargs): the same figures either way."""
+    """Return a FastFakeTensorMode(**kwargs) (its direct_dispatch subclass) where this torch's FakeTensor() sets what
+    it expects (its device, its mode, the rest None), else fake_mode(**kwargs): the same figures either way."""
     mode = fake_mode(**kwargs)
     if type(mode) is not LeanFakeTensorMode or FakeTensorConfig.debug:
         return mode
@@ -67,7 +68,7 @@ def fast_fake_mode(**kwargs) -> FakeTensorMode:
     FastFakeTensorMode.fresh = made
     from torch._subclasses.fake_impls import op_implementations_dict as impls
     FastFakeTensorMode.views_unsafe = impls.get(_VIEW) is not None and impls.get(_VIEW) is impls.get(_UNSAFE_VIEW)
-    return FastFakeTensorMode(**kwargs)
+    return direct_dispatch(FastFakeTensorMode)(**kwargs)
 
 
 def direct_dispatch(mode_class: type) -> type:
@@ -75,8 +76,9 @@ def direct_dispatch(mode_class: type) -> type:
     wrapper TorchDispatchMode's subclasses get to keep torch.compile out of it: for fake steps, where nothing is
     compiled and the wrapper costs ~5% of the step (every operator and every fake tensor's device query passes it)."""
     if mode_class not in _DIRECT:
-        raw = mode_class.__dict__["__torch_dispatch__"]
-        raw = raw.__wrapped__ if mode_class._should_skip_dynamo() else raw  # (torch wrapped it: functools.wraps)
+        owner = next(c for c in mode_class.__mro__ if "__torch_dispatch__" in c.__dict__)  # (the class defining it)
+        raw = owner.__dict__["__torch_dispatch__"]
+        raw = raw.__wrapped__ if owner._should_skip_dynamo() else raw  # (torch wrapped it there: functools.wraps)
         _DIRECT[mode_class] = type(f"Direct{mode_class.__name__}", (mode_class,), {
             "__torch_dispatch__": raw, "__module__": mode_class.__module__, "__doc__": mode_class.__doc__,
             "_should_skip_dynamo": classmethod(lambda cls: False)})

@@ -335,7 +335,8 @@ def test_the_fast_fake_mode_makes_the_outputs_torch_makes_and_the_same_figures(m
     monkeypatch.setattr(fastfake.LeanFakeTensorMode, "_get_output_tensor_from_cache_entry",
                         lambda *a: made.append(a) or FakeTensorMode._get_output_tensor_from_cache_entry(*a))
     with fastfake.fast_fake_mode() as mode:
-        assert type(mode) is fastfake.FastFakeTensorMode
+        assert type(mode) is fastfake.direct_dispatch(fastfake.FastFakeTensorMode)  # (torch's wrapper left out)
+        assert type(mode).__torch_dispatch__ is FakeTensorMode.__torch_dispatch__.__wrapped__  # (what torch wraps)
         x = torch.empty(4, 8)
         first, again = x * 2, x * 2  # (the second from the cache: made here)
         view, view_again = x.t(), x.t()
