@@ -39,9 +39,9 @@ class FastFakeTensorMode(LeanFakeTensorMode):
         if entry.inplace_idx is not None or m is None or self.shape_env is not None or m.layout is not torch.strided \
                 or m.is_conj or m.is_neg or not isinstance(func, torch._ops.OpOverload):
             return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
-        # no dispatch mode or subclass sees the meta tensor made (torch's in_kernel_invocation_manager, less the
-        # meta-dispatch flags, which operators on meta tensors do not need: its Python context manager was 7% of a
-        # fake step, 2026-12-04)
+        # no dispatch mode or subclass sees the meta tensor made (torch's in_kernel_invocation_manager less its
+        # meta-dispatch flag, which operators on meta tensors do not need, and its in_kernel_invocation flag, which
+        # only fake tensors' device queries read: none here; its Python context manager was 7% of a fake step)
         with torch._C._DisableTorchDispatch():
             elem = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta", requires_grad=m.requires_grad)
             if func.is_view:  # a view shares its input's storage
@@ -78,7 +78,8 @@ def direct_dispatch(mode_class: type) -> type:
     if mode_class not in _DIRECT:
         owner = next(c for c in mode_class.__mro__ if "__torch_dispatch__" in c.__dict__)  # (the class defining it)
         raw = owner.__dict__["__torch_dispatch__"]
-        raw = raw.__wrapped__ if owner._should_skip_dynamo() else raw  # (torch wrapped it there: functools.wraps)
+        if owner._should_skip_dynamo() and not isinstance(raw, classmethod):  # (torch wrapped it there, as it
+            raw = raw.__wrapped__  # wraps every dispatch mode's method but a classmethod: functools.wraps)
         _DIRECT[mode_class] = type(f"Direct{mode_class.__name__}", (mode_class,), {
             "__torch_dispatch__": raw, "__module__": mode_class.__module__, "__doc__": mode_class.__doc__,
             "_should_skip_dynamo": classmethod(lambda cls: False)})

@@ -136,6 +136,7 @@ def host_copy(nbytes: int):
 
 
 _DTENSOR = None  # DTensor's class, once torch.distributed.tensor is imported (0.6 s of a process's start: not here)
+_WRITTEN: dict = {}  # operator -> the positions of the arguments it writes in place and does not return
 
 
 def _dtensor_class():
@@ -144,7 +145,6 @@ def _dtensor_class():
     if _DTENSOR is None:
         _DTENSOR = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     return _DTENSOR
-_WRITTEN: dict = {}  # operator -> the positions of the arguments it writes in place and does not return
 
 
 @contextlib.contextmanager
