@@ -30,6 +30,40 @@ def test_a_linear_layers_forward_is_one_matmul_of_2_b_in_out_flops_reading_and_w
     assert work.host_bytes == 0 and work.sent_bytes == 0
 
 
+def test_flops_are_torchs_formulas_through_torchs_own_wrapper_for_every_operator_reached():
+    """WorkCounter calls torch's formulas with the shapes it takes itself, not through torch's pytree wrapper: the
+    same FLOPs as the wrapped formula, call by call, for matmuls, convolutions and the CPU's fused attention."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from labkit import work
+
+    class Calls(TorchDispatchMode):  # every operator call a formula counts, with its output
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in work.FORMULAS:
+                self.calls.append((func, args, kwargs or {}, out))
+            return out
+
+    conv, q = torch.nn.Conv2d(3, 4, 3), torch.randn(1, 2, 8, 4, requires_grad=True)
+    with Calls() as seen:
+        torch.nn.Linear(IN, OUT)(torch.randn(B, IN, requires_grad=True)).sum().backward()
+        torch.bmm(torch.randn(2, 3, 4), torch.randn(2, 4, 5))
+        torch.baddbmm(torch.randn(2, 3, 5), torch.randn(2, 3, 4), torch.randn(2, 4, 5))
+        conv(torch.randn(2, 3, 8, 8, requires_grad=True)).sum().backward()
+        F.scaled_dot_product_attention(q, q, q).sum().backward()
+    reached = {func.overloadpacket.__name__ for func, *_ in seen.calls}
+    assert reached == {"addmm", "mm", "bmm", "baddbmm", "convolution", "convolution_backward",
+                       "_scaled_dot_product_flash_attention_for_cpu",
+                       "_scaled_dot_product_flash_attention_for_cpu_backward"}
+    assert all(func.overloadpacket in work._SHAPED for func, *_ in seen.calls)  # each takes the direct call
+    for func, args, kwargs, out in seen.calls:
+        assert work._flops(func, args, kwargs, out) == work.FORMULAS[func.overloadpacket](*args, **kwargs, out_val=out) > 0
+
+
 def test_forward_and_backward_of_a_linear_layer_is_three_times_its_matmul():
     """dW = dY^T x and dx = dY W: two more matmuls of the same size (the '6 N' FLOPs per token of training)."""
     layer = torch.nn.Linear(IN, OUT)
