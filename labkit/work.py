@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import SUPPORTED_NODES
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from labkit.meter import fake_device
@@ -80,14 +81,14 @@ def _nbytes(values) -> int:
 
 def _shapes(value):
     """Return `value` with every tensor replaced by its shape, inside lists and tuples too (what torch's shape_wrapper
-    gives a formula); _OTHER where it holds another container (a formula then takes torch's own wrapper)."""
+    gives a formula); _OTHER where it holds another pytree container (a formula then takes torch's own wrapper)."""
     if isinstance(value, torch.Tensor):
         return value.shape
     kind = type(value)
     if kind is list or kind is tuple:
         out = kind(_shapes(v) for v in value)
         return _OTHER if any(o is _OTHER for o in out) else out
-    return _OTHER if isinstance(value, (dict, list, tuple)) else value
+    return _OTHER if isinstance(value, (dict, list, tuple)) or kind in SUPPORTED_NODES else value
 
 
 def _flops(func, args, kwargs, out) -> int:
@@ -95,7 +96,7 @@ def _flops(func, args, kwargs, out) -> int:
     raw = _SHAPED.get(func.overloadpacket)
     if raw is not None:
         shaped, out_shape, kw = _shapes(args), _shapes(out), _shapes(tuple(kwargs.values()))
-        if _OTHER not in (shaped, out_shape, kw):
+        if shaped is not _OTHER and out_shape is not _OTHER and kw is not _OTHER:
             return int(raw(*shaped, out_shape=out_shape, **dict(zip(kwargs, kw))))
     return int(FORMULAS[func.overloadpacket](*args, **kwargs, out_val=out))
 

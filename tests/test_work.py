@@ -60,7 +60,8 @@ def test_flops_are_torchs_formulas_through_torchs_own_wrapper_for_every_operator
                        "_scaled_dot_product_flash_attention_for_cpu",
                        "_scaled_dot_product_flash_attention_for_cpu_backward"}
     assert all(func.overloadpacket in work._SHAPED for func, *_ in seen.calls)  # each takes the direct call
-    for func, args, kwargs, out in seen.calls:
+    for func, args, kwargs, out in seen.calls:  # each takes the shapes taken here, not torch's wrapper
+        assert all(work._shapes(x) is not work._OTHER for x in (args, out, tuple(kwargs.values()))), func
         wrapped = work.FORMULAS[func.overloadpacket](*args, **kwargs, out_val=out)
         assert work._flops(func, args, kwargs, out) == wrapped > 0, func
 
