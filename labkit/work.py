@@ -35,7 +35,7 @@ FORMULAS = {**flop_registry,
 _SHAPE_WRAPPED = shape_wrapper(lambda: 0).__code__  # the code of torch's wrapper that turns tensors into shapes
 _SHAPED = {op: f.__wrapped__ for op, f in FORMULAS.items() if getattr(f, "__code__", None) is _SHAPE_WRAPPED}
 #   (the formulas behind that wrapper, called with the shapes taken here: torch's wrapper maps every argument through
-#   its pytree, ~10% of a metered and counted step)
+#   its pytree; without it chapter 02's segment sweep took 6% less CPU, 2026-12-05)
 _OTHER = object()  # (_shapes: a container torch's pytree maps and _shapes does not)
 PRECISION_OF = {torch.float32: "fp32", torch.float64: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "lift_fresh",
