@@ -632,7 +632,7 @@ def test_each_adam_implementation_matches_the_meter():
     assert any(peaks[k[:2] + ("foreach",)] > peaks[k[:2] + ("fused",)] for k in peaks)  # the knob changes a peak
 
 
-def test_adam_updates_allocate_what_torchs_code_says():
+def test_adam_updates_allocate_what_torchs_code_says(monkeypatch):
     """The rise of each implementation, from torch.optim.adam's code (the same Python on CUDA as here): for-loop, one
     parameter at a time, sqrt and division of its exp_avg_sq while the previous parameter's `denom` is still bound
     (P[i-1] + 2 P[i]); foreach, one list of sqrt(exp_avg_sq) over all parameters; fused, none."""
@@ -643,6 +643,13 @@ def test_adam_updates_allocate_what_torchs_code_says():
     assert P._rise(spec, None, "for-loop", DEEP.n_layer) == loop
     assert P._rise(spec, None, "foreach", DEEP.n_layer) == sum(sizes)
     assert P._rise(spec, None, "fused", DEEP.n_layer) == 0
+    # specs alike in their parameters share one rise, measured on the plainest forward: each one's own step agrees
+    assert spec.params is not None and spec.params.key == repr(dataclasses.replace(DEEP, attn="manual"))
+    monkeypatch.setattr(P, "_RISE", {})
+    for attn, logits_fp32 in (("sdpa", False), ("manual", True), ("flash", True)):
+        own = dataclasses.replace(P.gpt_spec(dataclasses.replace(DEEP, attn=attn, logits_fp32=logits_fp32)), params=None)
+        for impl in ("for-loop", "foreach"):
+            assert P._rise(own, None, impl, DEEP.n_layer) == P._rise(spec, None, impl, DEEP.n_layer), (attn, impl)
 
 
 def test_adam_implementations_at_the_fast_depth_are_their_full_depth_steps(monkeypatch):

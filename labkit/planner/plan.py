@@ -150,6 +150,8 @@ class ModelSpec:
     max_seq_len: int | None = None  # longest sequence the model takes (a learned position table), None: any
     checkpointing: tuple = CHECKPOINTING  # the choices it takes (a transformers model: none, full)
     batch: Callable | None = None  # (rows, seq_len) -> the batch alone, no model built (None: build's batch)
+    params: "ModelSpec | None" = None  # the same parameters behind the plainest forward: Adam's rise is measured on it
+    #                                    (_rise: attention kinds and the logits' dtype share one), None: this spec
 
 
 def gpt_spec(cfg: GPTConfig, name: str = "GPTConfig") -> ModelSpec:
@@ -159,8 +161,10 @@ def gpt_spec(cfg: GPTConfig, name: str = "GPTConfig") -> ModelSpec:
         if c.pos == "rope":
             c = replace(c, block_size=seq_len)  # rotary positions: no table, any length
         return build_model(c), example_batch(c, rows, seq_len)
+    plain = replace(cfg, attn=ATTENTION[0], dropout=0.0, logits_fp32=False)  # (none of the three makes a parameter)
     return ModelSpec(name, build, cfg.n_layer, repr(cfg), cfg.block_size if cfg.pos == "learned" else None,
-                     batch=lambda rows, seq_len: example_batch(cfg, rows, seq_len))
+                     batch=lambda rows, seq_len: example_batch(cfg, rows, seq_len),
+                     params=None if plain == cfg else gpt_spec(plain, name))
 
 
 def callable_spec(fn: Callable, name: str = "model") -> ModelSpec:
@@ -728,8 +732,10 @@ def _rise(spec: ModelSpec, shard, adam_impl: str, n_layer: int, pure: bool = Fal
 
     for-loop: temporaries of one parameter at a time (the largest's: the same at any depth, one step measures it);
     foreach: a list of temporaries of every parameter (one block's more per block: two steps); fused: none. The
-    optimizer's Python code is the same on CUDA and on a CPU: what it allocates here it allocates there.
+    optimizer's Python code is the same on CUDA and on a CPU: what it allocates here it allocates there. Specs with the
+    same parameters (spec.params) share their rise.
     """
+    spec = spec.params or spec
     depths = (FAST_DEPTHS["none"] if shard is None else SHARDED_DEPTHS) if spec.n_layer is not None else (None,)
     depths = depths if adam_impl == "foreach" else depths[:1]
     at = []
