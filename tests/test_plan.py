@@ -644,12 +644,18 @@ def test_adam_updates_allocate_what_torchs_code_says(monkeypatch):
     assert P._rise(spec, None, "foreach", DEEP.n_layer) == sum(sizes)
     assert P._rise(spec, None, "fused", DEEP.n_layer) == 0
     # specs alike in their parameters share one rise, measured on the plainest forward: each one's own step agrees
-    assert spec.params is not None and spec.params.key == repr(dataclasses.replace(DEEP, attn="manual"))
-    monkeypatch.setattr(P, "_RISE", {})
-    for attn, logits_fp32 in (("sdpa", False), ("manual", True), ("flash", True)):
-        own = dataclasses.replace(P.gpt_spec(dataclasses.replace(DEEP, attn=attn, logits_fp32=logits_fp32)), params=None)
-        for impl in ("for-loop", "foreach"):
-            assert P._rise(own, None, impl, DEEP.n_layer) == P._rise(spec, None, impl, DEEP.n_layer), (attn, impl)
+    assert spec.plain is not None and spec.plain.key == repr(dataclasses.replace(DEEP, attn="manual"))
+    assert spec.plain.plain is None  # (the plainest forward is its own)
+    variants = [dataclasses.replace(DEEP, attn=attn, logits_fp32=fp32, dropout=dropout)
+                for attn, fp32, dropout in (("sdpa", False, 0.0), ("manual", True, 0.0), ("flash", True, 0.1))]
+    for cfg in variants:
+        monkeypatch.setattr(P, "_RISE", {})
+        shared = {(impl, pure): P._rise(P.gpt_spec(cfg), None, impl, DEEP.n_layer, pure)
+                  for impl in ("for-loop", "foreach") for pure in (False, True)}
+        assert {key[0] for key in P._RISE} == {spec.plain.key}, cfg  # measured on the plain spec only
+        own = dataclasses.replace(P.gpt_spec(cfg), plain=None)
+        for (impl, pure), rise in shared.items():
+            assert P._rise(own, None, impl, DEEP.n_layer, pure) == rise, (cfg, impl, pure)
 
 
 def test_adam_implementations_at_the_fast_depth_are_their_full_depth_steps(monkeypatch):

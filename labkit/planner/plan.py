@@ -150,8 +150,9 @@ class ModelSpec:
     max_seq_len: int | None = None  # longest sequence the model takes (a learned position table), None: any
     checkpointing: tuple = CHECKPOINTING  # the choices it takes (a transformers model: none, full)
     batch: Callable | None = None  # (rows, seq_len) -> the batch alone, no model built (None: build's batch)
-    params: "ModelSpec | None" = None  # the same parameters behind the plainest forward: Adam's rise is measured on it
-    #                                    (_rise: attention kinds and the logits' dtype share one), None: this spec
+    plain: "ModelSpec | None" = None  # the same parameters behind the plainest forward (a GPT's manual attention, no
+    #                                   dropout, logits in the compute dtype): _rise measures Adam's update on it; None:
+    #                                   this spec. (A spec replace()d with another build must set it again.)
 
 
 def gpt_spec(cfg: GPTConfig, name: str = "GPTConfig") -> ModelSpec:
@@ -164,7 +165,7 @@ def gpt_spec(cfg: GPTConfig, name: str = "GPTConfig") -> ModelSpec:
     plain = replace(cfg, attn=ATTENTION[0], dropout=0.0, logits_fp32=False)  # (none of the three makes a parameter)
     return ModelSpec(name, build, cfg.n_layer, repr(cfg), cfg.block_size if cfg.pos == "learned" else None,
                      batch=lambda rows, seq_len: example_batch(cfg, rows, seq_len),
-                     params=None if plain == cfg else gpt_spec(plain, name))
+                     plain=None if plain == cfg else gpt_spec(plain, name))
 
 
 def callable_spec(fn: Callable, name: str = "model") -> ModelSpec:
@@ -732,10 +733,10 @@ def _rise(spec: ModelSpec, shard, adam_impl: str, n_layer: int, pure: bool = Fal
 
     for-loop: temporaries of one parameter at a time (the largest's: the same at any depth, one step measures it);
     foreach: a list of temporaries of every parameter (one block's more per block: two steps); fused: none. The
-    optimizer's Python code is the same on CUDA and on a CPU: what it allocates here it allocates there. Specs with the
-    same parameters (spec.params) share their rise.
+    optimizer's Python code is the same on CUDA and on a CPU: what it allocates here it allocates there. Measured on
+    spec.plain where it has one: GPT specs that differ only in attention kind, dropout or logits dtype share one rise.
     """
-    spec = spec.params or spec
+    spec = spec.plain or spec
     depths = (FAST_DEPTHS["none"] if shard is None else SHARDED_DEPTHS) if spec.n_layer is not None else (None,)
     depths = depths if adam_impl == "foreach" else depths[:1]
     at = []
