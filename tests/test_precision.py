@@ -195,6 +195,27 @@ def test_fp16_cast_stats_counts():
         P.fp16_cast_stats(v, 0.0)
 
 
+def test_fp16_cast_stats_are_the_casts_own_comparisons():
+    """The counts from fp16's bit patterns are those of comparing the cast values themselves, at every scale a loss
+    scaler takes, on values of every kind: ±0, fp32 subnormals, ties at fp16's edges, inf and NaN."""
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(20_000, generator=g) * torch.exp2(torch.randint(-40, 20, (20_000,), generator=g).float())
+    edges = [0.0, -0.0, 1e-45, -2.0**-25, 2.0**-25, 3 * 2.0**-26, 2.0**-14, -65504.0, 65519.0, 65520.0, 7e4,
+             float("inf"), float("-inf"), float("nan")]
+    v = torch.cat([v, torch.tensor(edges * 3)])
+    for scale in (2.0**-12, 1.0, 2.0**16, 2.0**32):
+        x = v[v != 0] * scale
+        h = x.to(torch.float16)
+        expected = (int((h == 0).sum()), int(((h != 0) & (h.abs() < P.FP16_MIN_NORMAL)).sum()), int(h.isinf().sum()),
+                    int((x.abs() < P.FP16_MIN_SUBNORMAL).sum()),
+                    int((h.isfinite() & (h.abs() >= P.FP16_MIN_NORMAL)).sum()))
+        st = P.fp16_cast_stats(v, scale)
+        assert st.nonzero == x.numel()
+        counts = (st.zero_fraction, st.subnormal_fraction, st.overflow_fraction, st.below_min_subnormal_fraction,
+                  st.normal_fraction)
+        assert tuple(round(c * st.nonzero) for c in counts) == expected, scale
+
+
 def test_collect_gradients_shapes_and_steps(tiny_gpt, tiny_batch, tiny_config):
     model = tiny_gpt()
     batches = [tiny_batch(4, seed=12), tiny_batch(4, seed=13)]

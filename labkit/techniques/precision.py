@@ -26,6 +26,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_MIN_SUBNORMAL = 2.0**-24  # smallest positive fp16 value (≈ 5.96e-8)
 FP16_MIN_NORMAL = 2.0**-14  # smallest normal fp16 value (≈ 6.10e-5); below it, fewer mantissa bits
 FP16_MAX = 65504.0  # largest finite fp16 value
+_FP16_NORMAL_BITS, _FP16_INF_BITS = 0x0400, 0x7C00  # fp16 bit patterns (sign bit off): 2^-14, +inf
 
 
 def check_precision(precision: str, device: torch.device | str) -> None:
@@ -187,17 +188,20 @@ class Fp16CastStats:
 def fp16_cast_stats(values: torch.Tensor, scale: float = 1.0) -> Fp16CastStats:
     """Cast scale·values to fp16 and count the nonzero fp32 values flushed to 0, made subnormal, or overflowed."""
     check_float("scale", scale, 0.0, math.inf, lo_open=True)
-    v = values.detach().flatten().float()
-    v = v[v != 0] * scale  # (N,) fp32; a power-of-two scale is exact
-    n = v.numel()
+    x = values.detach().flatten().float()
+    n = int(torch.count_nonzero(x))  # the zeros stay zeros: counted below with the flushed ones, then taken off
     if n == 0:
         return Fp16CastStats(float(scale), 0, 0.0, 0.0, 0.0, 0.0)
+    v = x * scale  # (N,) fp32; a power-of-two scale is exact
     h = v.to(torch.float16)  # round to nearest even; |v| < 2^-25 flushes to 0, |v| > 65519 overflows
-    zero = int((h == 0).sum())
-    inf = int(h.isinf().sum())
-    sub = int(((h != 0) & (h.abs() < FP16_MIN_NORMAL)).sum())
-    below = int((v.abs() < FP16_MIN_SUBNORMAL).sum())
-    normal = int((h.isfinite() & (h.abs() >= FP16_MIN_NORMAL)).sum())  # counted, not the rest: a NaN is in no bin
+    bits = h.view(torch.int16) & 0x7FFF  # the magnitude's bits: 0 zero, below 0x0400 subnormal, 0x7C00 inf, above NaN
+    zeros = x.numel() - n
+    zero = int(torch.count_nonzero(bits == 0)) - zeros
+    sub = int(torch.count_nonzero(bits < _FP16_NORMAL_BITS)) - zeros - zero
+    finite = int(torch.count_nonzero(bits < _FP16_INF_BITS)) - zeros  # (integer compares: fp16's are slow on CPUs)
+    inf = int(torch.count_nonzero(bits == _FP16_INF_BITS))
+    below = int(torch.count_nonzero(v.abs() < FP16_MIN_SUBNORMAL)) - zeros
+    normal = finite - zero - sub  # counted, not the rest: a NaN is in no bin
     return Fp16CastStats(float(scale), n, zero / n, sub / n, inf / n, below / n, normal / n)
 
 
