@@ -203,7 +203,7 @@ def test_fp16_cast_stats_are_the_casts_own_comparisons():
     edges = [0.0, -0.0, 1e-45, -2.0**-25, 2.0**-25, 3 * 2.0**-26, 2.0**-14, -65504.0, 65519.0, 65520.0, 7e4,
              float("inf"), float("-inf"), float("nan")]
     v = torch.cat([v, torch.tensor(edges * 3)])
-    for scale in (2.0**-12, 1.0, 2.0**16, 2.0**32):
+    for scale in (2.0**-12, 1.0, 2.0**16, 2.0**32, 2.0**127):  # 2^127: fp32's largest power of two
         x = v[v != 0] * scale
         h = x.to(torch.float16)
         expected = (int((h == 0).sum()), int(((h != 0) & (h.abs() < P.FP16_MIN_NORMAL)).sum()), int(h.isinf().sum()),
@@ -214,6 +214,8 @@ def test_fp16_cast_stats_are_the_casts_own_comparisons():
         counts = (st.zero_fraction, st.subnormal_fraction, st.overflow_fraction, st.below_min_subnormal_fraction,
                   st.normal_fraction)
         assert tuple(round(c * st.nonzero) for c in counts) == expected, scale
+    with pytest.raises(ParameterError, match=r"scale must be a number in \(0\.0, 3\.40"):
+        P.fp16_cast_stats(v, 2.0**128)  # beyond fp32: inf in the multiply, and 0 x inf would make the zeros NaN
 
 
 def test_collect_gradients_shapes_and_steps(tiny_gpt, tiny_batch, tiny_config):

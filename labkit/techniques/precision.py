@@ -187,13 +187,13 @@ class Fp16CastStats:
 
 def fp16_cast_stats(values: torch.Tensor, scale: float = 1.0) -> Fp16CastStats:
     """Cast scale·values to fp16 and count the nonzero fp32 values flushed to 0, made subnormal, or overflowed."""
-    check_float("scale", scale, 0.0, math.inf, lo_open=True)
+    check_float("scale", scale, 0.0, torch.finfo(torch.float32).max, lo_open=True)  # fp32's: the zeros stay zeros
     x = values.detach().flatten().float()
     n = int(torch.count_nonzero(x))  # the zeros stay zeros: counted below with the flushed ones, then taken off
     if n == 0:
         return Fp16CastStats(float(scale), 0, 0.0, 0.0, 0.0, 0.0)
     v = x * scale  # (N,) fp32; a power-of-two scale is exact
-    h = v.to(torch.float16)  # round to nearest even; |v| < 2^-25 flushes to 0, |v| > 65519 overflows
+    h = v.to(torch.float16)  # round to nearest even; |v| <= 2^-25 flushes to 0, |v| >= 65520 overflows
     bits = h.view(torch.int16) & 0x7FFF  # the magnitude's bits: 0 zero, below 0x0400 subnormal, 0x7C00 inf, above NaN
     zeros = x.numel() - n
     zero = int(torch.count_nonzero(bits == 0)) - zeros
