@@ -52,7 +52,8 @@ SESSION_TAG = "LABKIT_TEST_SESSION"  # inherited by every process the session st
 def pytest_configure(config):
     """Tag every process this test session starts (ranks, kernels) through an inherited variable; give them one folder
     to share fake steps in (labkit.estimate.remembered: the notebooks, their ranks and the search workers ask for the
-    same steps); have nbval see a kernel that died, and start its kernels over Unix sockets."""
+    same steps); have nbval see a kernel that died, and start its kernels over Unix sockets; check each chapter's
+    reading time on nbval's run (ChapterReadingTime)."""
     import os
     if not hasattr(config, "workerinput"):  # the controller, before any worker starts
         import tempfile
@@ -65,6 +66,7 @@ def pytest_configure(config):
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")  # a kernel that crashes prints its Python stack to the log
     _watch_nbval_kernels()
     _nbval_kernels_over_ipc()
+    config.pluginmanager.register(ChapterReadingTime(), "chapter-reading-time")
 
 
 KERNEL_POLL_S = 5.0  # how often nbval's wait for a cell's reply checks that the kernel still lives
@@ -206,6 +208,46 @@ def pytest_collection_modifyitems(config, items):
     # instead of one running chapter 08's nbval alone at the end
     items.sort(key=lambda item: next((i for i, name in enumerate(SLOWEST_FIRST) if item.nodeid.startswith(name)
                                       or f"/{name}" in item.nodeid.split("::")[0]), len(SLOWEST_FIRST)))
+
+
+class ChapterReadingTime:
+    """Fail nbval's last cell of a chapter that takes longer than a sitting to read (workbook.readtime), its outputs
+    those nbval received: the defaults' reading time, checked on the run nbval makes anyway; print every chapter's.
+
+    A plugin registered by pytest_configure: a conftest's own hooks reach only the items under its folder, and nbval's
+    run build/nbval. The whole-chapter tests check their own runs (execute_notebook), whose outputs differ."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        if call.when != "call" or not hasattr(item, "test_outputs") or not hasattr(item.parent, "nb"):
+            return  # not an nbval cell
+        report = outcome.get_result()
+        nb = item.parent.nb
+        outputs = item.parent.__dict__.setdefault("_outputs_read", {})
+        outputs[item.cell_num] = item.test_outputs if report.passed else None
+        code_cells = [c for c in nb.cells if c.cell_type == "code"]
+        if item.cell_num != len(code_cells) - 1 or len(outputs) != len(code_cells) or None in outputs.values():
+            return  # not the last cell, or a cell failed or was skipped: that failure is the report
+        from workbook.readtime import LIMIT_MIN, reading
+        cells, code = [], iter(range(len(code_cells)))
+        for cell in nb.cells:
+            cells.append(dict(cell, outputs=outputs[next(code)]) if cell.cell_type == "code" else cell)
+        stem = Path(str(item.parent.fspath)).stem
+        minutes = reading({"cells": cells}, stem).minutes
+        report.user_properties.append(("minutes_to_read", minutes))  # for the summary line (xdist sends it back)
+        if minutes > LIMIT_MIN:
+            report.outcome = "failed"
+            report.longrepr = (f"{stem}: {minutes:.1f} minutes to read with its default parameters (workbook.readtime, "
+                               f"the outputs of this run), over a sitting's {LIMIT_MIN}")
+
+    def pytest_terminal_summary(self, terminalreporter):
+        minutes = {Path(r.nodeid.split("::")[0]).stem: v for kind in ("passed", "failed")
+                   for r in terminalreporter.getreports(kind) for k, v in r.user_properties if k == "minutes_to_read"}
+        if minutes:
+            terminalreporter.write_line(
+                "minutes to read each chapter's default run (workbook.readtime; a sitting is 60): "
+                + ", ".join(f"{stem[:3].rstrip('_')} {m:.1f}" for stem, m in sorted(minutes.items())))
 
 
 @pytest.fixture(scope="module")

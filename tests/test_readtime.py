@@ -1,10 +1,14 @@
-"""workbook.readtime: the reading-time formula over a notebook, its appendix and the tests' cells left out."""
+"""workbook.readtime: the reading-time formula over a notebook, its appendix and the tests' cells left out; nbval's
+check of the default runs (tests/conftest.py)."""
 
 import json
+from pathlib import Path
 
 import nbformat
 
 from workbook import readtime
+
+pytest_plugins = ("pytester",)
 
 
 def _notebook(cells) -> dict:
@@ -56,3 +60,31 @@ def test_the_command_exits_1_over_the_limit_and_2_without_notebooks(tmp_path, ca
     out = capsys.readouterr().out
     assert "| 01_long | 0 | 0 | 700 | 70 | no, over 60 |" in out and "| 02_short | 0 | 0 | 1 | 0 | yes |" in out
     assert readtime.main([str(tmp_path), "--limit-min", "80"]) == 0
+
+
+def test_nbval_fails_a_chapter_whose_run_prints_it_past_a_sitting(pytester):
+    """The suite's nbval run checks each chapter's default reading time (tests/conftest.py), its outputs counted, for
+    notebooks outside the conftest's folder (as build/nbval is)."""
+    conftest = Path(__file__).with_name("conftest.py")
+    pytester.mkdir("tests")
+    (pytester.path / "tests" / "conftest.py").write_text(f"""
+import importlib.util
+spec = importlib.util.spec_from_file_location("conftest_under_test", {str(conftest)!r})
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(module.ChapterReadingTime())
+""")
+    (pytester.path / "tests" / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
+    prose = nbformat.v4.new_markdown_cell(" ".join(["word"] * 11_900))  # 59.5 minutes: under a sitting unrun
+    printing = nbformat.v4.new_code_cell("print(' '.join(['n'] * 150))")  # 1 minute of output once run, 0.1 of code
+    nb = nbformat.v4.new_notebook(cells=[prose, nbformat.v4.new_code_cell("x = 1"), printing])
+    pytester.mkdir("nbval")
+    nbformat.write(nb, pytester.path / "nbval" / "99_long.ipynb")
+    assert readtime.reading(json.loads(nbformat.writes(nb))).minutes < readtime.LIMIT_MIN
+    result = pytester.runpytest_inprocess("tests", "nbval", "--nbval-lax", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*99_long: 60.7 minutes to read with its default parameters*over a sitting's 60*",
+                                 "minutes to read each chapter's default run*: 99 60.7"])
