@@ -421,6 +421,8 @@ def test_command_prints_the_table_and_json(monkeypatch, capsys):
     assert P.main(["--model", "tiny", "--gpu", "h100", "--gpus", "1", "--seq-len", "16", "--batch", "2"]) == 0
     text = capsys.readouterr().out
     assert "fastest that fits: ranks" in text and "left out:" in text
+    fastest = next(line for line in text.splitlines() if line.startswith("fastest that fits: "))
+    assert "adam_impl" in fastest and "grad_sync" not in fastest and "reduce_dtype" not in fastest  # FSDP2's knobs
     P.main(["--model", "tiny", "--gpu", "h100", "--seq-len", "16", "--batch", "2", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert data["fastest"]["fits"] and len(data["rows"]) > 0 and data["fastest"]["reserved_bytes"] is None

@@ -1527,6 +1527,22 @@ def _fsdp2_reserve_note(p: Plan) -> list:
             + " with --reserved to judge the front by its allocator replay"]
 
 
+def _describe_row(r: Row) -> str:
+    """Return a row's combination, its FSDP2 knobs only where FSDP2 runs, and its peak and time in words (format_plan's
+    fastest that fits)."""
+    c = r.combination
+    knobs = ", ".join(f"{k} {v}" for k, v in asdict(c).items()
+                      if c.parallel.startswith("fsdp2") or k not in ("grad_sync", "reduce_dtype"))
+    return (knobs + f" ({format_bytes(r.peak_bytes)}, "
+            + ("" if r.reserved_bytes is None else f"{format_bytes(r.reserved_bytes)} reserved, ")
+            + f"{r.step_s * 1e3:,.2f} ms/step, {r.tokens_per_s:,.0f} tokens/s, " + (
+                "a roofline bound for eager, unfused PyTorch)" if r.comm_s + r.host_s == 0 else
+                "the roofline's bound + " + " + ".join(f"{t * 1e3:,.2f} ms of {what}" for t, what in (
+                    (r.comm_s, "communication"), (r.host_s, "host transfers")) if t > 0) + ", not overlapped"
+                + (f"; {r.overlapped_s * 1e3:,.2f} ms/step with the communication hidden behind compute, as FSDP2's "
+                   "prefetch and DDP's buckets at best hide it)" if r.comm_s > 0 else ")")))
+
+
 def format_plan(p: Plan, all_rows: bool = False) -> str:
     """Return the plan as a text table: the Pareto front (every row with all_rows) and the fastest that fits."""
     n = p.n_params  # "437,760" below a million, else "124.4 M" or "6.74 B"
@@ -1562,15 +1578,7 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
                         if with_reserved else "") + f"{_fits_mark(r):>4} {r.step_s * 1e3:>10,.2f} "
                      f"{r.comm_s * 1e3:>10,.2f} {r.host_s * 1e3:>10,.2f} {r.tokens_per_s:>10,.0f}")
     best = p.fastest
-    lines += ["", "fastest that fits: " + ("none" if best is None else ", ".join(
-        f"{k} {v}" for k, v in asdict(best.combination).items()) + f" ({format_bytes(best.peak_bytes)}, " + (
-            "" if best.reserved_bytes is None else f"{format_bytes(best.reserved_bytes)} reserved, ") +
-        f"{best.step_s * 1e3:,.2f} ms/step, {best.tokens_per_s:,.0f} tokens/s, " + (
-            "a roofline bound for eager, unfused PyTorch)" if best.comm_s + best.host_s == 0 else
-            "the roofline's bound + " + " + ".join(f"{t * 1e3:,.2f} ms of {what}" for t, what in (
-                (best.comm_s, "communication"), (best.host_s, "host transfers")) if t > 0) + ", not overlapped"
-            + (f"; {best.overlapped_s * 1e3:,.2f} ms/step with the communication hidden behind compute, as FSDP2's "
-               "prefetch and DDP's buckets at best hide it)" if best.comm_s > 0 else ")")))]
+    lines += ["", "fastest that fits: " + ("none" if best is None else _describe_row(best))]
     lines += _at_published_share(p, best) + _fsdp2_reserve_note(p)
     lines += [
               "#: the row's place on the Pareto front (1: the fastest; blank: not on it, or a tie of a row on it); "
