@@ -245,8 +245,9 @@ class ChapterReadingTime:
         minutes = {Path(r.nodeid.split("::")[0]).stem: v for kind in ("passed", "failed")
                    for r in terminalreporter.getreports(kind) for k, v in r.user_properties if k == "minutes_to_read"}
         if minutes:
+            from workbook.readtime import LIMIT_MIN
             terminalreporter.write_line(
-                "minutes to read each chapter's default run (workbook.readtime; a sitting is 60): "
+                f"minutes to read each chapter's default run (workbook.readtime; a sitting is {LIMIT_MIN}): "
                 + ", ".join(f"{stem[:3].rstrip('_')} {m:.1f}" for stem, m in sorted(minutes.items())))
 
 
