@@ -623,9 +623,10 @@ def search_launch_lines(speedup: float, speedup_launches: float, launch_ratios: 
     if ahead and supported_projection(rows) == "launches":
         quickest = min(launch_ratios, key=launch_ratios.get)
         tied_q = [n for n, r in launch_ratios.items() if n != quickest and r * same_speed <= launch_ratios[quickest]]
+        tie = f"; tied with {', '.join(tied_q)}, under {1 / same_speed:.2f}x apart" if tied_q else ""
         lines.append(f"read so, of these settings {quickest} is the fastest ({launch_ratios[quickest]:.2f}x the "
-                     "answer's time" + (f"; tied with {', '.join(tied_q)}" if tied_q else "") + "): at this size "
-                     "train that; the search's answer would be this model's if launches were free")
+                     f"answer's time{tie}): at this size train that; the search's answer would be this model's if "
+                     "launches were free")
     return lines
 
 
