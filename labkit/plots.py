@@ -41,7 +41,8 @@ def show(fig: Figure, **savefig) -> None:
 
 
 def show_pyplot(draw, width_in: float = 6.0, height_in: float = 3.2, after=None) -> Figure:
-    """Run `draw()`, a pyplot plot that returns its Axes (Optuna's), show it as a PNG, close it, restore rcParams.
+    """Run `draw()`, a pyplot plot that returns its Axes (Optuna's), show it as a PNG with labkit's look, close it,
+    restore rcParams.
 
     `after(ax)` may add to the plot (a budget line).
     """
@@ -55,9 +56,30 @@ def show_pyplot(draw, width_in: float = 6.0, height_in: float = 3.2, after=None)
             after(first)
         fig = first.figure
         fig.set_size_inches(width_in, height_in)
+        default_look(fig)
         show(fig, bbox_inches="tight")  # no label cut off, whatever its layout
     plt.close(fig)  # else the inline backend shows it a second time at the end of the cell
     return fig
+
+
+def default_look(fig: Figure) -> None:
+    """Give a figure drawn under another style sheet (Optuna's plots set ggplot's: grey panel, white grid) the look
+    of labkit's figures, matplotlib's defaults: white panel, dark frame, ticks and labels, no grid."""
+    import matplotlib
+
+    d = matplotlib.rcParamsDefault
+    for ax in fig.axes:
+        ax.set_facecolor(d["axes.facecolor"])
+        for spine in ax.spines.values():
+            spine.set_edgecolor(d["axes.edgecolor"])
+        ax.grid(False)
+        ax.tick_params(colors=d["xtick.color"])
+        for text in (ax.xaxis.label, ax.yaxis.label, ax.title):
+            text.set_color(d["axes.labelcolor"])
+        legend = ax.get_legend()
+        if legend is not None:
+            legend.get_frame().set_facecolor(d["axes.facecolor"])  # (legend.facecolor: "inherit", the panel's)
+            legend.get_frame().set_edgecolor(d["legend.edgecolor"])
 
 
 def plot_timeline(source: MemoryMeter | list[TimelinePoint], ax=None, budget_bytes: int | None = None,

@@ -97,3 +97,31 @@ def test_each_use_of_the_host_has_its_own_edge_and_legend_entry():
     assert len(set(PLACEMENT_EDGES.values())) == 3
     legend = {t.get_text() for t in draw_plan(out).axes[0].get_legend().get_texts()}
     assert set(PLACEMENT_EDGES) <= legend
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # (Optuna's plots are "experimental")
+def test_an_optuna_plot_takes_labkits_look_and_leaves_the_style_as_it_was():
+    """Optuna's matplotlib plots set ggplot's style sheet (grey panel, white grid): show_pyplot shows them as labkit's
+    figures look (white panel, dark frame and labels, no grid) and restores rcParams."""
+    import matplotlib
+    import optuna
+    import optuna.visualization.matplotlib as ovm
+    from matplotlib.colors import to_rgba
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study()
+    for lr in (1e-3, 1e-2):
+        trial = study.ask()
+        for step in (1, 2):
+            trial.report(lr / step, step)
+        study.tell(trial, lr)
+    before = dict(matplotlib.rcParams)
+    fig = plots.show_pyplot(lambda: ovm.plot_intermediate_values(study), after=lambda ax: ax.legend())
+    ax = fig.axes[0]
+    white, black = to_rgba("white"), to_rgba("black")
+    assert to_rgba(ax.get_facecolor()) == white
+    assert to_rgba(ax.get_legend().get_frame().get_facecolor())[:3] == white[:3]  # (the legend's own alpha, 0.8)
+    assert all(to_rgba(s.get_edgecolor()) == black for s in ax.spines.values())
+    assert not any(line.get_visible() for line in ax.get_xgridlines() + ax.get_ygridlines())
+    assert to_rgba(ax.xaxis.label.get_color()) == black and to_rgba(ax.get_xticklabels()[0].get_color()) == black
+    assert dict(matplotlib.rcParams) == before  # ggplot's sheet gone with the plot
