@@ -29,7 +29,8 @@ def cost_table(works: Mapping[str, Work], gpu: str | DeviceProfile, baseline: st
     """Return one line per setting: FLOPs by precision, bytes, kernels, host and peer bytes, its time on `gpu`.
 
     The time is the estimate where the GPU has a published efficiency, else the roofline bound; `baseline` (a key
-    of `works`) adds each time over that setting's, by the work alone and with the host's launches counted.
+    of `works`) adds each time over that setting's, by the work alone and with the host's launches counted. A host
+    or peer column that would hold only zeros is left out, and the legend says none moves those bytes.
     """
     device = gpu if isinstance(gpu, DeviceProfile) else device_profile(gpu)
     times = {name: step_time(w, device) for name, w in works.items()}
@@ -37,8 +38,10 @@ def cost_table(works: Mapping[str, Work], gpu: str | DeviceProfile, baseline: st
     seconds = {name: t.time_s for name, t in times.items()}
     width = max(len("setting"), *(len(str(name)) for name in works))
     half = device.half
-    head = (f"{'setting':<{width}} {'GFLOP fp32':>10} {'GFLOP ' + half:>10} {'GB moved':>9} {'kernels':>8} "
-            f"{'MiB host':>8} {'MiB sent':>8} {('estimate' if estimate else 'bound') + ' (ms)':>13} {'launch (ms)':>11}"
+    host, sent = (any(getattr(w, f) for w in works.values()) for f in ("host_bytes", "sent_bytes"))
+    head = (f"{'setting':<{width}} {'GFLOP fp32':>10} {'GFLOP ' + half:>10} {'GB moved':>9} {'kernels':>8}"
+            + (f" {'MiB host':>8}" if host else "") + (f" {'MiB sent':>8}" if sent else "")
+            + f" {('estimate' if estimate else 'bound') + ' (ms)':>13} {'launch (ms)':>11}"
             + (f" {'x base':>7} {'x base w/ launch':>16}" if baseline is not None else ""))
     lines = [f"counted per optimizer step; time on the {device.name}: "
              + (f"an estimate at {device.efficiency.fraction:.1%} of peak ({device.efficiency.source.split(':')[0]})"
@@ -46,14 +49,18 @@ def cost_table(works: Mapping[str, Work], gpu: str | DeviceProfile, baseline: st
     for name, w in works.items():
         sixteen = sum(n for p, n in w.flops.items() if p != "fp32")
         line = (f"{str(name):<{width}} {w.flops.get('fp32', 0) / 1e9:>10.3f} {sixteen / 1e9:>10.3f} "
-                f"{w.bytes_accessed / 1e9:>9.3f} {w.kernels:>8,.0f} {w.host_bytes / 2**20:>8.1f} "
-                f"{w.sent_bytes / 2**20:>8.1f} {seconds[name] * 1e3:>13.3f} {times[name].launch_s * 1e3:>11.3f}")
+                f"{w.bytes_accessed / 1e9:>9.3f} {w.kernels:>8,.0f}" + (f" {w.host_bytes / 2**20:>8.1f}" if host else "")
+                + (f" {w.sent_bytes / 2**20:>8.1f}" if sent else "")
+                + f" {seconds[name] * 1e3:>13.3f} {times[name].launch_s * 1e3:>11.3f}")
         if baseline is not None:
             line += (f" {seconds[name] / seconds[baseline]:>7.2f}"
                      f" {times[name].with_launches_s / times[baseline].with_launches_s:>16.2f}")
         lines.append(line)
+    moved = ["MiB host: over PCIe"] * host + ["MiB sent: to other GPUs"] * sent  # the columns shown, and the others:
+    unmoved = ["copies over PCIe"] * (not host) + ["sends to other GPUs"] * (not sent)
+    moved += ["no setting here " + " or ".join(unmoved)] if unmoved else []
     lines.append("GB moved: operators' reads and writes; kernels: operators, collectives and host copies run; "
-                 "MiB host: over PCIe; MiB sent: to other GPUs"
+                 + "; ".join(moved)
                  + (f"; 16-bit runs as {half} on the {device.name}" if half != "bf16" else "")
                  + (f"; x base: time over {baseline}'s by the work alone, w/ launch: each the longer of its "
                     "launches and its work" if baseline is not None else ""))

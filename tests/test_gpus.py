@@ -114,6 +114,26 @@ def test_a_step_of_many_small_kernels_is_launch_bound_and_a_large_one_is_not():
     assert gpus.step_time(small, gpus.measure_cpu(n=64, repeats=1)).launch_s == 0  # a CPU runs what it dispatches
 
 
+def test_the_cost_table_shows_host_and_peer_bytes_only_where_a_setting_moves_some():
+    from labkit.costs import cost_table
+
+    plain = Work(flops={"fp32": 10**9}, bytes_accessed=10**8, kernels=100)
+    offload = dataclasses.replace(plain, host_bytes=3 * 2**20)
+    sharded = dataclasses.replace(plain, sent_bytes=5 * 2**20)
+    for works, host, sent in (({"plain": plain}, False, False), ({"plain": plain, "offload": offload}, True, False),
+                              ({"plain": plain, "sharded": sharded}, False, True),
+                              ({"offload": offload, "sharded": sharded}, True, True)):
+        lines = cost_table(works, "t4", baseline=next(iter(works))).splitlines()
+        head, legend = lines[1].split(), lines[2 + len(works)]
+        assert ("host" in head, "sent" in head) == (host, sent)
+        assert all(len(line.split()) == 9 + host + sent for line in lines[2:2 + len(works)])  # a value per column
+        assert ("MiB host: over PCIe" in legend, "MiB sent: to other GPUs" in legend) == (host, sent)
+        unmoved = " or ".join(["copies over PCIe"] * (not host) + ["sends to other GPUs"] * (not sent))
+        assert (f"no setting here {unmoved};" in legend) == (not (host and sent)), legend
+    rows = {line.split()[0]: line.split() for line in cost_table({"plain": plain, "offload": offload}, "t4").splitlines()}
+    assert rows["offload"][5] == "3.0" and rows["plain"][5] == "0.0"  # the column under "MiB host"
+
+
 def test_the_readme_quotes_the_recorded_gpu_run_as_recorded():
     import json
     from pathlib import Path
