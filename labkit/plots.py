@@ -41,8 +41,8 @@ def show(fig: Figure, **savefig) -> None:
 
 
 def show_pyplot(draw, width_in: float = 6.0, height_in: float = 3.2, after=None) -> Figure:
-    """Run `draw()`, a pyplot plot that returns its Axes (Optuna's), show it as a PNG with labkit's look, close it,
-    restore rcParams.
+    """Run `draw()`, a pyplot plot that returns its Axes (Optuna's), show it as a PNG in the look of labkit's figures,
+    close it, restore rcParams.
 
     `after(ax)` may add to the plot (a budget line).
     """
@@ -50,36 +50,43 @@ def show_pyplot(draw, width_in: float = 6.0, height_in: float = 3.2, after=None)
     import matplotlib.pyplot as plt
 
     with matplotlib.rc_context():
-        ax = draw()
+        with matplotlib.rc_context():
+            ax = draw()  # (Optuna's plots set ggplot's style sheet: gone on leaving)
         first = ax.flat[0] if hasattr(ax, "flat") else ax
+        fig = first.figure
+        restyle(fig)
         if after is not None:
             after(first)
-        fig = first.figure
         fig.set_size_inches(width_in, height_in)
-        default_look(fig)
         show(fig, bbox_inches="tight")  # no label cut off, whatever its layout
     plt.close(fig)  # else the inline backend shows it a second time at the end of the cell
     return fig
 
 
-def default_look(fig: Figure) -> None:
-    """Give a figure drawn under another style sheet (Optuna's plots set ggplot's: grey panel, white grid) the look
-    of labkit's figures, matplotlib's defaults: white panel, dark frame, ticks and labels, no grid."""
+def restyle(fig: Figure) -> None:
+    """Give a figure drawn under another style sheet (Optuna's plots set ggplot's: grey panel, white grid, larger
+    grey labels) the look of the rcParams in force, as labkit's figures have: panel, frame, grid, ticks, labels, title
+    and legend."""
     import matplotlib
 
-    d = matplotlib.rcParamsDefault
+    rc = matplotlib.rcParams
     for ax in fig.axes:
-        ax.set_facecolor(d["axes.facecolor"])
+        ax.set_facecolor(rc["axes.facecolor"])
         for spine in ax.spines.values():
-            spine.set_edgecolor(d["axes.edgecolor"])
+            spine.set_edgecolor(rc["axes.edgecolor"]), spine.set_linewidth(rc["axes.linewidth"])
         ax.grid(False)
-        ax.tick_params(colors=d["xtick.color"])
-        for text in (ax.xaxis.label, ax.yaxis.label, ax.title):
-            text.set_color(d["axes.labelcolor"])
+        if rc["axes.grid"]:
+            ax.grid(True, color=rc["grid.color"], linestyle=rc["grid.linestyle"], linewidth=rc["grid.linewidth"])
+        ax.tick_params(colors=rc["xtick.color"], labelsize=rc["xtick.labelsize"])
+        for label in (ax.xaxis.label, ax.yaxis.label):
+            label.set_color(rc["axes.labelcolor"]), label.set_fontsize(rc["axes.labelsize"])
+        ax.title.set_fontsize(rc["axes.titlesize"])
+        ax.title.set_color(rc["text.color"] if rc["axes.titlecolor"] == "auto" else rc["axes.titlecolor"])
         legend = ax.get_legend()
         if legend is not None:
-            legend.get_frame().set_facecolor(d["axes.facecolor"])  # (legend.facecolor: "inherit", the panel's)
-            legend.get_frame().set_edgecolor(d["legend.edgecolor"])
+            frame = legend.get_frame()
+            frame.set_facecolor(rc["axes.facecolor"] if rc["legend.facecolor"] == "inherit" else rc["legend.facecolor"])
+            frame.set_edgecolor(rc["axes.edgecolor"] if rc["legend.edgecolor"] == "inherit" else rc["legend.edgecolor"])
 
 
 def plot_timeline(source: MemoryMeter | list[TimelinePoint], ax=None, budget_bytes: int | None = None,

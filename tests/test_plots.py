@@ -101,27 +101,35 @@ def test_each_use_of_the_host_has_its_own_edge_and_legend_entry():
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # (Optuna's plots are "experimental")
 def test_an_optuna_plot_takes_labkits_look_and_leaves_the_style_as_it_was():
-    """Optuna's matplotlib plots set ggplot's style sheet (grey panel, white grid): show_pyplot shows them as labkit's
-    figures look (white panel, dark frame and labels, no grid) and restores rcParams."""
+    """Optuna's matplotlib plots set ggplot's style sheet (grey panel, white grid, larger grey labels): show_pyplot
+    shows them as labkit's figures look (matplotlib's defaults here), `after` draws in that look, and rcParams come
+    back as they were."""
     import matplotlib
     import optuna
     import optuna.visualization.matplotlib as ovm
     from matplotlib.colors import to_rgba
+    from matplotlib.font_manager import FontProperties
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study()
-    for lr in (1e-3, 1e-2):
+    for lr in (1e-3, 1e-2):  # two trials: Optuna draws a legend
         trial = study.ask()
         for step in (1, 2):
             trial.report(lr / step, step)
         study.tell(trial, lr)
     before = dict(matplotlib.rcParams)
-    fig = plots.show_pyplot(lambda: ovm.plot_intermediate_values(study), after=lambda ax: ax.legend())
+    seen = {}
+    fig = plots.show_pyplot(lambda: ovm.plot_intermediate_values(study),
+                            after=lambda ax: seen.update(facecolor=matplotlib.rcParams["axes.facecolor"]))
     ax = fig.axes[0]
-    white, black = to_rgba("white"), to_rgba("black")
-    assert to_rgba(ax.get_facecolor()) == white
+    white, black, d = to_rgba("white"), to_rgba("black"), matplotlib.rcParamsDefault
+    assert to_rgba(ax.get_facecolor()) == white and seen == {"facecolor": d["axes.facecolor"]}
     assert to_rgba(ax.get_legend().get_frame().get_facecolor())[:3] == white[:3]  # (the legend's own alpha, 0.8)
-    assert all(to_rgba(s.get_edgecolor()) == black for s in ax.spines.values())
+    assert all(to_rgba(s.get_edgecolor()) == black and s.get_linewidth() == d["axes.linewidth"]
+               for s in ax.spines.values())
     assert not any(line.get_visible() for line in ax.get_xgridlines() + ax.get_ygridlines())
-    assert to_rgba(ax.xaxis.label.get_color()) == black and to_rgba(ax.get_xticklabels()[0].get_color()) == black
+    size = lambda key: FontProperties(size=d[key]).get_size_in_points()
+    for text, key in ((ax.xaxis.label, "axes.labelsize"), (ax.yaxis.label, "axes.labelsize"),
+                      (ax.title, "axes.titlesize"), (ax.get_xticklabels()[0], "xtick.labelsize")):
+        assert to_rgba(text.get_color()) == black and text.get_fontsize() == size(key), (text.get_text(), key)
     assert dict(matplotlib.rcParams) == before  # ggplot's sheet gone with the plot

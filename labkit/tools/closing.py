@@ -615,7 +615,7 @@ def search_launch_lines(speedup: float, speedup_launches: float, launch_ratios: 
     lines = [f"the search ranks by counted work alone, by which its answer runs at {speedup:.2f}x the plain step's "
              f"speed, and at {speedup_launches:.2f}x counting the host's launches, which set the pace at this size (at "
              "an H200 host's launch rate); so counted, " + (f"it trails {', '.join(ahead)}" if ahead else
-                                                           f"it ties {', '.join(tied)} (under {1 / same_speed:.2f}x "
+                                                           f"it ties {', '.join(tied)} (under {1 / same_speed:.3f}x "
                                                            "apart)" if tied else "it stays ahead")]
     run, source = measured_run(None, recorded)
     rows = gpu_run_rows(run)
@@ -623,7 +623,7 @@ def search_launch_lines(speedup: float, speedup_launches: float, launch_ratios: 
     if ahead and supported_projection(rows) == "launches":
         quickest = min(launch_ratios, key=launch_ratios.get)
         tied_q = [n for n, r in launch_ratios.items() if n != quickest and r * same_speed <= launch_ratios[quickest]]
-        tie = f"; tied with {', '.join(tied_q)}, under {1 / same_speed:.2f}x apart" if tied_q else ""
+        tie = f"; tied with {', '.join(tied_q)}, at most {1 / same_speed:.3f}x apart" if tied_q else ""
         lines.append(f"read so, of these settings {quickest} is the fastest ({launch_ratios[quickest]:.2f}x the "
                      f"answer's time{tie}): at this size train that; the search's answer would be this model's if "
                      "launches were free")
