@@ -86,6 +86,18 @@ def test_the_last_line_gives_the_machines_speed_before_and_after():
                                                   "6.84 ms after (1.50x)")
 
 
+@pytest.mark.parametrize("fp32_s, words", [
+    (0.00283, "this machine's fp32 2.83 ms, 1.8x the reference's speed: times here run shorter than on the reference"),
+    (0.0048, "this machine's fp32 4.80 ms, about the reference's speed"),
+    (0.0052, "this machine's fp32 5.20 ms, about the reference's speed"),
+    (0.0100, "this machine's fp32 10.00 ms, 2.0x slower than the reference: times here run longer than on it"),
+])
+def test_the_reference_line_says_whether_this_machine_runs_faster_or_slower_than_the_reference(fp32_s, words):
+    """The AVX2 variables pick the reference's kernels, not its speed: the bench says how this machine compares."""
+    line = bench.reference_line(fp32_s)
+    assert line == ("beside the reference (issue 34's 2-core AMD EPYC, AVX2 only: fp32 5.00 ms): " + words), line
+
+
 def test_repeated_rounds_give_medians_with_their_range():
     rounds = [{"by_chapter_s": {"00_a": s, "01_b": t}, "failed": f, "total_s": s + t, "exit_code": int(bool(f))}
               for s, t, f in ((12.0, 5.0, []), (14.0, 4.0, ["01_b"]), (11.0, 6.0, []))]
