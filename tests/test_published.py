@@ -33,6 +33,10 @@ def test_a_figure_without_a_prediction_says_why_in_the_target_column():
     estimate = published.Check("FMS-7B-H100-noAC-eager", "tokens/s per GPU", (7500, 7500), 7600.0, "from FMS-7B-A100")
     row = published.format_validation([estimate]).splitlines()[2]
     assert " 96 fsdp1 (HSDP) " in row and row.endswith("±25% yes (estimate)")  # the run's GPUs and parallelism
+    tt = published.Check("TT-165-FSDP2-AC-eager", "peak active", (22.7, 22.7), 22.5, "its step")
+    planned = published.format_validation([tt]).splitlines()
+    assert " 8 fsdp2-reshard " in planned[2], planned  # a planned run: the plan's name for what it ran (resharding)
+    assert planned[-1].startswith("GPUs, parallel: by the plan's names where the run is planned"), planned[-1]
 
 
 def test_a_memory_check_on_gpus_larger_than_their_profile_says_so_under_the_table():

@@ -50,7 +50,8 @@ from labkit.work import WorkCounter
 CHECKPOINTING = ("none", "every", "full", "sqrt", "selective", "op")  # every block but the last (kept whole: its
 #   backward comes first); every block, the last too (torchtitan's "full", transformers' gradient checkpointing); sqrt(n)
 #   segments; every block but the last, matmul outputs kept; torchtitan's op-level selective (every block, the last
-#   too: SDPA's outputs and every second matmul's kept, labkit.techniques.checkpointing.op_level_policy)
+#   too: SDPA's outputs and every second matmul's kept, a matmul with a bias always,
+#   labkit.techniques.checkpointing.op_level_policy)
 PLAN_CHECKPOINTING = ("none", "every", "sqrt", "selective")  # a CPU plan's choices unless it names others: the
 #   chapters' (02), each checked against the meter
 GPU_CHECKPOINTING = ("none", "full", "sqrt", "op")  # a GPU plan's: torchtitan's two modes (full, op-level selective)

@@ -215,7 +215,8 @@ def not_a_check(check: Check) -> str:
 def format_validation(checks: list[Check]) -> str:
     """Return the checks as a table: run, its GPUs and parallelism, figure, published, the plan's, error, within the
     target (a tokens/s prediction marked an estimate: another run's share of peak, not the plan's step time)."""
-    setups = {r["id"]: f"{r['gpus']} {r['parallel']}" for r in published_runs()}
+    setups = {r["id"]: f"{r['gpus']} {r['plan']['parallel'] if 'plan' in r else r['parallel']}"  # a planned run: the
+              for r in published_runs()}  #                                                      plan's name
     lines = [f"{'run':28s} {'GPUs, parallel':16s} {'figure':17s} {'published':>13s} {'predicted':>9s} {'error':>7s}  "
              "target", "-" * 103]
     for c in checks:
@@ -228,7 +229,9 @@ def format_validation(checks: list[Check]) -> str:
         estimate = " (estimate)" if c.predicted is not None and "peak" not in c.figure else ""
         lines.append(f"{c.run:28s} {setups.get(c.run, ''):16s} {c.figure:17s} {pub:>13s} {pred:>9s} {err:>7s}  "
                      f"{verdict}{estimate}")
-    lines.append("memory in GiB (2^30 B), predicted: the peak of the plan's step for the run (reserved: its "
+    lines.append("GPUs, parallel: by the plan's names where the run is planned (fsdp2-reshard: FSDP2 resharding after "
+                 "forward), else as published; memory in GiB (2^30 B), predicted: the peak of the plan's step for the run "
+                 "(reserved: its "
                  "allocations replayed through the caching allocator's rules); tokens/s predicted: a fraction of peak "
                  "from another run (its source) x the GPU's peak / the run's counted FLOPs per token (compute only), an "
                  "estimate, not the plan's step time; error: to the "

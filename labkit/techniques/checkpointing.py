@@ -59,7 +59,8 @@ def op_level_policy():
     """Return torchtitan's op-level selective checkpointing policy, fresh for one block's call (its SelectiveAC at
     pytorch/torchtitan b5bcd76, torchtitan/distributed/activation_checkpoint.py): keep the outputs of the ops torch's
     partitioner calls compute-intensive (matmuls, CUDA's SDPA kernels), of max and of reduce-scatter, but recompute
-    every second mm or linear, counted apart in forward and in recomputation; recompute the rest. (Its MoE rules, a
+    every second mm or linear, counted apart in forward and in recomputation (addmm, a matmul with a bias, is kept
+    every time: it is compute-intensive and not counted); recompute the rest. (Its MoE rules, a
     router's matmuls and device-to-host copies, are left out: no MoE here.)"""
     from torch._functorch.partitioners import get_default_op_list
     aten = torch.ops.aten
