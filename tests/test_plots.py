@@ -69,6 +69,17 @@ def test_the_plan_figure_keeps_its_labels_apart_clear_of_the_axis_and_its_times_
             "ckpt selective", "ckpt layer<k>", "does not fit (hollow)"} <= legend
 
 
+def test_the_plans_front_points_are_drawn_over_the_points_beside_them():
+    """A slower, larger row drawn at almost the front point's place (chapter 09's T4 plan: fp16 `op` over `sqrt`) does
+    not hide the point its label names."""
+    from labkit.planner.plot import draw_plan
+    plan = _plan_of([(2.49, 84, "fp16", "sqrt", True), (2.53, 88, "fp16", "op", True), (3.4, 70, "fp16", "none", True)])
+    ax = draw_plan(plan).axes[0]
+    markers = {(round(line.get_xdata()[0]), line.get_marker()): line.get_zorder() for line in ax.get_lines()
+               if len(line.get_xdata()) == 1 and line.get_marker() != "*"}
+    assert markers[(84, "^")] > markers[(88, "^")], markers  # the front's sqrt over the dominated op
+
+
 def test_plot_fit_draws_the_points_so_far_and_the_fit_over_the_whole_range():
     from labkit.trend import fit_polynomial
     fig, ax = plots.new_figure()

@@ -106,16 +106,19 @@ def _collide(fig, labels):
     return any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
 
 
+FRONT_ZORDER = 2.5  # the Pareto front's points over the others (matplotlib's lines: 2): a labelled point stays seen
+
+
 def draw_plan(p):
     """Return a figure of a plan's peaks (GiB) against predicted step times (ms): fits, Pareto front, fastest."""
     fig, ax = plots.new_figure(width_in=7.5, height_in=3.8)
+    front = p.pareto
     for r in p.rows:
         c = r.combination
         fill = CKPT_COLORS[ckpt_kind(c.checkpointing)]
         ax.plot(r.step_s * 1e3, r.peak_bytes / GiB, PRECISION_MARKERS[c.precision],
-                color=fill, mfc=fill if r.fits else "none", ms=6,
+                color=fill, mfc=fill if r.fits else "none", ms=6, zorder=FRONT_ZORDER if r in front else 2,
                 mec=edge_of(c), mew=1.5 if edge_of(c) in PLACEMENT_EDGES.values() else 1)
-    front = p.pareto
     if front:
         ax.plot([r.step_s * 1e3 for r in front], [r.peak_bytes / GiB for r in front], "-", color="#55a868", lw=1,
                 zorder=3)  # over the other points
