@@ -32,18 +32,19 @@ def test_a_figure_without_a_prediction_says_why_in_the_target_column():
     assert "not a check" not in published.format_validation([checked]).splitlines()[-1]
     estimate = published.Check("FMS-7B-H100-noAC-eager", "tokens/s per GPU", (7500, 7500), 7600.0, "from FMS-7B-A100")
     row = published.format_validation([estimate]).splitlines()[2]
-    assert " 96 fsdp1 (HSDP) " in row and row.endswith("±25% yes (estimate)")  # the run's GPUs and parallelism
+    assert " 96 FSDP1 (HSDP) " in row and row.endswith("±25% yes (estimate)")  # the run's GPUs and parallelism,
+    #                                                                            as published: no plan name
     tt = published.Check("TT-165-FSDP2-AC-eager", "peak active", (22.7, 22.7), 22.5, "its step")
     planned = published.format_validation([tt]).splitlines()
     assert " 8 fsdp2-reshard " in planned[2], planned  # a planned run: the plan's name for what it ran (resharding)
-    assert planned[-1].startswith("GPUs, parallel: by the plan's names where the run is planned"), planned[-1]
+    assert planned[-1].startswith("GPUs, parallel: a planned run's by the plan's names"), planned[-1]
 
 
 def test_a_memory_check_on_gpus_larger_than_their_profile_says_so_under_the_table():
     larger = published.Check("TT-L31-8B-FSDP2-SAC-eager", "peak reserved", (82.4, 82.4), 78.9, "its replay")
     footer = published.format_validation([larger]).splitlines()[-1]
-    assert ("TT-L31-8B-FSDP2-SAC-eager: their h100s held 95.0 GiB (TT-L31-8B-FSDP2-SAC-eager: assumed, its hosts' "
-            "figure), more than the h100 profile's 79.1 GiB") in footer  # the benchmark says 96 GB: the GiB assumed
+    assert ("TT-L31-8B-FSDP2-SAC-eager: their h100s held 95.0 GiB (TT-L31-8B-FSDP2-SAC-eager: assumed, not published "
+            "for it), more than the h100 profile's 79.1 GiB") in footer  # the benchmark says 96 GB: the GiB assumed
     measured = published.Check("TT-165-FSDP2-AC-eager", "peak active", (22.7, 22.7), 22.5, "its step")
     assert "assumed" not in published.format_validation([measured]).splitlines()[-1]  # PR #165 printed its GiB
     fms = published.Check("FMS-7B-H100-noAC-eager", "tokens/s per GPU", (7500, 7500), 7600.0, "from FMS-7B-A100")
