@@ -170,7 +170,7 @@ def reference_line(fp32_matmul_s: float) -> str:
     """Return the line that sets this machine's fp32 matmul beside the reference machine's.
 
     The AVX2 variables make torch pick the kernels an AVX2 machine runs, not run them at its speed: a newer CPU under
-    them still runs faster (a Zen 4 EPYC took 2.83 ms, where issue 34's machine took 5.0 ms).
+    them still runs faster (a Zen 4 EPYC took 2.6-3.6 ms, where issue 34's machine took 5.0 ms).
     """
     speed = REFERENCE_FP32_MATMUL_S / fp32_matmul_s
     if speed >= SAME_SPEED:

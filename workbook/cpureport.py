@@ -57,6 +57,8 @@ class CpuReport:
                 f"(bf16/fp32 = {self.bf16_ratio:.1f}x: {'native' if self.bf16_native else 'no native'} bf16)")
 
 
+FP32_REPEATS = 9  # a few ms each: the median of 9 moved by 1% over a dozen reports here where that of 3 moved by 10%
+#                   (AMD EPYC Zen 4, 2 cores, AVX2 variables); the speed line of `make bench` reads it
 _REPORT: list = []  # this process's report, measured once
 
 
@@ -71,7 +73,7 @@ def cpu_report(fresh: bool = False) -> CpuReport:
         capability=torch.backends.cpu.get_cpu_capability(),
         bf16_flags=bf16_flags(),
         dispatch_env={k: os.environ[k] for k in DISPATCH_ENV if k in os.environ},
-        fp32_matmul_s=matmul_s(torch.float32),
+        fp32_matmul_s=matmul_s(torch.float32, repeats=FP32_REPEATS),
         bf16_matmul_s=matmul_s(torch.bfloat16),
         bf16_native=bf16_native(flags),
     )
