@@ -99,6 +99,10 @@ class ControlPanel(W.VBox):
         head = [W.HTML(f"<b>{title}</b>")] if title else []
         super().__init__(head + list(self.controls.values()) + [W.HBox([self.button, self.status]), self.output])
 
+    def __repr__(self) -> str:
+        """Return the panel as a page without live widgets shows it (a static copy, GitHub's viewer, a terminal)."""
+        return f"[a panel that runs in Jupyter, controls: {', '.join(self.controls)}]"  # (ipywidgets cuts it at 110)
+
     def values(self) -> dict:
         """Return the controls' current values by name."""
         return {name: w.value for name, w in self.controls.items()}

@@ -86,6 +86,13 @@ def test_a_panel_that_offers_a_refused_value_is_not_built():
     assert control_panel(clamped, micro_batch=(1, 64, 1, 4), batch_size=(1, 64, 1, 16)).run() is None  # built; a run may fail
 
 
+def test_a_page_without_live_widgets_shows_what_the_panel_is_not_its_widget_tree():
+    """An executed chapter read as a static page (GitHub, a saved copy) shows the panel's text/plain."""
+    panel = control_panel(sharded, check=False, ranks=choices([2, 4, 8], 4), point=["DDP", "ZeRO-1"])
+    text = panel._repr_mimebundle_()["text/plain"]
+    assert text == "[a panel that runs in Jupyter, controls: ranks, point]", text
+
+
 def test_choices_are_a_slider_over_numbers_and_a_dropdown_otherwise():
     c = control_panel(sharded, check=False, ranks=choices([2, 4, 8], 4), point=["DDP", "ZeRO-1"]).controls
     assert type(c["ranks"]) is W.SelectionSlider and c["ranks"].value == 4 and positions(c["ranks"]) == [2, 4, 8]
