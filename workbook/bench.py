@@ -179,7 +179,8 @@ def reference_line(fp32_matmul_s: float) -> str:
         how = f"{1 / speed:.1f}x slower than the reference: times here run longer than on it"
     else:
         how = "about the reference's speed"
-    return (f"beside the reference (issue 34's 2-core AMD EPYC, AVX2 only: fp32 {REFERENCE_FP32_MATMUL_S * 1e3:.2f} ms): "
+    reference_ms = REFERENCE_FP32_MATMUL_S * 1e3
+    return (f"beside the reference (issue 34's 2-core AMD EPYC, AVX2 only: fp32 {reference_ms:.2f} ms): "
             f"this machine's fp32 {fp32_matmul_s * 1e3:.2f} ms, {how}")
 
 

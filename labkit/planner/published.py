@@ -215,8 +215,9 @@ def not_a_check(check: Check) -> str:
 def format_validation(checks: list[Check]) -> str:
     """Return the checks as a table: run, its GPUs and parallelism, figure, published, the plan's, error, within the
     target (a tokens/s prediction marked an estimate: another run's share of peak, not the plan's step time)."""
-    setups = {r["id"]: f"{r['gpus']} {r['plan']['parallel'] if 'plan' in r else r['parallel'].upper()}"  # a planned
-              for r in published_runs()}  # run's by the plan's name, the others' as published (upper case: no plan name)
+    # a planned run's parallelism by the plan's name; the others' as published, in capitals (no plan name)
+    setups = {r["id"]: f"{r['gpus']} {r['plan']['parallel'] if 'plan' in r else r['parallel'].upper()}"
+              for r in published_runs()}
     lines = [f"{'run':28s} {'GPUs, parallel':16s} {'figure':17s} {'published':>13s} {'predicted':>9s} {'error':>7s}  "
              "target", "-" * 103]
     for c in checks:
@@ -230,12 +231,11 @@ def format_validation(checks: list[Check]) -> str:
         lines.append(f"{c.run:28s} {setups.get(c.run, ''):16s} {c.figure:17s} {pub:>13s} {pred:>9s} {err:>7s}  "
                      f"{verdict}{estimate}")
     lines.append("GPUs, parallel: a planned run's by the plan's names (fsdp2-reshard: FSDP2 resharding after forward), "
-                 "the others' as published, in capitals; memory in GiB (2^30 B), predicted: the peak of the plan's step for the run "
-                 "(reserved: its "
-                 "allocations replayed through the caching allocator's rules); tokens/s predicted: a fraction of peak "
-                 "from another run (its source) x the GPU's peak / the run's counted FLOPs per token (recomputation included, no communication), an "
-                 "estimate, not the plan's step time; error: to the "
-                 "nearer end of a published range (0 inside it); target: the largest error allowed"
+                 "the others' as published, in capitals; memory in GiB (2^30 B), predicted: the peak of the plan's step "
+                 "for the run (reserved: its allocations replayed through the caching allocator's rules); tokens/s "
+                 "predicted: a fraction of peak from another run (its source) x the GPU's peak / the run's counted FLOPs "
+                 "per token (recomputation included, no communication), an estimate, not the plan's step time; error: "
+                 "to the nearer end of a published range (0 inside it); target: the largest error allowed"
                  + "".join(f"; {NOT_A_CHECK[m]}" for m in dict.fromkeys(not_a_check(c) for c in checks
                                                                        if c.within is None))
                  + _larger_gpus([c for c in checks if "peak" in c.figure and c.predicted is not None]))
