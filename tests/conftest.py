@@ -165,9 +165,34 @@ def leftover_processes(tag: str | None = None, wait_s: float = 10.0) -> list[str
 
 
 def pytest_report_header(config):
-    """Print the CPU line (workbook.cpureport) at the top of the run: every timing a run reports comes with its machine."""
+    """Print the CPU line (workbook.cpureport) at the top of the run: every timing a run reports comes with its machine;
+    keep the clock, the machine's busy CPU-seconds and the fp32 matmul for the run's last line."""
+    import time
+
+    from workbook.bench import machine_cpu_s
     from workbook.cpureport import cpu_report
-    return cpu_report().line()
+    report = cpu_report()
+    config.run_start = (time.monotonic(), machine_cpu_s(), report.fp32_matmul_s)
+    return report.line()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """End the run with the machine's side of its time: how busy its cores were, and its fp32 matmul before and after
+    (a shared machine can slow down by a quarter within a run: then so does the suite, with the same work)."""
+    import os
+    import time
+
+    from workbook.bench import cpu_line, drift_line, machine_cpu_s
+    from workbook.cpureport import cpu_report
+    if not hasattr(config, "run_start"):
+        return
+    start_s, busy_s, fp32_s = config.run_start
+    busy_end_s = machine_cpu_s()
+    busy = cpu_line({"busy_cpu_s": None if busy_s is None or busy_end_s is None else busy_end_s - busy_s,
+                     "cores": os.cpu_count(), "wall_s": time.monotonic() - start_s}, during="this run", limit=False)
+    for line in (busy, drift_line(fp32_s, cpu_report(fresh=True).fp32_matmul_s, during="this run")):
+        if line:
+            terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session, exitstatus):

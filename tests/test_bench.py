@@ -84,6 +84,8 @@ def test_the_table_sets_every_figure_beside_its_limit():
 def test_the_last_line_gives_the_machines_speed_before_and_after():
     assert bench.drift_line(0.00456, 0.00684) == ("this machine during the bench: 512x512 fp32 matmul 4.56 ms before, "
                                                   "6.84 ms after (1.50x)")
+    assert bench.drift_line(0.00263, 0.00395, during="this run").startswith(  # the suite's last line (tests/conftest.py)
+        "this machine during this run: 512x512 fp32 matmul 2.63 ms before, 3.95 ms after (1.50x)")
 
 
 @pytest.mark.parametrize("fp32_s, words", [
@@ -134,6 +136,8 @@ def test_the_suites_cpu_line_sets_its_busy_time_beside_what_its_limit_allows():
     assert bench.cpu_line(suite) == ("during `make test`: the machine's 2 cores busy 1,585 CPU-s in 800 s (99% of them); "
                                      "600 s of pytest allows 1,200 CPU-s at full use")
     assert bench.cpu_line({**suite, "busy_cpu_s": None}) is None  # not read (no /proc/stat): no line
+    assert bench.cpu_line(suite, during="this run", limit=False) == (  # the suite's last lines (tests/conftest.py)
+        "during this run: the machine's 2 cores busy 1,585 CPU-s in 800 s (99% of them)")
     rounds = [{**suite, "busy_cpu_s": b, "wall_s": w, "pytest_s": w - 7, "counts": "9 passed", "exit_code": 0}
               for b, w in ((1500.0, 760.0), (1600.0, 820.0), (1550.0, 790.0))]
     both = bench.combined("suite", rounds)

@@ -108,15 +108,15 @@ def bench_suite(out: Path) -> dict:
             "cpu_by_kind": None if cpu is None else cpu.by_kind()}
 
 
-def cpu_line(suite: dict) -> str | None:
-    """Return the line that says how busy the machine was during `make test`, and what the suite's limit allows: at
-    full use, LIMITS_S["suite"] x the cores (None where the busy time could not be read)."""
+def cpu_line(suite: dict, during: str = "`make test`", limit: bool = True) -> str | None:
+    """Return the line that says how busy the machine was during `make test` (or `during`), and with `limit` what the
+    suite's limit allows: at full use, LIMITS_S["suite"] x the cores (None where the busy time could not be read)."""
     busy, cores, wall = suite.get("busy_cpu_s"), suite.get("cores"), suite.get("wall_s")
     if busy is None or not cores or not wall:
         return None
-    return (f"during `make test`: the machine's {cores} cores busy {busy:,.0f} CPU-s in {wall:,.0f} s "
-            f"({busy / (wall * cores):.0%} of them); {LIMITS_S['suite']} s of pytest allows "
-            f"{LIMITS_S['suite'] * cores:,} CPU-s at full use")
+    allows = f"; {LIMITS_S['suite']} s of pytest allows {LIMITS_S['suite'] * cores:,} CPU-s at full use" if limit else ""
+    return (f"during {during}: the machine's {cores} cores busy {busy:,.0f} CPU-s in {wall:,.0f} s "
+            f"({busy / (wall * cores):.0%} of them){allows}")
 
 
 def combined(part: str, rounds: list) -> dict:
@@ -184,12 +184,13 @@ def reference_line(fp32_matmul_s: float) -> str:
             f"this machine's fp32 {fp32_matmul_s * 1e3:.2f} ms, {how}")
 
 
-def drift_line(before_s: float, after_s: float) -> str:
-    """Return the line that says how this machine's speed moved during the bench: the fp32 matmul before and after.
+def drift_line(before_s: float, after_s: float, during: str = "the bench") -> str:
+    """Return the line that says how this machine's speed moved during the bench (or `during`): the fp32 matmul before
+    and after.
 
     A shared machine's speed can move by 2x within a day: figures compare only with a similar line.
     """
-    return (f"this machine during the bench: 512x512 fp32 matmul {before_s * 1e3:.2f} ms before, {after_s * 1e3:.2f} ms "
+    return (f"this machine during {during}: 512x512 fp32 matmul {before_s * 1e3:.2f} ms before, {after_s * 1e3:.2f} ms "
             f"after ({after_s / before_s:.2f}x)")
 
 
