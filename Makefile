@@ -33,7 +33,8 @@ readtime: $(STAMP)  ## each executed chapter's reading time (prose, output, code
 # thread: two processes of two OpenMP threads on two cores spin against each other and run many times slower.
 # One worker per core. A third worker on 2 cores, meant to run tests while others wait on the processes they
 # started (engines, ranks, a browser, timeouts), cost more CPU than it filled: 1,203 busy CPU-s and 605 s of pytest,
-# against 994-1,011 CPU-s and 537-549 s with 2 (2026-12-06, a 2-core Zen 4 under the AVX2 variables).
+# against 994-1,011 CPU-s and 537-549 s with 2; in a slower hour 1,329 CPU-s (668 s) against 1,198-1,269 (639-678 s)
+# (2026-12-06, a 2-core Zen 4 under the AVX2 variables).
 TEST_WORKERS ?= $(shell nproc)
 # LABKIT_RESULTS: the closing page (10) reads the committed figures of a real `make run` (it says so), not
 # whatever build/results.json holds, so that nbval runs it the same on every machine without running a chapter for it

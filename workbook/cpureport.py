@@ -58,7 +58,7 @@ class CpuReport:
 
 
 FP32_REPEATS = 9  # a few ms each: the median of 9 moved by 1% over a dozen reports here where that of 3 moved by 10%
-#                   (AMD EPYC Zen 4, 2 cores, AVX2 variables); the speed line of `make bench` reads it
+#                   (AMD EPYC Zen 4, 2 cores, AVX2 variables); the speed lines of `make bench` and `make test` read it
 _REPORT: list = []  # this process's report, measured once
 
 
