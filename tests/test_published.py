@@ -71,6 +71,19 @@ def test_a_runs_flops_count_its_checkpointings_recomputation_with_or_without_the
         published._checkpointing(dict(runs["FMS-7B-H100-noAC-eager"], checkpointing="every 2nd layer"))
 
 
+def test_op_level_flops_recompute_every_second_matmul_and_keep_the_attention_as_on_the_runs_gpu():
+    """A small Llama run (the 8B's grouped-query layout, 3 blocks) counted as torchtitan's op-level policy runs it on an
+    H100: per token, op level adds the forward of every second matmul of a block (wk, wo, w3) over no checkpointing,
+    and no attention: CUDA's flash output is kept (this CPU's flash kernel, not in the save list, would add 4 T C)."""
+    run = {r["id"]: r for r in published.published_runs()}["TT-L31-8B-FSDP2-SAC-eager"]
+    C, T, kv, F, L = 64, 16, 32, 160, 3  # width, tokens, key/value width (2 of 4 heads), SwiGLU hidden, blocks
+    small = dict(run, seq_len=T, model=dict(run["model"], layers=L, hidden=C, heads=4, kv_heads=2, ffn_hidden=F,
+                                            vocab=128))
+    per_token = {kind: published.flops_per_token(dict(small, plan=dict(run["plan"], checkpointing=kind)))
+                 for kind in ("none", "op")}
+    assert per_token["op"] - per_token["none"] == L * (2 * C * kv + 2 * C * C + 2 * C * F)
+
+
 def test_every_published_figure_the_planner_models_is_within_its_target():
     """The 7B FSDP2 runs' peak active memory from the plan's step at full depth (what its fast depth gives: below), the
     reserved peak from that step's allocations replayed through the caching allocator's rules, tokens/s from a

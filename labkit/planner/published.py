@@ -63,12 +63,15 @@ def run_config(run: dict):
 
 def flops_per_token(run: dict) -> float:
     """Return labkit.work's FLOPs per token of a published run's step: a bf16 step of one row of seq_len tokens on fake
-    tensors at depths 1 and 2, each further block adding the same (the optimizer's elementwise ops count none)."""
+    tensors at depths 1 and 2, each further block adding the same (the optimizer's elementwise ops count none). Its
+    attention is the kernel the run's GPU runs (plan._as_gpu_runs_it: CUDA's flash, whose output op-level
+    checkpointing keeps), not this CPU's flash kernel, which that save list leaves to be recomputed."""
     from labkit.techniques.checkpointing import checkpoint_blocks
     from labkit.estimate import fake_mode
     from labkit.models import build_model
+    from labkit.planner.plan import _as_gpu_runs_it
     from labkit.work import count_work
-    cfg, layers = run_config(run), run["model"]["layers"]
+    cfg, layers = _as_gpu_runs_it(run_config(run), run["gpu"]), run["model"]["layers"]
     flops = []
     for depth in (1, 2):
         with fake_mode(allow_non_fake_inputs=True):
