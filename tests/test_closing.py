@@ -500,12 +500,15 @@ def test_the_held_line_gives_a_timed_steps_measurement_beside_both_projections()
 def test_chapter_08s_launch_lines_name_what_beats_its_answer_and_what_to_train_at_this_size():
     ratios = {"02 activation checkpointing": 0.63, "01 gradient accumulation": 0.97, "04 activation offload": 1.5}
     lines = closing.search_launch_lines(1.19, 0.56, ratios, 0.95)
-    assert "by which its answer runs at 1.19x the plain step's speed, and at 0.56x" in lines[0]
-    assert lines[0].endswith("so counted, it trails 02 activation checkpointing")
+    assert "the search's answer runs at 1.19x the plain step's speed; counting the host's launches" in lines[0]
+    assert lines[0].endswith("at this size, at 0.56x: behind 02 activation checkpointing")
     assert lines[1].startswith("which projection to read:")  # the recorded run supports the launches' (test above)
-    assert lines[2].startswith("read so, of these settings 02 activation checkpointing is the fastest (0.63x the "
-                               "answer's time): at this size")
+    assert lines[2].startswith("read so, train 02 activation checkpointing at this size (0.63x the answer's time); ")
     tied = closing.search_launch_lines(1.19, 0.56, dict(ratios, **{"04 activation offload": 0.65}), 0.95)
     assert "(0.63x the answer's time; tied with 04 activation offload, at most 1.053x apart)" in tied[2]
     ties_only = closing.search_launch_lines(1.19, 0.56, {"01 gradient accumulation": 0.97}, 0.95)
-    assert ties_only[0].endswith("it ties 01 gradient accumulation (under 1.053x apart)") and len(ties_only) == 2
+    assert ties_only[0].endswith("tied with 01 gradient accumulation (under 1.053x apart)") and len(ties_only) == 2
+    assert closing.train_at_this_size(ratios, 0.95) == ("02 activation checkpointing", [])  # (the summary's row)
+    assert closing.train_at_this_size(dict(ratios, **{"04 activation offload": 0.65}), 0.95) == (
+        "02 activation checkpointing", ["04 activation offload"])
+    assert closing.train_at_this_size({"01 gradient accumulation": 0.97}, 0.95) is None  # a tie: train the answer
