@@ -1511,20 +1511,27 @@ def _at_published_share(p: Plan, best: Row | None) -> list:
 
 def _fsdp2_reserve_note(p: Plan) -> list:
     """Return the line that says where FSDP2 rows judged by the plan's reserve alone hold back less than published
-    FSDP2 runs' allocators kept beyond their tensors, or nothing."""
+    FSDP2 runs' allocators kept beyond their tensors plus the CUDA context and NCCL's buffers at their modelled high
+    end (chapter 09's Appendix C adds the same two), or nothing."""
     if not any(r.combination.parallel.startswith("fsdp2") and r.fits_by == "reserve" for r in p.rows):
         return []
     gaps = fsdp2_gaps()
     widest = max((g * GPUS[gpu].memory_bytes for gpu, gs in gaps.items() for g in gs), default=0) / p.memory_bytes
-    if widest <= p.reserve_fraction:  # (the widest gap in bytes, as a share of this plan's GPU)
+    ranks = max(r.combination.ranks for r in p.rows if r.combination.parallel.startswith("fsdp2"))
+    outside = non_tensor_bytes(p.device, ranks, "fsdp2-reshard") if p.device in GPUS else None
+    need = widest + (0 if outside is None else outside.total[1] / p.memory_bytes)
+    if need <= p.reserve_fraction:  # (the widest gap in bytes, as a share of this plan's GPU)
         return []
     kept = "; ".join(" and ".join(f"{g * GPUS[gpu].memory_bytes / 2**30:.1f} GiB ({g:.1%} of the {gpu} profile's "
                                   f"{GPUS[gpu].memory_bytes / 2**30:.1f} GiB)" for g in gs) for gpu, gs in gaps.items())
+    on_top = ("that gap alone; the CUDA context and NCCL's buffers come on top, not modelled for these GPUs"
+              if outside is None else f"that gap with the CUDA context and NCCL's buffers, "
+              f"{outside.total[1] / 2**30:.2f} GiB at most, labkit.planner.overheads")
     return [f"fits, FSDP2 rows: the plan's {p.reserve_fraction:.0%} reserve is not verified for FSDP2, whose published "
             f"runs kept {kept} reserved by the allocator but not active in tensors (labkit.planner.runs): "
             + (f"on the {p.device}'s {p.memory_bytes / 2**30:.1f} GiB, plan FSDP2 with --reserve "
-               f"{math.ceil(widest * 100) / 100} or more for that gap alone (the CUDA context and NCCL's buffers come "
-               "on top), or" if widest < 1 else f"that gap alone exceeds the {p.device}'s memory: plan FSDP2")
+               f"{math.ceil(need * 100) / 100} or more ({on_top}), or" if need < 1 else
+               f"that gap exceeds the {p.device}'s memory: plan FSDP2")
             + " with --reserved to judge the front by its allocator replay"]
 
 
