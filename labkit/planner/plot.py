@@ -235,8 +235,10 @@ def draw_check(check, timed_precisions=("fp32", "bf16")):
     ax1.set_xlabel("measured step time (ms, median)")
     ax1.set_ylabel("predicted step time (ms):\nroofline + host transfers")
     untimed = "" if len(names) == len(check.names) else ", fp32 rows only (bf16 untimed)"
-    ax1.set_title(f"Step time{untimed}: rank correlation {check.rho:.2f}\n(dotted: y = x; below it, steps slower "
-                  f"than\npredicted; above it: {len(check.faster)} of {len(names)})", fontsize=9)
+    ratios = [timed[n].step_s / predicted[n].step_s for n in names]  # measured over predicted: y = x is 1
+    ax1.set_title(f"Step time{untimed}: rank correlation {check.rho:.2f};\nmeasured {min(ratios):.1f}-"
+                  f"{max(ratios):.1f}x the prediction (dotted: y = x,\nwhere {len(check.faster)} of {len(names)} "
+                  "steps ran faster than predicted)", fontsize=9)
     combos = [predicted[n].combination for n in check.names]
     handles = [Line2D([], [], marker=mk, color="grey", ls="none",
                       label=p if p in timed_precisions else f"{p} (peaks only, not timed)")
