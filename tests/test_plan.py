@@ -1086,6 +1086,15 @@ def test_fsdp2_rows_judged_by_the_reserve_alone_say_what_published_runs_kept():
     kwargs = dict(checkpointing=("none",), parallels=("fsdp2",), offload=(False,), optimizers=("device",))
     p = P.plan(dataclasses.replace(SMALL, n_layer=2), "h100", 2, 16, 2, **kwargs)
     line = next(line for line in P.format_plan(p).splitlines() if line.startswith("fits, FSDP2 rows"))
+    table = P.format_plan(p).splitlines()  # several ranks: a column of the step with the communication hidden
+    header = next(t for t in table if t.split()[:2] == ["#", "ranks"])
+    hidden = header.split().index("hidden") - 1  # ("step (ms)" and "comm (ms)" before it: two words each)
+    first = table[table.index(header) + 1].split()
+    assert first[hidden] == f"{p.pareto[0].overlapped_s * 1e3:,.2f}"
+    assert first[hidden - 1] == f"{p.pareto[0].comm_s * 1e3:,.2f}"
+    assert p.pareto[0].comm_s > 0 and p.pareto[0].overlapped_s < p.pareto[0].step_s  # (this small model: 0.00 ms each)
+    single = P.plan(dataclasses.replace(SMALL, n_layer=2), "h100", 1, 16, 2, checkpointing=("none",))
+    assert "hidden (ms)" not in P.format_plan(single)  # nothing sent between GPUs: no such column
     h100_gib = GPUS["h100"].memory_bytes / 2**30  # (79.1: what torch reports on an 80 GB H100)
     assert " and ".join(f"{g * h100_gib:.1f} GiB ({g:.1%} of the h100 profile's {h100_gib:.1f} GiB)"
                         for g in gaps["h100"]) in line

@@ -1566,11 +1566,13 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
                "(set_requires_gradient_sync(False) before the others), in its reduce dtype" if with_grads else ""))
     width = max([4, *(len(r.combination.precision) for r in p.rows)])
     with_reserved = any(r.reserved_bytes is not None for r in p.rows)  # (plan(reserved=True): a column of its own)
+    with_hidden = any(r.comm_s > 0 for r in p.rows)  # several ranks: the step with the communication hidden too
     cols = (f"{'#':>3} {'ranks':>5} {'parallel':>13} {'micro':>5} {'accum':>5} {'ckpt':>9} {'prec':>{width}} "
             f"{'offl':>4} "
             f"{'opt':>6} {'adam':>8} " + (f"{'grads':>10} " if with_grads else "") + f"{'peak':>10} "
             + (f"{'reserved':>10} " if with_reserved else "") +
-            f"{'fits':>4} {'step (ms)':>10} {'comm (ms)':>10} {'host (ms)':>10} {'tokens/s':>10}")
+            f"{'fits':>4} {'step (ms)':>10} {'comm (ms)':>10} " + (f"{'hidden (ms)':>11} " if with_hidden else "")
+            + f"{'host (ms)':>10} {'tokens/s':>10}")
     shown, title = (p.rows, "all combinations:") if all_rows else (
         p.pareto, "Pareto front (memory against predicted step time):")
     if not shown:
@@ -1584,7 +1586,8 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
                      f"{c.adam_impl:>8} " + (f"{_grads(c):>10} " if with_grads else "") + f"{format_bytes(r.peak_bytes):>10} "
                      + (f"{'—' if r.reserved_bytes is None else format_bytes(r.reserved_bytes):>10} "
                         if with_reserved else "") + f"{_fits_mark(r):>4} {r.step_s * 1e3:>10,.2f} "
-                     f"{r.comm_s * 1e3:>10,.2f} {r.host_s * 1e3:>10,.2f} {r.tokens_per_s:>10,.0f}")
+                     f"{r.comm_s * 1e3:>10,.2f} " + (f"{r.overlapped_s * 1e3:>11,.2f} " if with_hidden else "")
+                     + f"{r.host_s * 1e3:>10,.2f} {r.tokens_per_s:>10,.0f}")
     best = p.fastest
     lines += ["", "fastest that fits: " + ("none" if best is None else _describe_row(best))]
     lines += _at_published_share(p, best) + _fsdp2_reserve_note(p)
@@ -1598,7 +1601,9 @@ def format_plan(p: Plan, all_rows: bool = False) -> str:
                                     "row holds more than its fake step allocates: DDP's buckets, micro-batches beyond "
                                     "two, Adam on the host)" if with_reserved else "")
               + "; step = roofline + comm + host, each in ms per optimizer step; comm: between GPUs "
-              "(in a server at its GPU-to-GPU rate, beyond it at its network's per GPU: labkit.gpus)",
+              "(in a server at its GPU-to-GPU rate, beyond it at its network's per GPU: labkit.gpus)"
+              + ("; hidden: the step with comm wholly hidden behind compute, as FSDP2's prefetch and DDP's buckets at "
+                 "best hide it (the front and the fastest go by step, nothing hidden)" if with_hidden else ""),
               "host: over the host link, the offloaded activations and, with opt = host, also Adam's gradients, "
               "parameters and update; offl: activation offload; opt: where Adam's state and update live; adam: its "
               "implementation (for-loop, foreach, fused: what its update allocates); tokens/s: the global batch's; "
