@@ -93,7 +93,7 @@ def test_draw_check_plots_every_row_and_the_timed_ones(check):
     assert not [q for q in figure_problems(fig) if "draws nothing" in q]  # the legend's keys are proxies, not series
     ratios = [check.timed[n].step_s / check.predicted[n].step_s for n in check.timed_names]
     assert f"measured {min(ratios):.1f}-{max(ratios):.1f}x the prediction" in times.get_title()
-    assert f"where {len(check.faster)} of {len(check.timed_names)} steps ran faster than predicted" in times.get_title()
+    assert f"above it, faster than predicted: {len(check.faster)} of {len(check.timed_names)})" in times.get_title()
 
 
 def test_draw_check_sets_the_time_panel_y_limits_from_the_predictions(check):

@@ -237,8 +237,8 @@ def draw_check(check, timed_precisions=("fp32", "bf16")):
     untimed = "" if len(names) == len(check.names) else ", fp32 rows only (bf16 untimed)"
     ratios = [timed[n].step_s / predicted[n].step_s for n in names]  # measured over predicted: y = x is 1
     ax1.set_title(f"Step time{untimed}: rank correlation {check.rho:.2f};\nmeasured {min(ratios):.1f}-"
-                  f"{max(ratios):.1f}x the prediction (dotted: y = x,\nwhere {len(check.faster)} of {len(names)} "
-                  "steps ran faster than predicted)", fontsize=9)
+                  f"{max(ratios):.1f}x the prediction (dotted: y = x;\nabove it, faster than predicted: "
+                  f"{len(check.faster)} of {len(names)})", fontsize=9)
     combos = [predicted[n].combination for n in check.names]
     handles = [Line2D([], [], marker=mk, color="grey", ls="none",
                       label=p if p in timed_precisions else f"{p} (peaks only, not timed)")

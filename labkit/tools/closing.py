@@ -632,9 +632,13 @@ def search_launch_lines(speedup: float, speedup_launches: float, launch_ratios: 
     lines.append(ranking_line(gpu_run_rows(run), source))
     if (pick := train_at_this_size(launch_ratios, same_speed, recorded)) is not None:
         quickest, tied_q = pick
-        tie = f"; tied with {', '.join(tied_q)}, at most {1 / same_speed:.3f}x apart" if tied_q else ""
-        lines.append(f"read so, train {quickest} at this size ({launch_ratios[quickest]:.2f}x the answer's time{tie}); "
-                     "the search's answer is this model's once launches are hidden")
+        tie = f"; tied with {', '.join(tied_q)}, within the {1 / same_speed:.3f}x tie margin" if tied_q else ""
+        timed = {chapter(stem) for stem in GPU_RUN_RECORDS}  # the chapters whose steps the GPU run timed
+        untimed = [n.split(" ", 1)[0] for n in (quickest, *tied_q) if n.split(" ", 1)[0] not in timed]
+        lines.append(f"read so, train {quickest} at this size ({launch_ratios[quickest]:.2f}x the answer's time{tie}"
+                     + (f"; {' and '.join(untimed)} not timed on that GPU run" if untimed else "") + "); the "
+                     "search's answer sets the pace once launches cost little: a larger model, or launches hidden "
+                     "(CUDA graphs)")
     return lines
 
 
