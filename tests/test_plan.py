@@ -1106,7 +1106,8 @@ def test_fsdp2_rows_judged_by_the_reserve_alone_say_what_published_runs_kept():
     line = next(line for line in P.format_plan(t4).splitlines() if line.startswith("fits, FSDP2 rows"))
     share = widest * GPUS["h100"].memory_bytes / GPUS["t4"].memory_bytes  # (NCCL not modelled between PCIe GPUs)
     assert f"on the t4's {GPUS['t4'].memory_bytes / 2**30:.1f} GiB, plan FSDP2 with --reserve " \
-           f"{math.ceil(share * 100) / 100} or more (that gap alone; the CUDA context and NCCL's buffers come on top" in line
+           f"{math.ceil(share * 100) / 100} or more (that gap alone; the CUDA context and NCCL's buffers come on " \
+           "top" in line
     tight = P.plan(dataclasses.replace(SMALL, n_layer=2), "h100", 2, 16, 2, reserve_fraction=widest + 0.001, **kwargs)
     assert "fits, FSDP2 rows" in P.format_plan(tight)  # the published gap alone covered: the context and NCCL not
     roomy = P.plan(dataclasses.replace(SMALL, n_layer=2), "h100", 2, 16, 2, reserve_fraction=need + 0.001, **kwargs)

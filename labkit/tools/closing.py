@@ -613,7 +613,8 @@ def train_at_this_size(launch_ratios: dict, same_speed: float, recorded: str | P
     if supported_projection(gpu_run_rows(measured_run(None, recorded)[0])) != "launches":
         return None
     quickest = min(launch_ratios, key=launch_ratios.get)
-    return quickest, [n for n, r in launch_ratios.items() if n != quickest and r * same_speed <= launch_ratios[quickest]]
+    tied = [n for n, r in launch_ratios.items() if n != quickest and r * same_speed <= launch_ratios[quickest]]
+    return quickest, tied
 
 
 def search_launch_lines(speedup: float, speedup_launches: float, launch_ratios: dict, same_speed: float,
