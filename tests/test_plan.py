@@ -889,6 +889,31 @@ def test_logits_upcast_to_fp32_is_planned_as_measured():
     assert P.model_spec(dataclasses.replace(P.PRESETS["llama-7b"], logits_fp32=True)).name == "llama-7b, fp32 logits"
 
 
+def test_the_command_plans_a_variant_of_a_gpu_by_its_memory(capsys):
+    """--gpu-memory: --gpu's rates with the memory given (an H100 NVL's 94 GB, 87.5 GiB), said above the table; rows
+    judged by that memory; a GPU outside the table, or a size not above 0, refused before any work."""
+    args = ["--model", "gpt2", "--gpu", "h100", "--seq-len", "4", "--batch", "2", "--precision", "fp32", "--all"]
+    assert P.main(args + ["--gpu-memory", "87.5"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "h100's rates with 87.50 GiB of memory each (--gpu-memory; its datasheet: 79.11 GiB)", first
+    plans = {}
+    for memory in (None, "87.5", "1"):
+        assert P.main(args + ["--json"] + ([] if memory is None else ["--gpu-memory", memory])) == 0
+        plans[memory] = json.loads(capsys.readouterr().out)
+    nvl, tiny = plans["87.5"], plans["1"]
+    assert nvl["memory_bytes"] == 87.5 * 2**30 and tiny["memory_bytes"] == 2**30
+    assert plans[None]["memory_bytes"] == GPUS["h100"].memory_bytes
+    same = [(r["combination"], r["peak_bytes"], r["step_s"]) for r in plans[None]["rows"]]
+    assert same == [(r["combination"], r["peak_bytes"], r["step_s"]) for r in nvl["rows"]]  # the h100's rates
+    assert all(r["fits"] for r in nvl["rows"]) and not any(r["fits"] for r in tiny["rows"])  # 124 M x 16 B > 1 GiB
+    for bad, says in ((["--gpu", "cpu", "--gpu-memory", "8"], "--gpu-memory: replaces the memory of a GPU of "
+                                                               "labkit.gpus.GPUS"),
+                      (["--gpu-memory", "0"], "--gpu-memory must be a size in GiB above 0 (e.g. 87.5), got 0")):
+        with pytest.raises(SystemExit):
+            P.main(bad)
+        assert says in capsys.readouterr().err
+
+
 def test_the_command_shares_its_fake_steps_with_a_worker():
     """`python -m labkit.planner.plan` with a worker process: the Steps it hands the worker unpickle there (they are
     labkit.planner.plan's, not __main__'s, which a worker does not have: make plan failed so once)."""

@@ -1667,6 +1667,10 @@ def _arguments() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m labkit.planner", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2", help=f"a preset {tuple(PRESETS)} or a transformers config.json (default: gpt2)")
     ap.add_argument("--gpu", default="a100-80gb", help="a GPU of labkit.gpus.GPUS or cpu (measured; default: a100-80gb)")
+    ap.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                    help="each GPU's memory in GiB in place of --gpu's datasheet figure, its rates kept: what another "
+                         "job leaves free, or a variant by memory (an H100 NVL's 94 GB: --gpu h100 --gpu-memory 87.5; "
+                         "its times then the h100's)")
     ap.add_argument("--gpus", type=int, default=1, help="devices (data-parallel ranks at most; default: 1)")
     ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default: 1024; torchtitan's Llama 3 8B runs 8192)")
     ap.add_argument("--batch", type=int, default=8, help="global batch: samples per optimizer step (default: 8; each GPU takes its share)")
@@ -1732,6 +1736,14 @@ def main(argv=None) -> int:
     """Print the plan of `--model` on `--gpus` x `--gpu` (a table, or JSON with --json)."""
     ap = _arguments()
     args = ap.parse_args(argv)
+    gpu = args.gpu
+    if args.gpu_memory is not None:  # checked before any work: a GPU of the table, a positive size
+        if args.gpu not in GPUS:
+            ap.error(f"--gpu-memory: replaces the memory of a GPU of labkit.gpus.GPUS ({', '.join(GPUS)}), "
+                     f"not of --gpu {args.gpu}")
+        if not 0 < args.gpu_memory < 2**20:
+            ap.error(f"--gpu-memory must be a size in GiB above 0 (e.g. 87.5), got {args.gpu_memory:g}")
+        gpu = replace(GPUS[args.gpu], memory_bytes=round(args.gpu_memory * 2**30))
     model = args.model
     titan = torchtitans_loop(model, args.gpu)  # a Llama preset on a GPU: torchtitan's loop unless a flag says otherwise
     if args.logits_fp32 is not None and model not in PRESETS:
@@ -1744,13 +1756,16 @@ def main(argv=None) -> int:
         model = replace(PRESETS[model], logits_fp32=titan if args.logits_fp32 is None else args.logits_fp32,
                         attn=args.attention or PRESETS[model].attn)
     try:
-        p = plan(model, args.gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
+        p = plan(model, gpu, args.gpus, args.seq_len, args.batch, reserve_fraction=args.reserve,
                  depth=args.depth, adam_impls=args.adam_impl, precisions=args.precision, checkpointing=args.checkpointing,
                  parallels=args.parallel, keep_logits=not (titan if args.free_logits is None else args.free_logits),
                  reserved=args.reserved, expandable_segments=args.expandable_segments, grad_syncs=args.grad_sync,
                  reduce_dtypes=args.reduce_dtype)
     except ParameterError as e:
         ap.error(str(e))
+    if args.gpu_memory is not None and not args.json:
+        print(f"{args.gpu}'s rates with {format_bytes(gpu.memory_bytes)} of memory each (--gpu-memory; its datasheet: "
+              f"{format_bytes(GPUS[args.gpu].memory_bytes)})")
     print(json.dumps(plan_json(p), indent=1) if args.json else format_plan(p, args.all))
     return 0
 
