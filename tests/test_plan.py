@@ -890,12 +890,13 @@ def test_logits_upcast_to_fp32_is_planned_as_measured():
 
 
 def test_the_command_plans_a_variant_of_a_gpu_by_its_memory(capsys):
-    """--gpu-memory: --gpu's rates with the memory given (an H100 NVL's 94 GB, 87.5 GiB), said above the table; rows
-    judged by that memory; a GPU outside the table, or a size not above 0, refused before any work."""
+    """--gpu-memory: --gpu's rates with the memory given (87.5 GiB of an h100's), said above the table; rows judged by
+    that memory; a GPU outside the table, or a size not above 0, refused before any work."""
     args = ["--model", "gpt2", "--gpu", "h100", "--seq-len", "4", "--batch", "2", "--precision", "fp32", "--all"]
     assert P.main(args + ["--gpu-memory", "87.5"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first == "h100's rates with 87.50 GiB of memory each (--gpu-memory; its datasheet: 79.11 GiB)", first
+    assert first == ("h100's rates and links with 87.50 GiB of memory each (--gpu-memory; the h100 profile's: "
+                     "79.11 GiB)"), first
     plans = {}
     for memory in (None, "87.5", "1"):
         assert P.main(args + ["--json"] + ([] if memory is None else ["--gpu-memory", memory])) == 0

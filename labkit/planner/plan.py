@@ -1502,7 +1502,7 @@ def _at_published_share(p: Plan, best: Row | None) -> list:
     tokens = p.batch * p.seq_len
     return [f"at a published run's share of the {p.device}'s peak ({eff.fraction:.1%}, {eff.source.split(':')[0]}: "
             f"labkit.gpus), the fastest takes {none_s * 1e3:,.0f} ms/step, {tokens / none_s:,.0f} tokens/s"
-            + (f" ({tokens / none_s / p.gpus:,.0f} per GPU, the figure torchtitan reports)" if p.gpus > 1 else "")
+            + (f" ({tokens / none_s / p.gpus:,.0f} per GPU, the unit torchtitan reports in)" if p.gpus > 1 else "")
             + (f", with its communication hidden {all_s * 1e3:,.0f} ms, {tokens / all_s:,.0f} tokens/s"
                + (f" ({tokens / all_s / p.gpus:,.0f} per GPU)" if p.gpus > 1 else "") if best.comm_s > 0 else "")
             + ": an estimate (chapter 09's section 4 checks it against other published runs, within 25%), where the "
@@ -1668,9 +1668,9 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="gpt2", help=f"a preset {tuple(PRESETS)} or a transformers config.json (default: gpt2)")
     ap.add_argument("--gpu", default="a100-80gb", help="a GPU of labkit.gpus.GPUS or cpu (measured; default: a100-80gb)")
     ap.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
-                    help="each GPU's memory in GiB in place of --gpu's datasheet figure, its rates kept: what another "
-                         "job leaves free, or a variant by memory (an H100 NVL's 94 GB: --gpu h100 --gpu-memory 87.5; "
-                         "its times then the h100's)")
+                    help="each GPU's memory in GiB in place of --gpu's profile (what torch reports: "
+                         "torch.cuda.get_device_properties(0).total_memory / 2**30), its rates and links kept: what "
+                         "another job leaves free, or a variant of it by memory alone (its times are then --gpu's)")
     ap.add_argument("--gpus", type=int, default=1, help="devices (data-parallel ranks at most; default: 1)")
     ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default: 1024; torchtitan's Llama 3 8B runs 8192)")
     ap.add_argument("--batch", type=int, default=8, help="global batch: samples per optimizer step (default: 8; each GPU takes its share)")
@@ -1764,8 +1764,8 @@ def main(argv=None) -> int:
     except ParameterError as e:
         ap.error(str(e))
     if args.gpu_memory is not None and not args.json:
-        print(f"{args.gpu}'s rates with {format_bytes(gpu.memory_bytes)} of memory each (--gpu-memory; its datasheet: "
-              f"{format_bytes(GPUS[args.gpu].memory_bytes)})")
+        print(f"{args.gpu}'s rates and links with {format_bytes(gpu.memory_bytes)} of memory each (--gpu-memory; the "
+              f"{args.gpu} profile's: {format_bytes(GPUS[args.gpu].memory_bytes)})")
     print(json.dumps(plan_json(p), indent=1) if args.json else format_plan(p, args.all))
     return 0
 
